@@ -1,0 +1,53 @@
+"""opttree: Megatron-Core optimizer stacks as typed trees, inspectable and safely resettable."""
+
+from opttree._api import describe, reset, tree, validate
+from opttree._describe import DescribeVisitor
+from opttree._errors import (
+    MalformedWrapper,
+    NotAnOptimizer,
+    OptimizerCycle,
+    OptTreeError,
+    RegistrationError,
+    UnsupportedOptimizer,
+    UnsupportedOptimizerState,
+)
+from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
+from opttree._problems import Problem, ProblemKind, Severity
+from opttree._registry import register_schema, register_wrapper
+from opttree._report import ResetReport
+from opttree._reset import ResetVisitor
+from opttree._schema import StateSchema, StepLocation
+from opttree._validate import ValidateVisitor
+from opttree._visitor import NodeVisitor, TraverserVisitor
+
+__all__ = [
+    "ChainedNode",
+    "DescribeVisitor",
+    "HybridNode",
+    "LeafNode",
+    "MalformedWrapper",
+    "Node",
+    "NodeVisitor",
+    "NotAnOptimizer",
+    "OptTreeError",
+    "OptimizerCycle",
+    "Problem",
+    "ProblemKind",
+    "RegistrationError",
+    "ResetReport",
+    "ResetVisitor",
+    "Severity",
+    "StateSchema",
+    "StepLocation",
+    "TraverserVisitor",
+    "UnsupportedOptimizer",
+    "UnsupportedOptimizerState",
+    "ValidateVisitor",
+    "WrapperNode",
+    "describe",
+    "register_schema",
+    "register_wrapper",
+    "reset",
+    "tree",
+    "validate",
+]

@@ -1,0 +1,117 @@
+"""The typed tree: one frozen attrs node per optimizer object in a wrapper stack.
+
+Nodes are plain values. They are built from a live optimizer by :func:`opttree.tree`
+and walked by visitors (:mod:`opttree._visitor`); each knows its path from the root
+and the live object it stands for, and never mutates it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+from attrs import field, frozen
+
+if TYPE_CHECKING:
+    from opttree._visitor import NodeVisitor
+
+T = TypeVar("T")
+
+
+@frozen
+class Node(ABC):
+    """Base of the four node kinds."""
+
+    path: str
+
+    @property
+    @abstractmethod
+    def optimizer(self) -> object:
+        """The live object this node stands for."""
+
+    @property
+    @abstractmethod
+    def children(self) -> tuple[Node, ...]:
+        """The child nodes, in the order the wrapper steps them."""
+
+    @abstractmethod
+    def accept(self, visitor: NodeVisitor[T]) -> T:
+        """Call the ``visit_*`` method of ``visitor`` that matches this node's kind."""
+
+
+@frozen
+class ChainedNode(Node):
+    """A ``ChainedOptimizer`` (or ``LayerWiseDistributedOptimizer``): members stepped in turn."""
+
+    optimizer: object = field(repr=False)
+    members: tuple[Node, ...]
+
+    @property
+    def children(self) -> tuple[Node, ...]:
+        return self.members
+
+    def accept(self, visitor: NodeVisitor[T]) -> T:
+        return visitor.visit_chained(self)
+
+
+@frozen
+class HybridNode(Node):
+    """A ``HybridDeviceOptimizer``: CPU sub-optimizers and at most one GPU sub-optimizer.
+
+    Its own ``state`` only mirrors the sub-optimizers' state dicts, so all state is
+    reached through the children.
+    """
+
+    optimizer: torch.optim.Optimizer = field(repr=False)
+    cpu: tuple[Node, ...]
+    gpu: Node | None
+
+    @property
+    def children(self) -> tuple[Node, ...]:
+        return self.cpu if self.gpu is None else (*self.cpu, self.gpu)
+
+    def accept(self, visitor: NodeVisitor[T]) -> T:
+        return visitor.visit_hybrid(self)
+
+
+@frozen
+class WrapperNode(Node):
+    """A wrapper that holds inner optimizers, such as Megatron's ``.optimizer`` wrappers.
+
+    A Megatron stub optimizer (``optimizer is None``, on a rank without parameters)
+    is a wrapper with no children.
+    """
+
+    optimizer: object = field(repr=False)
+    inner: tuple[Node, ...]
+
+    @property
+    def children(self) -> tuple[Node, ...]:
+        return self.inner
+
+    @property
+    def is_stub(self) -> bool:
+        return not self.inner
+
+    def accept(self, visitor: NodeVisitor[T]) -> T:
+        return visitor.visit_wrapper(self)
+
+
+@frozen
+class LeafNode(Node):
+    """A ``torch.optim.Optimizer`` that holds state.
+
+    ``shared_with`` is the path where the same optimizer object was first reached; such
+    a leaf is described but never reset twice.
+    """
+
+    optimizer: torch.optim.Optimizer = field(repr=False)
+    shared_with: str | None = None
+
+    @property
+    def children(self) -> tuple[Node, ...]:
+        return ()
+
+    def accept(self, visitor: NodeVisitor[T]) -> T:
+        return visitor.visit_leaf(self)

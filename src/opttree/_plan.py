@@ -1,0 +1,155 @@
+"""One pass over a leaf's state that both validates it and plans its reset.
+
+Nothing is mutated while planning, so a reset that finds any error changes nothing.
+Execution then zeroes every planned tensor with one ``torch._foreach_zero_`` per
+(device, dtype) and allocates no tensors.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import MutableMapping
+
+import torch
+from attrs import define, field
+
+from opttree._errors import OptTreeError
+from opttree._nodes import LeafNode
+from opttree._problems import Problem, ProblemKind
+from opttree._report import ResetReport
+from opttree._schema import StateSchema, StepLocation
+
+StateEntry = MutableMapping[str, object]
+_Bucket = tuple[torch.device, torch.dtype]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def step_value_is_nonzero(value: object) -> bool:
+    if isinstance(value, torch.Tensor):
+        return bool(value.numel()) and bool((value != 0).any())
+    return isinstance(value, (int, float)) and value != 0
+
+
+@define
+class ResetPlan:
+    """Everything a reset will do, gathered before anything is done."""
+
+    zero: defaultdict[_Bucket, list[torch.Tensor]] = field(factory=lambda: defaultdict(list))
+    drop: list[tuple[StateEntry, str]] = field(factory=list)
+    number_steps: list[StateEntry] = field(factory=list)
+    scales: list[torch.Tensor] = field(factory=list)
+    leaves: int = 0
+    shared_leaves: int = 0
+    tensors_zeroed: int = 0
+    bytes_reset: int = 0
+    steps: int = 0
+    tensors_kept: int = 0
+    bytes_kept: int = 0
+    kept_keys: set[str] = field(factory=set)
+
+    def add_zero(self, tensor: torch.Tensor) -> None:
+        self.zero[(tensor.device, tensor.dtype)].append(tensor)
+
+    def add_history(self, tensor: torch.Tensor) -> None:
+        self.add_zero(tensor)
+        self.tensors_zeroed += 1
+        self.bytes_reset += tensor_bytes(tensor)
+
+    def add_step(self, owner: StateEntry, value: object) -> None:
+        if isinstance(value, torch.Tensor):
+            self.add_zero(value)
+        else:
+            self.number_steps.append(owner)
+        self.steps += 1
+
+    def execute(self) -> ResetReport:
+        with torch.no_grad():
+            for tensors in self.zero.values():
+                torch._foreach_zero_(tensors)
+            for scale in self.scales:
+                scale.fill_(1.0)
+        for entry, key in self.drop:
+            del entry[key]
+        for entry in self.number_steps:
+            entry["step"] = 0
+        return ResetReport(
+            leaves=self.leaves,
+            tensors_zeroed=self.tensors_zeroed,
+            tensors_dropped=len(self.drop),
+            bytes_reset=self.bytes_reset,
+            steps=self.steps,
+            tensors_kept=self.tensors_kept,
+            bytes_kept=self.bytes_kept,
+            kept_keys=tuple(sorted(self.kept_keys)),
+            shared_leaves=self.shared_leaves,
+        )
+
+
+class LeafInspector:
+    """Plans one leaf against its schema and records every problem it finds."""
+
+    def __init__(self, node: LeafNode, schema: StateSchema, plan: ResetPlan, problems: list[Problem]) -> None:
+        self.node = node
+        self.schema = schema
+        self.plan = plan
+        self.problems = problems
+        self.cls = type(node.optimizer).__qualname__
+
+    def problem(self, kind: ProblemKind, message: str, key: str | None = None) -> None:
+        self.problems.append(Problem(kind, self.node.path, self.cls, message, key))
+
+    def inspect(self) -> None:
+        optimizer = self.node.optimizer
+        state = optimizer.state
+        grouped: set[int] = set()
+        for group in optimizer.param_groups:
+            params = group["params"]
+            grouped.update(id(p) for p in params)
+            step = group.get("step")
+            if self.schema.step is StepLocation.PER_GROUP and step is not None:
+                self.plan.add_step(group, step)
+            if step_value_is_nonzero(step) and not any(p in state for p in params):
+                self.problem(ProblemKind.EMPTY_STATE, f"a group says step {step} but none of its parameters has state")
+        self.plan.leaves += 1
+        for param, entry in state.items():
+            if id(param) not in grouped:
+                self.problem(ProblemKind.ORPHAN_STATE, "holds state for a tensor that is in no param group")
+            self.inspect_entry(optimizer, param, entry)
+
+    def inspect_entry(self, optimizer: torch.optim.Optimizer, param: torch.Tensor, entry: StateEntry) -> None:
+        schema = self.schema
+        for key, value in entry.items():
+            if key == "step" and schema.step is StepLocation.PER_PARAMETER:
+                self.plan.add_step(entry, value)
+            elif key in schema.keep:
+                self.plan.kept_keys.add(key)
+                if isinstance(value, torch.Tensor):
+                    self.plan.tensors_kept += 1
+                    self.plan.bytes_kept += tensor_bytes(value)
+            elif key not in schema.history:
+                known = ", ".join(sorted(schema.history | schema.keep)) or "no keys"
+                self.problem(ProblemKind.UNSUPPORTED_STATE, f"not in the schema ({known})", key)
+            elif not isinstance(value, torch.Tensor):
+                self.problem(
+                    ProblemKind.UNSUPPORTED_STATE, f"history is a {type(value).__qualname__}, expected a tensor", key
+                )
+            elif key in schema.drop:
+                self.plan.drop.append((entry, key))
+                self.plan.bytes_reset += tensor_bytes(value)
+            else:
+                self.plan.add_history(value)
+                self.plan_scale(optimizer, param, key)
+
+    def plan_scale(self, optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str) -> None:
+        if self.schema.scale_of is None:
+            return
+        try:
+            scale = self.schema.scale_of(optimizer, param, key)
+        except OptTreeError as error:
+            self.problem(ProblemKind.UNSUPPORTED_STATE, str(error), key)
+            return
+        if scale is not None:
+            self.plan.scales.append(scale)

@@ -1,0 +1,56 @@
+"""What validation finds: typed problems, and the errors they become when a reset refuses."""
+
+from __future__ import annotations
+
+import enum
+
+from attrs import frozen
+
+from opttree import _paths
+from opttree._errors import OptTreeError, UnsupportedOptimizer, UnsupportedOptimizerState
+
+
+class Severity(enum.Enum):
+    ERROR = "error"
+    """A reset would be wrong; :func:`opttree.reset` refuses."""
+    WARNING = "warning"
+    """Suspicious but resettable, such as state that looks silently empty."""
+
+
+class ProblemKind(enum.Enum):
+    UNSUPPORTED_OPTIMIZER = "unsupported-optimizer"
+    UNSUPPORTED_STATE = "unsupported-state"
+    EMPTY_STATE = "empty-state"
+    ORPHAN_STATE = "orphan-state"
+
+    @property
+    def severity(self) -> Severity:
+        if self in (ProblemKind.EMPTY_STATE, ProblemKind.ORPHAN_STATE):
+            return Severity.WARNING
+        return Severity.ERROR
+
+
+@frozen
+class Problem:
+    """One finding at one node: its kind, tree path, optimizer class and state key."""
+
+    kind: ProblemKind
+    path: str
+    cls: str
+    message: str
+    key: str | None = None
+
+    @property
+    def severity(self) -> Severity:
+        return self.kind.severity
+
+    def __str__(self) -> str:
+        key = "" if self.key is None else f" key {self.key!r}:"
+        return f"{self.severity.value}: {self.cls} at {_paths.display(self.path)}:{key} {self.message}"
+
+    def to_error(self, *, others: int = 0) -> OptTreeError:
+        """The error a refused reset raises; ``others`` counts further errors found."""
+        message = str(self) if not others else f"{self} (and {others} more: see opttree.validate)"
+        if self.kind is ProblemKind.UNSUPPORTED_OPTIMIZER:
+            return UnsupportedOptimizer(message)
+        return UnsupportedOptimizerState(message)

@@ -1,0 +1,67 @@
+"""The two lookup tables opttree consults: users' registrations first, then built-ins."""
+
+from __future__ import annotations
+
+from opttree._adapter import ChildrenFn, Expander, builtin_kinds, children_expander
+from opttree._dispatch import LazyDispatch, dotted_name
+from opttree._errors import RegistrationError
+from opttree._leaf_schemas import builtin_schemas
+from opttree._schema import StateSchema
+
+_builtin_schemas = builtin_schemas()
+_user_schemas: LazyDispatch[StateSchema] = LazyDispatch()
+_builtin_kinds = builtin_kinds()
+_user_kinds: LazyDispatch[Expander] = LazyDispatch()
+
+
+def schema_for(cls: type) -> StateSchema | None:
+    """The schema of a leaf class: a user's registration wins over a built-in one."""
+    schema = _user_schemas.lookup(cls)
+    return _builtin_schemas.lookup(cls) if schema is None else schema
+
+
+def kind_for(cls: type) -> Expander | None:
+    expand = _user_kinds.lookup(cls)
+    return _builtin_kinds.lookup(cls) if expand is None else expand
+
+
+def _add(table: LazyDispatch[StateSchema] | LazyDispatch[Expander], what: str, cls_or_dotted: type | str) -> str:
+    name = cls_or_dotted if isinstance(cls_or_dotted, str) else dotted_name(cls_or_dotted)
+    if table.is_registered(cls_or_dotted):
+        msg = f"a {what} for {name} is registered already"
+        raise RegistrationError(msg)
+    return name
+
+
+def register_schema(cls_or_dotted: type | str, schema: StateSchema) -> None:
+    """Register the state schema of a leaf optimizer class and its subclasses.
+
+    A dotted path (``"my_pkg.optim.Lion"``) registers lazily: the module is never
+    imported by opttree, and the schema applies once such an object is met. A user's
+    schema takes precedence over a built-in one for the class and its subclasses.
+    """
+    if not isinstance(schema, StateSchema):
+        msg = f"register_schema expects a StateSchema, got {type(schema).__qualname__}"
+        raise RegistrationError(msg)
+    _add(_user_schemas, "schema", cls_or_dotted)
+    if isinstance(cls_or_dotted, str):
+        _user_schemas.register_lazy(cls_or_dotted, schema)
+    else:
+        _user_schemas.register(cls_or_dotted, schema)
+
+
+def register_wrapper(cls_or_dotted: type | str, *, children: ChildrenFn) -> None:
+    """Register a wrapper kind: ``children(wrapper)`` yields ``(label, inner)`` pairs.
+
+    The wrapper becomes a :class:`~opttree.WrapperNode` whose children are built from
+    the inner objects, which may be optimizers or other wrappers.
+    """
+    if not callable(children):
+        msg = f"register_wrapper needs a callable children function, got {type(children).__qualname__}"
+        raise RegistrationError(msg)
+    _add(_user_kinds, "wrapper kind", cls_or_dotted)
+    expand = children_expander(children)
+    if isinstance(cls_or_dotted, str):
+        _user_kinds.register_lazy(cls_or_dotted, expand)
+    else:
+        _user_kinds.register(cls_or_dotted, expand)

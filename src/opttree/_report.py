@@ -1,0 +1,53 @@
+"""The result of a reset."""
+
+from __future__ import annotations
+
+from attrs import asdict, frozen
+
+
+def format_bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    size = n / 1024
+    for unit in ("KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+@frozen
+class ResetReport:
+    """What a reset changed and what it kept.
+
+    ``steps`` counts step counters set to zero (per-parameter tensors and per-group
+    values); ``tensors_zeroed`` and ``tensors_dropped`` count history tensors only.
+    """
+
+    leaves: int
+    tensors_zeroed: int
+    tensors_dropped: int
+    bytes_reset: int
+    steps: int
+    tensors_kept: int
+    bytes_kept: int
+    kept_keys: tuple[str, ...]
+    shared_leaves: int = 0
+
+    def __str__(self) -> str:
+        kept = (
+            f"; kept {self.tensors_kept} tensors ({format_bytes(self.bytes_kept)}: "
+            f"{', '.join(self.kept_keys)})"
+            if self.tensors_kept
+            else ""
+        )
+        return (
+            f"reset {self.leaves} optimizers: {self.tensors_zeroed} tensors zeroed, "
+            f"{self.tensors_dropped} dropped ({format_bytes(self.bytes_reset)}), "
+            f"{self.steps} step counters{kept}"
+        )
+
+    def to_dict(self) -> dict[str, int | list[str]]:
+        values = asdict(self)
+        values["kept_keys"] = list(self.kept_keys)
+        return values

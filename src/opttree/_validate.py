@@ -1,0 +1,38 @@
+"""Validation: every problem in a tree at once, gathered in the same pass that plans a reset."""
+
+from __future__ import annotations
+
+from opttree import _registry
+from opttree._nodes import LeafNode
+from opttree._plan import LeafInspector, ResetPlan
+from opttree._problems import Problem, ProblemKind
+from opttree._visitor import TraverserVisitor
+
+
+class ValidateVisitor(TraverserVisitor):
+    """Checks each leaf against its schema, collecting ``problems`` and the reset ``plan``.
+
+    A leaf reached a second time (``shared_with``) is checked once, at its first path.
+    """
+
+    def __init__(self) -> None:
+        self.problems: list[Problem] = []
+        self.plan = ResetPlan()
+
+    def visit_leaf(self, node: LeafNode) -> None:
+        if node.shared_with is not None:
+            self.plan.shared_leaves += 1
+            return
+        schema = _registry.schema_for(type(node.optimizer))
+        if schema is None:
+            cls = type(node.optimizer)
+            self.problems.append(
+                Problem(
+                    ProblemKind.UNSUPPORTED_OPTIMIZER,
+                    node.path,
+                    cls.__qualname__,
+                    f"no state schema is registered for {cls.__module__}.{cls.__qualname__}",
+                )
+            )
+            return
+        LeafInspector(node, schema, self.plan, self.problems).inspect()

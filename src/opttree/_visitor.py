@@ -1,0 +1,46 @@
+"""Typed visitors over the node tree, after mypy's ``NodeVisitor[T]`` / ``TraverserVisitor``."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Generic, TypeVar
+
+from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
+
+T = TypeVar("T")
+
+
+class NodeVisitor(ABC, Generic[T]):
+    """One ``visit_*`` method per node kind; ``T`` is what a visit returns."""
+
+    @abstractmethod
+    def visit_chained(self, node: ChainedNode) -> T: ...
+
+    @abstractmethod
+    def visit_hybrid(self, node: HybridNode) -> T: ...
+
+    @abstractmethod
+    def visit_wrapper(self, node: WrapperNode) -> T: ...
+
+    @abstractmethod
+    def visit_leaf(self, node: LeafNode) -> T: ...
+
+
+class TraverserVisitor(NodeVisitor[None]):
+    """Walks every node depth-first; subclasses override the kinds they care about."""
+
+    def visit_children(self, node: Node) -> None:
+        for child in node.children:
+            child.accept(self)
+
+    def visit_chained(self, node: ChainedNode) -> None:
+        self.visit_children(node)
+
+    def visit_hybrid(self, node: HybridNode) -> None:
+        self.visit_children(node)
+
+    def visit_wrapper(self, node: WrapperNode) -> None:
+        self.visit_children(node)
+
+    def visit_leaf(self, node: LeafNode) -> None:
+        """Leaves have no children; the default visit does nothing."""
