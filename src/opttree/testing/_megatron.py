@@ -1,0 +1,278 @@
+"""Real Megatron-Core optimizer stacks, built by Megatron's own factory on the CPU.
+
+:func:`build` wraps a small MLP in Megatron's ``DistributedDataParallel`` and calls
+``get_megatron_optimizer`` on it, inside :func:`~opttree.testing.cuda_on_cpu`. The model's
+parameters count as GPU tensors there, so the factory, DDP's grad buffers and
+``HybridDeviceOptimizer`` take their GPU code paths, computing on the CPU.
+
+Every configuration's state comes from Megatron's own ``optimizer.step()``; none is
+filled by hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Callable, Iterator
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from attrs import frozen
+
+from opttree.testing._cuda_on_cpu import CudaOnCpu, cuda_on_cpu
+
+HIDDEN = 16
+
+
+@frozen
+class Recipe:
+    """One named configuration: the ``OptimizerConfig`` fields it sets."""
+
+    name: str
+    optimizer: str
+    bf16: bool = False
+    distributed: bool = False
+    offload_fraction: float | None = None
+    layer_wise: bool = False
+    experts: bool = False
+    needs_emerging: bool = False
+    description: str = ""
+
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        Recipe("fp32", "adam", description="FP32Optimizer over AdamW"),
+        Recipe("bf16", "adam", bf16=True, description="Float16OptimizerWithFloat16Params over AdamW"),
+        Recipe("dist_fp32", "adam", distributed=True, description="DistributedOptimizer, fp32"),
+        Recipe("dist_bf16", "adam", bf16=True, distributed=True, description="DistributedOptimizer, bf16"),
+        Recipe(
+            "offload_0.75",
+            "adam",
+            bf16=True,
+            distributed=True,
+            offload_fraction=0.75,
+            description="precision-aware DistributedOptimizer over HybridDeviceOptimizer, 75% on the CPU",
+        ),
+        Recipe(
+            "offload_1.0",
+            "adam",
+            bf16=True,
+            distributed=True,
+            offload_fraction=1.0,
+            description="precision-aware DistributedOptimizer over HybridDeviceOptimizer, all on the CPU",
+        ),
+        Recipe("sgd", "sgd", description="FP32Optimizer over SGD with momentum"),
+        Recipe("moe", "adam", experts=True, description="ChainedOptimizer of a dense and an expert optimizer"),
+        Recipe("muon", "muon", needs_emerging=True, description="TensorParallelMuon chained with AdamW"),
+        Recipe(
+            "dist_muon",
+            "muon",
+            bf16=True,
+            layer_wise=True,
+            needs_emerging=True,
+            description="LayerWiseDistributedOptimizer over TensorParallelMuon and AdamW",
+        ),
+        Recipe(
+            "adaptive_muon",
+            "adaptive_muon",
+            needs_emerging=True,
+            description="TensorParallelAdaptiveMuon chained with AdamW",
+        ),
+    )
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def ensure_process_group() -> None:
+    """A one-rank gloo group and Megatron's parallel state, created once per process."""
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        with cuda_on_cpu():
+            parallel_state.initialize_model_parallel()
+
+
+def is_available(name: str) -> bool:
+    """Whether this environment's megatron-core can build the named configuration."""
+    import importlib.util
+
+    recipe = RECIPES[name]
+    if not recipe.needs_emerging:
+        return True
+    if importlib.util.find_spec("emerging_optimizers") is None:
+        return False
+    if recipe.optimizer == "adaptive_muon":
+        return importlib.util.find_spec("megatron.core.optimizer.emerging_optimizers") is not None
+    return True
+
+
+def available() -> tuple[str, ...]:
+    """The configuration names this environment can build."""
+    return tuple(name for name in RECIPES if is_available(name))
+
+
+def _model_class() -> type[torch.nn.Module]:
+    from megatron.core.transformer.module import MegatronModule
+
+    class TinyMLP(MegatronModule):
+        """Two dense layers, and optionally an expert layer (``allreduce = False``, as
+        Megatron marks expert-parallel parameters)."""
+
+        def __init__(self, config: object, *, experts: bool) -> None:
+            super().__init__(config)
+            dtype = getattr(config, "params_dtype")
+            self.up = torch.nn.Linear(HIDDEN, 2 * HIDDEN, dtype=dtype)
+            self.down = torch.nn.Linear(2 * HIDDEN, HIDDEN, dtype=dtype)
+            self.expert = torch.nn.Linear(HIDDEN, HIDDEN, bias=False, dtype=dtype) if experts else None
+            if self.expert is not None:
+                for p in self.expert.parameters():
+                    setattr(p, "allreduce", False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.down(torch.relu(self.up(x)))
+            return y if self.expert is None else y + self.expert(x)
+
+    return TinyMLP
+
+
+@frozen
+class MegatronStack:
+    """A real Megatron model and optimizer, and the means to train them on the CPU."""
+
+    name: str
+    model: torch.nn.Module
+    optimizer: object
+    device: CudaOnCpu
+
+    def step(self, index: int) -> float:
+        """One real training step on the deterministic batch ``index``; returns the loss."""
+        with self.device:
+            generator = torch.Generator().manual_seed(10_000 + index)
+            x = torch.randn(8, HIDDEN, generator=generator)
+            target = torch.randn(8, HIDDEN, generator=generator)
+            zero_buffer: Callable[[], None] = getattr(self.model, "zero_grad_buffer")
+            zero_buffer()
+            getattr(self.optimizer, "zero_grad")()
+            dtype = next(self.model.parameters()).dtype
+            loss = (self.model(x.to(dtype)).float() - target).pow(2).mean()
+            loss.backward()
+            getattr(self.model, "finish_grad_sync")()
+            getattr(self.optimizer, "step")()
+            return float(loss)
+
+    def train(self, start: int, steps: int) -> None:
+        for index in range(start, start + steps):
+            self.step(index)
+
+    def leaves(self) -> list[torch.optim.Optimizer]:
+        """The leaf optimizers, in tree order."""
+        from opttree import LeafNode, TraverserVisitor, tree
+
+        found: list[torch.optim.Optimizer] = []
+
+        class Collect(TraverserVisitor):
+            def visit_leaf(self, node: LeafNode) -> None:
+                found.append(node.optimizer)
+
+        tree(self.optimizer).accept(Collect())
+        return found
+
+    def main_params(self) -> list[torch.Tensor]:
+        """The tensors the leaf optimizers step: fp32 main (master) weights where there are any."""
+        return [p for leaf in self.leaves() for group in leaf.param_groups for p in group["params"]]
+
+    def copy_weights_from(self, other: MegatronStack) -> None:
+        """Make this stack's model and main weights bitwise equal to ``other``'s."""
+        with torch.no_grad():
+            for mine, theirs in zip(self.model.parameters(), other.model.parameters(), strict=True):
+                mine.copy_(theirs)
+            for mine, theirs in zip(self.main_params(), other.main_params(), strict=True):
+                mine.copy_(theirs)
+
+
+@contextlib.contextmanager
+def _without_transformer_engine_version() -> Iterator[None]:
+    """``OptimizerConfig`` asks TE for its version when precision-aware, and fails with a
+    ``TypeError`` where TE is not installed; without TE the answer is "older than any"."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        yield
+        return
+    from megatron.core.optimizer import optimizer_config
+
+    with mock.patch.object(optimizer_config, "is_te_min_version", lambda *a, **k: False):
+        yield
+
+
+def build(name: str, *, seed: int = 0, lr: float = 1e-2) -> MegatronStack:
+    """Build the named configuration with Megatron's ``get_megatron_optimizer``."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    recipe = RECIPES[name]
+    if not is_available(name):
+        msg = f"configuration {name!r} needs emerging-optimizers and a megatron-core that has it"
+        raise RuntimeError(msg)
+    ensure_process_group()
+    device = cuda_on_cpu()
+    dtype = torch.bfloat16 if recipe.bf16 else torch.float32
+    config = TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=1, bf16=recipe.bf16, params_dtype=dtype
+    )
+    torch.manual_seed(seed)
+    model = _model_class()(config, experts=recipe.experts)
+    device.mark_on_gpu(*model.parameters())
+    offload = recipe.offload_fraction is not None
+    with _without_transformer_engine_version():
+        optimizer_config = OptimizerConfig(
+            optimizer=recipe.optimizer,
+            lr=lr,
+            weight_decay=0.01,
+            bf16=recipe.bf16,
+            use_distributed_optimizer=recipe.distributed,
+            optimizer_cpu_offload=offload,
+            optimizer_offload_fraction=recipe.offload_fraction or 0.0,
+            use_precision_aware_optimizer=offload,
+            overlap_cpu_optimizer_d2h_h2d=offload,
+            sgd_momentum=0.9,
+        )
+    if recipe.layer_wise:
+        setattr(optimizer_config, "use_layer_wise_distributed_optimizer", True)
+    with device:
+        ddp = DistributedDataParallel(
+            config,
+            DistributedDataParallelConfig(use_distributed_optimizer=recipe.distributed, overlap_grad_reduce=False),
+            model,
+        )
+        optimizer = get_megatron_optimizer(optimizer_config, [ddp])
+    stack = MegatronStack(name, ddp, optimizer, device)
+    for leaf in stack.leaves():
+        _complete_adaptive_muon(leaf, optimizer_config)
+    return stack
+
+
+def _complete_adaptive_muon(leaf: torch.optim.Optimizer, config: object) -> None:
+    """megatron-core 0.19's ``TensorParallelAdaptiveMuon.__init__`` runs only
+    ``TensorParallelMuon.__init__``, so with emerging-optimizers 0.3 the instance lacks the
+    ``scale_mode`` and ``extra_scale_factor`` that ``AdaptiveMuon.step`` reads, and
+    Megatron's own step raises ``AttributeError`` on any machine. Set them from the config
+    as ``AdaptiveMuon.__init__`` would have."""
+    if type(leaf).__name__ != "TensorParallelAdaptiveMuon" or hasattr(leaf, "scale_mode"):
+        return
+    setattr(leaf, "scale_mode", getattr(config, "muon_scale_mode", "spectral"))
+    setattr(leaf, "extra_scale_factor", getattr(config, "muon_extra_scale_factor", 1.0))
