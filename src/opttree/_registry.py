@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from opttree._adapter import ChildrenFn, Expander, builtin_kinds, children_expander
 from opttree._dispatch import LazyDispatch, dotted_name
 from opttree._errors import RegistrationError
@@ -40,7 +42,7 @@ def register_schema(cls_or_dotted: type | str, schema: StateSchema) -> None:
     imported by opttree, and the schema applies once such an object is met. A user's
     schema takes precedence over a built-in one for the class and its subclasses.
     """
-    if not isinstance(schema, StateSchema):
+    if not isinstance(cast(object, schema), StateSchema):
         msg = f"register_schema expects a StateSchema, got {type(schema).__qualname__}"
         raise RegistrationError(msg)
     _add(_user_schemas, "schema", cls_or_dotted)
@@ -56,7 +58,7 @@ def register_wrapper(cls_or_dotted: type | str, *, children: ChildrenFn) -> None
     The wrapper becomes a :class:`~opttree.WrapperNode` whose children are built from
     the inner objects, which may be optimizers or other wrappers.
     """
-    if not callable(children):
+    if not callable(cast(object, children)):
         msg = f"register_wrapper needs a callable children function, got {type(children).__qualname__}"
         raise RegistrationError(msg)
     _add(_user_kinds, "wrapper kind", cls_or_dotted)

@@ -14,6 +14,7 @@ no-ops for the duration. Arithmetic is untouched: every kernel is the CPU one.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TypeVar
@@ -39,7 +40,7 @@ _TENSOR_TYPE_NAMES = {
 }
 
 
-_IS_CUDA = torch.Tensor.is_cuda.__get__
+_IS_CUDA: object = inspect.getattr_static(torch.Tensor, "is_cuda").__get__
 
 
 def _is_cuda_device(device: object) -> bool:
@@ -59,6 +60,10 @@ def _device_argument(func: Callable[..., object], args: list[object], kwargs: di
         if isinstance(first, (str, torch.device)) or (isinstance(first, int) and not isinstance(first, bool)):
             return ("pos", 1)
     return None
+
+
+def _call(func: Callable[..., object], args: list[object], kwargs: dict[str, object]) -> object:
+    return func(*args, **kwargs)
 
 
 class _CudaOnCpu(TorchFunctionMode):
@@ -107,7 +112,7 @@ class _CudaOnCpu(TorchFunctionMode):
         if func is tensor.cuda:
             return self.move(call_args[0], call_args[0], to_gpu=True)
         if func is tensor.cpu:
-            return self.move(call_args[0], func(*call_args, **call_kwargs), to_gpu=False)
+            return self.move(call_args[0], _call(func, call_args, call_kwargs), to_gpu=False)
         if call_kwargs.get("pin_memory"):
             call_kwargs["pin_memory"] = False
         where = _device_argument(func, call_args, call_kwargs)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 from unittest import mock
 
 import torch
@@ -22,6 +23,11 @@ import torch.distributed as dist
 from attrs import frozen
 
 from opttree.testing._cuda_on_cpu import CudaOnCpu, cuda_on_cpu
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
+    from megatron.core.transformer import TransformerConfig
 
 HIDDEN = 16
 
@@ -124,16 +130,16 @@ def available() -> tuple[str, ...]:
     return tuple(name for name in RECIPES if is_available(name))
 
 
-def _model_class() -> type[torch.nn.Module]:
+def _tiny_mlp(config: TransformerConfig, *, experts: bool) -> torch.nn.Module:
     from megatron.core.transformer.module import MegatronModule
 
     class TinyMLP(MegatronModule):
         """Two dense layers, and optionally an expert layer (``allreduce = False``, as
         Megatron marks expert-parallel parameters)."""
 
-        def __init__(self, config: object, *, experts: bool) -> None:
+        def __init__(self) -> None:
             super().__init__(config)
-            dtype = getattr(config, "params_dtype")
+            dtype = config.params_dtype
             self.up = torch.nn.Linear(HIDDEN, 2 * HIDDEN, dtype=dtype)
             self.down = torch.nn.Linear(2 * HIDDEN, HIDDEN, dtype=dtype)
             self.expert = torch.nn.Linear(HIDDEN, HIDDEN, bias=False, dtype=dtype) if experts else None
@@ -142,10 +148,10 @@ def _model_class() -> type[torch.nn.Module]:
                     setattr(p, "allreduce", False)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = self.down(torch.relu(self.up(x)))
+            y: torch.Tensor = self.down(torch.relu(self.up(x)))
             return y if self.expert is None else y + self.expert(x)
 
-    return TinyMLP
+    return TinyMLP()
 
 
 @frozen
@@ -153,8 +159,8 @@ class MegatronStack:
     """A real Megatron model and optimizer, and the means to train them on the CPU."""
 
     name: str
-    model: torch.nn.Module
-    optimizer: object
+    model: DistributedDataParallel
+    optimizer: MegatronOptimizer
     device: CudaOnCpu
 
     def step(self, index: int) -> float:
@@ -163,14 +169,14 @@ class MegatronStack:
             generator = torch.Generator().manual_seed(10_000 + index)
             x = torch.randn(8, HIDDEN, generator=generator)
             target = torch.randn(8, HIDDEN, generator=generator)
-            zero_buffer: Callable[[], None] = getattr(self.model, "zero_grad_buffer")
-            zero_buffer()
-            getattr(self.optimizer, "zero_grad")()
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
             dtype = next(self.model.parameters()).dtype
-            loss = (self.model(x.to(dtype)).float() - target).pow(2).mean()
-            loss.backward()
-            getattr(self.model, "finish_grad_sync")()
-            getattr(self.optimizer, "step")()
+            output: torch.Tensor = self.model(x.to(dtype))
+            loss = (output.float() - target).pow(2).mean()
+            torch.autograd.backward(loss)
+            self.model.finish_grad_sync()
+            self.optimizer.step()
             return float(loss)
 
     def train(self, start: int, steps: int) -> None:
@@ -197,10 +203,10 @@ class MegatronStack:
     def copy_weights_from(self, other: MegatronStack) -> None:
         """Make this stack's model and main weights bitwise equal to ``other``'s."""
         with torch.no_grad():
-            for mine, theirs in zip(self.model.parameters(), other.model.parameters(), strict=True):
-                mine.copy_(theirs)
-            for mine, theirs in zip(self.main_params(), other.main_params(), strict=True):
-                mine.copy_(theirs)
+            for param, source in zip(self.model.parameters(), other.model.parameters(), strict=True):
+                param.copy_(source)
+            for main, main_source in zip(self.main_params(), other.main_params(), strict=True):
+                main.copy_(main_source)
 
 
 @contextlib.contextmanager
@@ -235,7 +241,7 @@ def build(name: str, *, seed: int = 0, lr: float = 1e-2) -> MegatronStack:
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=1, bf16=recipe.bf16, params_dtype=dtype
     )
     torch.manual_seed(seed)
-    model = _model_class()(config, experts=recipe.experts)
+    model = _tiny_mlp(config, experts=recipe.experts)
     device.mark_on_gpu(*model.parameters())
     offload = recipe.offload_fraction is not None
     with _without_transformer_engine_version():
@@ -252,7 +258,7 @@ def build(name: str, *, seed: int = 0, lr: float = 1e-2) -> MegatronStack:
             sgd_momentum=0.9,
         )
     if recipe.layer_wise:
-        setattr(optimizer_config, "use_layer_wise_distributed_optimizer", True)
+        optimizer_config.use_layer_wise_distributed_optimizer = True
     with device:
         ddp = DistributedDataParallel(
             config,
@@ -266,7 +272,7 @@ def build(name: str, *, seed: int = 0, lr: float = 1e-2) -> MegatronStack:
     return stack
 
 
-def _complete_adaptive_muon(leaf: torch.optim.Optimizer, config: object) -> None:
+def _complete_adaptive_muon(leaf: torch.optim.Optimizer, config: OptimizerConfig) -> None:
     """megatron-core 0.19's ``TensorParallelAdaptiveMuon.__init__`` runs only
     ``TensorParallelMuon.__init__``, so with emerging-optimizers 0.3 the instance lacks the
     ``scale_mode`` and ``extra_scale_factor`` that ``AdaptiveMuon.step`` reads, and
@@ -274,5 +280,5 @@ def _complete_adaptive_muon(leaf: torch.optim.Optimizer, config: object) -> None
     as ``AdaptiveMuon.__init__`` would have."""
     if type(leaf).__name__ != "TensorParallelAdaptiveMuon" or hasattr(leaf, "scale_mode"):
         return
-    setattr(leaf, "scale_mode", getattr(config, "muon_scale_mode", "spectral"))
-    setattr(leaf, "extra_scale_factor", getattr(config, "muon_extra_scale_factor", 1.0))
+    setattr(leaf, "scale_mode", config.muon_scale_mode)
+    setattr(leaf, "extra_scale_factor", config.muon_extra_scale_factor)

@@ -1,0 +1,1 @@
+from megatron.core import parallel_state as parallel_state

@@ -1,0 +1,1 @@
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer as HybridDeviceOptimizer

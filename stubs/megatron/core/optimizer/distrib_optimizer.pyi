@@ -1,0 +1,3 @@
+from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
+
+class DistributedOptimizer(MixedPrecisionOptimizer): ...

@@ -1,0 +1,3 @@
+from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+class LayerWiseDistributedOptimizer(ChainedOptimizer): ...

@@ -1,0 +1,1 @@
+from megatron.core.transformer.transformer_config import TransformerConfig as TransformerConfig

@@ -1,0 +1,50 @@
+"""Small real models and training loops shared by the tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def train(net: torch.nn.Module, optimizer: torch.optim.Optimizer, start: int, steps: int) -> None:
+    """Deterministic steps: batch ``i`` is the same for every caller."""
+    for i in range(start, start + steps):
+        generator = torch.Generator().manual_seed(i)
+        x = torch.randn(4, 6, generator=generator)
+        optimizer.zero_grad()
+        out: torch.Tensor = net(x)
+        torch.autograd.backward(out.pow(2).mean())
+        optimizer.step()
+
+
+def clone_model(net: torch.nn.Module) -> torch.nn.Module:
+    twin = model()
+    twin.load_state_dict(net.state_dict())
+    return twin
+
+
+def weights_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def state_tensors(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    return [(k, v) for entry in optimizer.state.values() for k, v in entry.items() if isinstance(v, torch.Tensor)]
+
+
+def snapshot(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    return [(k, v.clone()) for k, v in state_tensors(optimizer)]
+
+
+def unchanged(optimizer: torch.optim.Optimizer, before: list[tuple[str, torch.Tensor]]) -> bool:
+    after = state_tensors(optimizer)
+    return len(after) == len(before) and all(
+        k1 == k2 and torch.equal(v1, v2) for (k1, v1), (k2, v2) in zip(after, before, strict=True)
+    )

@@ -1,0 +1,124 @@
+"""The differential suite: every opttree.testing configuration, built by Megatron's factory.
+
+Train k steps, reset, train k more; against a fresh optimizer built over the same model and
+main (master) weights, trained the same k steps. Main weights must match bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import opttree
+from opttree import testing
+
+K = 3
+
+EXPECTED_SHAPES = {
+    "fp32": "ChainedOptimizer[FP32Optimizer[AdamW]]",
+    "bf16": "ChainedOptimizer[Float16OptimizerWithFloat16Params[AdamW]]",
+    "dist_fp32": "ChainedOptimizer[DistributedOptimizer[AdamW]]",
+    "dist_bf16": "ChainedOptimizer[DistributedOptimizer[AdamW]]",
+    "offload_0.75": "ChainedOptimizer[DistributedOptimizer[HybridDeviceOptimizer(cpu=2,gpu=1)[AdamW,AdamW,AdamW]]]",
+    "offload_1.0": "ChainedOptimizer[DistributedOptimizer[HybridDeviceOptimizer(cpu=4,gpu=0)[AdamW,AdamW,AdamW,AdamW]]]",
+    "sgd": "ChainedOptimizer[FP32Optimizer[SGD]]",
+    "moe": "ChainedOptimizer[FP32Optimizer[AdamW],FP32Optimizer[AdamW]]",
+    "muon": "ChainedOptimizer[FP32Optimizer[TensorParallelMuon],FP32Optimizer[AdamW]]",
+    "dist_muon": (
+        "LayerWiseDistributedOptimizer[Float16OptimizerWithFloat16Params[TensorParallelMuon],"
+        "Float16OptimizerWithFloat16Params[AdamW]]"
+    ),
+    "adaptive_muon": "ChainedOptimizer[FP32Optimizer[TensorParallelAdaptiveMuon],FP32Optimizer[AdamW]]",
+}
+HISTORY_KEYS = {"exp_avg", "exp_avg_sq", "momentum_buffer", "moment2_buffer"}
+
+
+class Shape(opttree.NodeVisitor[str]):
+    """The tree as a one-line string of class names."""
+
+    def inner(self, node: opttree.Node) -> str:
+        return "[" + ",".join(c.accept(self) for c in node.children) + "]"
+
+    def visit_chained(self, node: opttree.ChainedNode) -> str:
+        return type(node.optimizer).__name__ + self.inner(node)
+
+    def visit_hybrid(self, node: opttree.HybridNode) -> str:
+        gpu = 0 if node.gpu is None else 1
+        return f"{type(node.optimizer).__name__}(cpu={len(node.cpu)},gpu={gpu})" + self.inner(node)
+
+    def visit_wrapper(self, node: opttree.WrapperNode) -> str:
+        return type(node.optimizer).__name__ + self.inner(node)
+
+    def visit_leaf(self, node: opttree.LeafNode) -> str:
+        return type(node.optimizer).__name__
+
+
+def test_every_named_configuration_has_an_expected_shape() -> None:
+    assert set(EXPECTED_SHAPES) == set(testing.RECIPES)
+
+
+def test_the_lane_builds_what_its_megatron_core_has() -> None:
+    import importlib.util
+
+    has_emerging = importlib.util.find_spec("emerging_optimizers") is not None
+    muon = {"muon", "dist_muon", "adaptive_muon"}
+    assert (muon <= set(testing.available())) == has_emerging
+    assert set(testing.available()) >= set(testing.RECIPES) - muon
+
+
+@pytest.fixture(params=testing.available())
+def trained(request: pytest.FixtureRequest) -> testing.MegatronStack:
+    name: str = request.param
+    stack = testing.build(name)
+    stack.train(0, K)
+    return stack
+
+
+def test_describe_and_validate_show_the_real_tree(trained: testing.MegatronStack) -> None:
+    node = opttree.tree(trained.optimizer)
+
+    assert node.accept(Shape()) == EXPECTED_SHAPES[trained.name]
+    assert opttree.validate(trained.optimizer) == ()
+    text = opttree.describe(trained.optimizer)
+    assert text.splitlines()[0].startswith(type(trained.optimizer).__name__)
+    adam_lines = [line for line in text.splitlines() if "AdamW params=" in line]
+    assert all(f"step={K} " in line for line in adam_lines)
+    assert len(adam_lines) == EXPECTED_SHAPES[trained.name].count("AdamW") - text.count(" x AdamW")
+
+
+def test_reset_then_train_matches_a_fresh_optimizer(trained: testing.MegatronStack) -> None:
+    masters_before = [p.clone() for p in trained.main_params()]
+
+    report = opttree.reset(trained.optimizer)
+
+    # Master weights untouched, every history tensor zero, every step counter zero.
+    assert all(torch.equal(a, b) for a, b in zip(masters_before, trained.main_params(), strict=True))
+    for leaf in trained.leaves():
+        for entry in leaf.state.values():
+            assert not (set(entry) - HISTORY_KEYS - {"step", "master_param", "momentum_buffer"})
+            for key, value in entry.items():
+                if key in HISTORY_KEYS or key == "step":
+                    assert isinstance(value, torch.Tensor) and not value.any(), key
+    assert report.tensors_zeroed + report.tensors_dropped > 0
+
+    fresh = testing.build(trained.name)
+    fresh.copy_weights_from(trained)
+    trained.train(K, K)
+    fresh.train(K, K)
+
+    for a, b in zip(trained.main_params(), fresh.main_params(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(trained.model.parameters(), fresh.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_offload_keeps_master_params_and_reports_them() -> None:
+    if "offload_0.75" not in testing.available():
+        pytest.skip("no offload configuration in this lane")
+    stack = testing.build("offload_0.75")
+    stack.train(0, 2)
+
+    report = opttree.reset(stack.optimizer)
+
+    assert report.kept_keys == ("master_param",)
+    assert report.tensors_kept == len(stack.main_params())

@@ -1,0 +1,92 @@
+"""Reset then train equals fresh then train, bitwise, for each supported torch leaf."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import opttree
+from tests.helpers import OptimizerFactory, clone_model, model, state_tensors, train, weights_equal
+
+FACTORIES: dict[str, OptimizerFactory] = {
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+    "adam_foreach": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True),
+    "adam_fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    "adamw_amsgrad": lambda p: torch.optim.AdamW(p, lr=1e-2, amsgrad=True),
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+    "sgd_dampening": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, dampening=0.5),
+    "sgd_nesterov": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, nesterov=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_reset_then_train_equals_fresh_then_train(name: str) -> None:
+    factory = FACTORIES[name]
+    net = model()
+    optimizer = factory(list(net.parameters()))
+    train(net, optimizer, 0, 4)
+
+    twin = clone_model(net)
+    fresh = factory(list(twin.parameters()))
+    report = opttree.reset(optimizer)
+
+    assert report.leaves == 1
+    train(net, optimizer, 4, 4)
+    train(twin, fresh, 4, 4)
+    assert weights_equal(net, twin)
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw_amsgrad", "adam_fused"])
+def test_history_and_steps_are_zeroed_in_place(name: str) -> None:
+    net = model()
+    optimizer = FACTORIES[name](list(net.parameters()))
+    train(net, optimizer, 0, 3)
+    before = {id(v): (v.data_ptr(), v.dtype, v.device) for _, v in state_tensors(optimizer)}
+
+    report = opttree.reset(optimizer)
+
+    after = state_tensors(optimizer)
+    assert {id(v): (v.data_ptr(), v.dtype, v.device) for _, v in after} == before
+    assert all(not v.any() for _, v in after)
+    steps = [v for k, v in after if k == "step"]
+    assert len(steps) == report.steps == 4
+    keys = {k for k, _ in after if k != "step"}
+    assert report.tensors_zeroed == len(after) - len(steps)
+    assert keys >= {"exp_avg", "exp_avg_sq"}
+
+
+def test_sgd_momentum_buffers_are_dropped() -> None:
+    net = model()
+    optimizer = FACTORIES["sgd_dampening"](list(net.parameters()))
+    train(net, optimizer, 0, 2)
+
+    report = opttree.reset(optimizer)
+
+    assert report.tensors_dropped == 4 and report.tensors_zeroed == 0
+    assert all("momentum_buffer" not in entry for entry in optimizer.state.values())
+
+
+def test_reset_before_first_step_changes_nothing() -> None:
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters())
+
+    report = opttree.reset(optimizer)
+
+    assert (report.leaves, report.tensors_zeroed, report.steps) == (1, 0, 0)
+    assert len(optimizer.state) == 0
+    assert opttree.validate(optimizer) == ()
+
+
+def test_report_reads_as_one_line_and_as_a_dict() -> None:
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters())
+    train(net, optimizer, 0, 1)
+
+    report = opttree.reset(optimizer)
+
+    assert "\n" not in str(report)
+    assert str(report).startswith("reset 1 optimizers: 8 tensors zeroed")
+    values = report.to_dict()
+    assert values["tensors_zeroed"] == 8 and values["steps"] == 4
+    assert values["bytes_reset"] == 2 * 4 * sum(p.numel() for p in net.parameters())

@@ -1,0 +1,104 @@
+"""The adapter: the tree's shape, paths, sharing, and the inputs it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import opttree
+from tests.helpers import model, train
+from tests.megatron_parts import chained, config, fp32
+
+pytestmark = pytest.mark.usefixtures("process_group")
+
+
+def adamw(seed: int = 0) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model(seed).parameters())
+
+
+def test_chained_optimizer_with_several_members_is_walked_without_its_optimizer_property() -> None:
+    shared = config()
+    root = chained([fp32(adamw(0), shared), fp32(adamw(1), shared)])
+    with pytest.raises(AssertionError):
+        root.optimizer  # Megatron's own property refuses; opttree never evaluates it
+
+    node = opttree.tree(root)
+
+    assert isinstance(node, opttree.ChainedNode)
+    assert [c.path for c in node.children] == ["chained[0]", "chained[1]"]
+    leaves = [c.children[0] for c in node.children]
+    assert [leaf.path for leaf in leaves] == ["chained[0].optimizer", "chained[1].optimizer"]
+    assert all(isinstance(leaf, opttree.LeafNode) for leaf in leaves)
+    assert node.optimizer is root
+
+
+def test_empty_chain_and_stub_optimizer_are_represented() -> None:
+    empty = opttree.tree(chained([]))
+    stub = opttree.tree(fp32(None))
+
+    assert isinstance(empty, opttree.ChainedNode) and empty.children == ()
+    assert isinstance(stub, opttree.WrapperNode) and stub.is_stub
+    assert opttree.reset(chained([fp32(None)])).leaves == 0
+    assert "stub: no optimizer on this rank" in opttree.describe(stub)
+
+
+def test_a_leaf_reached_twice_is_reset_once_and_described_as_shared() -> None:
+    leaf = adamw()
+    net_params = [p for g in leaf.param_groups for p in g["params"]]
+    for p in net_params:
+        p.grad = torch.ones_like(p)
+    leaf.step()
+    shared = config()
+    root = chained([fp32(leaf, shared), fp32(leaf, shared)])
+
+    node = opttree.tree(root)
+    report = opttree.reset(root)
+
+    second = node.children[1].children[0]
+    assert isinstance(second, opttree.LeafNode) and second.shared_with == "chained[0].optimizer"
+    assert report.leaves == 1 and report.shared_leaves == 1 and report.steps == len(net_params)
+    assert "(shared with chained[0].optimizer)" in opttree.describe(root)
+
+
+def test_a_wrapper_that_contains_itself_is_a_cycle() -> None:
+    shared = config()
+    inner = fp32(adamw(), shared)
+    root = chained([inner])
+    inner.optimizer = root  # type: ignore[assignment]  # the malformed stack under test
+
+    with pytest.raises(opttree.OptimizerCycle, match=r"ChainedOptimizer at chained\[0\]\.optimizer contains itself"):
+        opttree.tree(root)
+
+
+@pytest.mark.parametrize("bad", [42, "adam", torch.nn.Linear(2, 2), None])
+def test_non_optimizer_input_is_refused(bad: object) -> None:
+    with pytest.raises(opttree.NotAnOptimizer, match="at <root> is not an optimizer"):
+        opttree.reset(bad)
+
+
+def test_an_unknown_object_inside_a_wrapper_names_its_path() -> None:
+    shared = config()
+    root = chained([fp32(adamw(), shared), fp32(adamw(), shared)])
+    root.chained_optimizers[1].optimizer = object()  # type: ignore[union-attr]
+
+    with pytest.raises(opttree.NotAnOptimizer, match=r"object at chained\[1\]\.optimizer"):
+        opttree.validate(root)
+
+
+def test_deep_nesting_is_a_clear_error_not_a_recursion_error() -> None:
+    shared = config()
+    stack: object = fp32(adamw(), shared)
+    for _ in range(200):
+        stack = chained([stack])  # type: ignore[list-item]
+
+    with pytest.raises(opttree.OptTreeError, match="nested deeper than 64"):
+        opttree.tree(stack)
+
+
+def test_tree_of_a_tree_is_itself() -> None:
+    node = opttree.tree(adamw())
+    assert opttree.tree(node) is node
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    train(net, optimizer, 0, 1)
+    assert opttree.reset(opttree.tree(optimizer)).tensors_dropped == 4
