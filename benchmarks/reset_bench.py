@@ -1,0 +1,150 @@
+"""Reset and describe costs, as ratios measured in one run on this machine.
+
+    .venv-current/bin/python benchmarks/reset_bench.py [--device cpu|cuda] [--quick]
+
+Each timing is the best of several repeats. Ratios compare opttree with the per-tensor
+loop hand-written resets use, with a bare ``torch._foreach_zero_`` over the same tensors,
+and with zeroing one flat buffer of the same size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+
+import opttree
+
+
+def best_of(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+DEVICE = torch.device("cpu")
+
+
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def stepped_adamw(n_params: int, numel: int) -> torch.optim.AdamW:
+    params = [torch.nn.Parameter(torch.zeros(numel, device=DEVICE)) for _ in range(n_params)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer = torch.optim.AdamW(params, foreach=True, capturable=DEVICE.type == "cuda")
+    optimizer.step()
+    for p in params:
+        p.grad = None
+    return optimizer
+
+
+def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+
+
+def per_tensor_loop(optimizer: torch.optim.Optimizer) -> None:
+    for entry in optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            entry[key].zero_()
+
+
+def many_small(n_params: int, repeats: int) -> None:
+    optimizer = stepped_adamw(n_params, 1024)
+    tensors = state_tensors(optimizer)
+    loop = best_of(lambda: per_tensor_loop(optimizer), repeats)
+    bare = best_of(lambda: torch._foreach_zero_(tensors), repeats)
+    ours = best_of(lambda: opttree.reset(optimizer), repeats)
+    print(f"{n_params:,} AdamW params x 1,024 floats ({len(tensors):,} state tensors):")
+    print(f"  per-tensor loop {loop * 1e3:8.2f} ms | bare foreach {bare * 1e3:8.2f} ms | opttree.reset {ours * 1e3:8.2f} ms")
+    print(f"  speed-up over the per-tensor loop: {loop / ours:.2f}x (target >= 1.3x)")
+    print(f"  opttree.reset / bare foreach:      {ours / bare:.2f}x (target <= 1.25x)")
+
+
+def few_large(n_params: int, numel: int, repeats: int) -> None:
+    optimizer = stepped_adamw(n_params, numel)
+    history_bytes = sum(t.numel() * t.element_size() for t in state_tensors(optimizer))
+    flat = torch.empty(history_bytes // 4, device=DEVICE)
+    ours = best_of(lambda: opttree.reset(optimizer), repeats)
+    one = best_of(flat.zero_, repeats)
+    print(f"{n_params} AdamW params x {numel:,} floats ({history_bytes / 2**30:.2f} GiB of state):")
+    print(f"  opttree.reset {history_bytes / ours / 2**30:6.2f} GiB/s | one flat buffer {history_bytes / one / 2**30:6.2f} GiB/s")
+    print(f"  bandwidth ratio: {one / ours:.2f} (target >= 0.9)")
+    del flat
+
+
+def reset_allocations(n_params: int) -> None:
+    optimizer = stepped_adamw(n_params, 1024)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        opttree.reset(optimizer)
+    allocated = sum(max(e.cpu_memory_usage, 0) for e in prof.key_averages())
+    print(f"bytes allocated by torch during a reset of {n_params:,} params: {allocated:,}")
+
+
+def hybrid(n_params: int, repeats: int) -> None:
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    from opttree.testing import cuda_on_cpu
+
+    device = cuda_on_cpu()
+    params = [torch.nn.Parameter(torch.zeros(16)) for _ in range(n_params)]
+    device.mark_on_gpu(*params)
+    with device:
+        optimizer = HybridDeviceOptimizer(
+            params,
+            offload_fraction=1.0,
+            cpu_optimizer_cls=torch.optim.AdamW,
+            gpu_optimizer_cls=torch.optim.AdamW,
+            overlap_cpu_optimizer_d2h_h2d=True,
+            lr=1e-3,
+        )
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+    text = opttree.describe(optimizer)
+    describe = best_of(lambda: opttree.describe(optimizer), repeats)
+    validate = best_of(lambda: opttree.validate(optimizer), repeats)
+    print(f"HybridDeviceOptimizer with {len(optimizer.cpu_optimizers):,} CPU sub-optimizers:")
+    print(f"  describe {describe * 1e3:7.1f} ms, {len(text.splitlines())} lines (targets < 100 ms, <= 60 lines)")
+    print(f"  tree + validate {validate * 1e3:7.1f} ms (target < 100 ms)")
+
+
+def scaling(counts: list[int], repeats: int) -> None:
+    print("scaling of opttree.reset (AdamW, 3 state tensors per parameter, 64 floats each):")
+    print(f"  {'state tensors':>14} {'ms':>9} {'us/tensor':>10}")
+    for count in counts:
+        optimizer = stepped_adamw(count // 3, 64)
+        seconds = best_of(lambda: opttree.reset(optimizer), repeats)
+        print(f"  {count:>14,} {seconds * 1e3:9.2f} {seconds / count * 1e6:10.3f}")
+
+
+def main() -> None:
+    global DEVICE
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    DEVICE = torch.device(args.device)
+    quick: bool = args.quick
+    print(f"torch {torch.__version__}, device {DEVICE}, threads {torch.get_num_threads()}")
+    many_small(2_000 if quick else 20_000, 3 if quick else 7)
+    few_large(4 if quick else 40, 1 << 20 if quick else 4 << 20, 3 if quick else 5)
+    reset_allocations(1_000)
+    hybrid(1_000 if quick else 10_000, 3 if quick else 5)
+    scaling([1_000, 10_000] if quick else [1_000, 10_000, 100_000], 3 if quick else 5)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""TransformerEngine and apex FusedAdam, through stand-ins that mirror their state layout."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import opttree
+from tests.helpers import clone_model, model, snapshot, train, unchanged, weights_equal
+from tests.standins import ApexFusedAdam, TEFusedAdam
+
+Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+CASES: dict[str, Factory] = {
+    "te": lambda p: TEFusedAdam(p, lr=1e-2, weight_decay=0.01),
+    "te_capturable": lambda p: TEFusedAdam(p, lr=1e-2, capturable=True),
+    "te_fp16_moments": lambda p: TEFusedAdam(p, lr=1e-2, exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16),
+    "te_bf16_moments": lambda p: TEFusedAdam(p, lr=1e-2, exp_avg_dtype=torch.bfloat16),
+    "apex": lambda p: ApexFusedAdam(p, lr=1e-2),
+    "apex_capturable": lambda p: ApexFusedAdam(p, lr=1e-2, capturable=True),
+}
+
+
+def test_standins_resolve_through_the_real_dotted_paths() -> None:
+    assert type(TEFusedAdam([torch.zeros(1)])).__module__ == "transformer_engine.pytorch.optimizers.fused_adam"
+    for factory in CASES.values():
+        assert not opttree.validate(factory([torch.nn.Parameter(torch.zeros(2))]))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_reset_then_train_equals_fresh_then_train(name: str) -> None:
+    net = model()
+    optimizer = CASES[name](list(net.parameters()))
+    train(net, optimizer, 0, 4)
+    twin = clone_model(net)
+    fresh = CASES[name](list(twin.parameters()))
+
+    report = opttree.reset(optimizer)
+
+    assert report.steps == 1  # one group, one per-group counter
+    train(net, optimizer, 4, 4)
+    train(twin, fresh, 4, 4)
+    assert weights_equal(net, twin)
+
+
+def test_per_group_int_step_becomes_zero() -> None:
+    net = model()
+    optimizer = TEFusedAdam(net.parameters())
+    train(net, optimizer, 0, 3)
+
+    opttree.reset(optimizer)
+
+    assert optimizer.param_groups[0]["step"] == 0
+
+
+def test_capturable_step_tensor_is_zeroed_in_place() -> None:
+    net = model()
+    optimizer = TEFusedAdam(net.parameters(), capturable=True)
+    train(net, optimizer, 0, 3)
+    step = optimizer.param_groups[0]["step"]
+    assert isinstance(step, torch.Tensor) and step.dtype == torch.int32 and int(step) == 3
+
+    opttree.reset(optimizer)
+
+    assert optimizer.param_groups[0]["step"] is step and int(step) == 0 and step.dtype == torch.int32
+
+
+def test_fp16_moment_scales_are_reset_with_the_moments() -> None:
+    net = model()
+    optimizer = CASES["te_fp16_moments"](list(net.parameters()))
+    train(net, optimizer, 0, 3)
+    scales = [s for per_param in optimizer._scales.values() for s in per_param.values()]  # type: ignore[attr-defined]
+    assert scales and all(float(s) != 1.0 for s in scales)
+
+    opttree.reset(optimizer)
+
+    assert all(float(s) == 1.0 for s in scales)
+
+
+def test_master_weights_and_int16_remainders_are_kept_bitwise() -> None:
+    torch.manual_seed(0)
+    net = torch.nn.Linear(6, 3).to(torch.bfloat16)
+    optimizer = TEFusedAdam(net.parameters(), lr=1e-2, master_weights=True, store_param_remainders=True)
+    train_bf16(net, optimizer, 0, 3)
+    remainders = [entry["master_param"] for entry in optimizer.state.values()]
+    assert all(r.dtype == torch.int16 and r.any() for r in remainders)
+    kept = [r.clone() for r in remainders]
+
+    report = opttree.reset(optimizer)
+
+    assert report.kept_keys == ("master_param",) and report.tensors_kept == 2
+    assert all(torch.equal(a, b) for a, b in zip(remainders, kept, strict=True))
+
+
+def train_bf16(net: torch.nn.Module, optimizer: torch.optim.Optimizer, start: int, steps: int) -> None:
+    for i in range(start, start + steps):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        optimizer.zero_grad()
+        out: torch.Tensor = net(x)
+        torch.autograd.backward(out.float().pow(2).mean())
+        optimizer.step()
+
+
+def test_fp8_moments_are_refused_and_nothing_changes() -> None:
+    net = model()
+    optimizer = TEFusedAdam(net.parameters())
+    train(net, optimizer, 0, 2)
+    optimizer.name_to_dtype_map["exp_avg"] = torch.uint8  # as FusedAdam(exp_avg_dtype=torch.uint8)
+    before = snapshot(optimizer)
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"FusedAdam at <root>: key 'exp_avg': FP8"):
+        opttree.reset(optimizer)
+
+    assert unchanged(optimizer, before) and optimizer.param_groups[0]["step"] == 2

@@ -1,0 +1,63 @@
+"""``import opttree`` and a reset of an AdamW tree import none of the optional stacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+OPTIONAL = ("emerging_optimizers", "transformer_engine", "apex", "megatron.core.optimizer")
+
+SCRIPT = """
+import json, sys, torch
+import opttree
+net = torch.nn.Linear(3, 2)
+optimizer = torch.optim.AdamW(net.parameters())
+net(torch.ones(1, 3)).sum().backward()
+optimizer.step()
+opttree.tree(optimizer)
+opttree.validate(optimizer)
+opttree.describe(optimizer)
+report = opttree.reset(optimizer)
+print(json.dumps({"modules": sorted(sys.modules), "zeroed": report.tensors_zeroed}))
+"""
+
+
+def test_opttree_imports_no_optional_optimizer_stack() -> None:
+    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=True, timeout=120)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+
+    loaded = [m for m in result["modules"] if m.startswith(OPTIONAL)]
+    assert loaded == []
+    assert result["zeroed"] == 4
+
+
+def test_muon_schema_resolves_once_megatron_defines_it() -> None:
+    script = """
+import importlib.util, json, sys, torch
+import opttree
+if importlib.util.find_spec("emerging_optimizers") is None:
+    print(json.dumps(None)); sys.exit()
+try:
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon, TensorParallelAdaptiveMuon
+except ImportError:
+    from megatron.core.optimizer.muon import TensorParallelMuon
+    TensorParallelAdaptiveMuon = None
+kinds = []
+for cls in (TensorParallelMuon, TensorParallelAdaptiveMuon):
+    if cls is None:
+        continue
+    optimizer = cls([torch.nn.Parameter(torch.ones(4, 4))], lr=0.1)
+    optimizer.step()
+    schema = opttree._registry.schema_for(cls)
+    kinds.append(sorted(schema.zero))
+print(json.dumps(kinds))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
+    kinds = json.loads(done.stdout.strip().splitlines()[-1])
+    if kinds is None:
+        assert "emerging_optimizers" not in sys.modules
+        return
+    assert kinds[0] == ["momentum_buffer"]
+    if len(kinds) > 1:
+        assert kinds[1] == ["moment2_buffer", "momentum_buffer"]

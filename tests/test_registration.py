@@ -1,0 +1,125 @@
+"""Users' schemas and wrappers: registration, precedence and its errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import opttree
+from tests.helpers import clone_model, model, train, weights_equal
+
+
+class Lion(torch.optim.Optimizer):
+    """A home-made Lion: one ``exp_avg`` per parameter, created as zeros, no step counter."""
+
+    def __init__(self, params: object, lr: float = 1e-3) -> None:
+        super().__init__(params, {"lr": lr, "beta": 0.9})  # type: ignore[arg-type]
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                p.sub_(torch.lerp(m, p.grad, 1 - group["beta"]).sign(), alpha=group["lr"])
+                m.lerp_(p.grad, 0.01)
+
+
+class LoraChain:
+    """A third-party wrapper: one optimizer per adapter."""
+
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+
+def lora_children(chain: object) -> Iterator[tuple[str, object]]:
+    assert isinstance(chain, LoraChain)
+    for name, optimizer in chain.optimizers.items():
+        yield f"adapters[{name!r}]", optimizer
+
+
+opttree.register_schema(Lion, opttree.StateSchema(zero={"exp_avg"}))
+opttree.register_wrapper(LoraChain, children=lora_children)
+
+
+def test_a_registered_schema_resets_a_users_optimizer_exactly() -> None:
+    net = model()
+    optimizer = Lion(net.parameters(), lr=1e-2)
+    train(net, optimizer, 0, 3)
+    twin = clone_model(net)
+    fresh = Lion(twin.parameters(), lr=1e-2)
+
+    assert opttree.reset(optimizer).tensors_zeroed == 4
+    train(net, optimizer, 3, 3)
+    train(twin, fresh, 3, 3)
+    assert weights_equal(net, twin)
+
+
+def test_a_registered_wrapper_becomes_a_node_with_labelled_children() -> None:
+    chain = LoraChain({"en": torch.optim.AdamW(model(0).parameters()), "de": Lion(model(1).parameters())})
+
+    node = opttree.tree(chain)
+
+    assert isinstance(node, opttree.WrapperNode)
+    assert [c.path for c in node.children] == ["adapters['en']", "adapters['de']"]
+    assert "Lion" in opttree.describe(chain)
+
+
+def test_a_failing_children_function_is_a_clear_error() -> None:
+    class Broken:
+        pass
+
+    def explode(_: object) -> Iterator[tuple[str, object]]:
+        raise KeyError("adapters")
+
+    opttree.register_wrapper(Broken, children=explode)
+    with pytest.raises(opttree.MalformedWrapper, match=r"children function for .*Broken at <root> failed: KeyError"):
+        opttree.tree(Broken())
+
+
+def test_registering_twice_is_refused() -> None:
+    with pytest.raises(opttree.RegistrationError, match="registered already"):
+        opttree.register_schema(Lion, opttree.StateSchema(zero={"exp_avg"}))
+    with pytest.raises(opttree.RegistrationError, match="registered already"):
+        opttree.register_wrapper(LoraChain, children=lora_children)
+
+
+def test_a_key_named_history_and_kept_is_refused() -> None:
+    with pytest.raises(opttree.RegistrationError, match=r"\['exp_avg'\] are named in both 'zero' and 'keep'"):
+        opttree.StateSchema(zero={"exp_avg"}, keep={"exp_avg"})
+
+
+def test_a_lazily_registered_schema_applies_once_the_class_is_met() -> None:
+    opttree.register_schema("tests.test_registration.ShadowSGD", opttree.StateSchema(keep={"momentum_buffer"}))
+    net = model()
+    optimizer = ShadowSGD(net.parameters(), lr=0.1, momentum=0.9)
+    train(net, optimizer, 0, 1)
+
+    report = opttree.reset(optimizer)
+
+    assert report.tensors_dropped == 0 and report.tensors_kept == 4
+
+
+class ShadowSGD(torch.optim.SGD):
+    """Registered by dotted path in the test above, before the class is looked up."""
+
+
+def test_a_users_schema_wins_over_a_more_specific_builtin_one() -> None:
+    # torch's AdamW subclasses Adam; the built-in table registers both. A user's schema for
+    # Adam must still govern AdamW. Run apart: the registration is process-wide.
+    script = """
+import torch, opttree
+opttree.register_schema(torch.optim.Adam, opttree.StateSchema(zero={"exp_avg"}, keep={"exp_avg_sq"},
+                        step=opttree.StepLocation.PER_PARAMETER))
+net = torch.nn.Linear(2, 2)
+optimizer = torch.optim.AdamW(net.parameters())
+net(torch.ones(1, 2)).sum().backward()
+optimizer.step()
+report = opttree.reset(optimizer)
+print(report.tensors_zeroed, report.tensors_kept)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
+    assert done.stdout.split() == ["2", "2"]
