@@ -22,6 +22,7 @@ The arithmetic is plain AdamW on the CPU, not the fused CUDA kernels.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 
@@ -49,7 +50,7 @@ def _adamw(
     step: float,
 ) -> None:
     lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])  # type: ignore[arg-type]
-    beta1, beta2 = group["betas"]  # type: ignore[misc]
+    beta1, beta2 = cast(tuple[float, float], group["betas"])
     param.mul_(1 - lr * wd)
     m.lerp_(grad, 1 - beta1)
     v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)

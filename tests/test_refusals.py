@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import pytest
 import torch
 
@@ -27,7 +29,9 @@ class HomemadeLion(torch.optim.Optimizer):
                 p.sub_(state["exp_avg"].sign(), alpha=group["lr"])
 
 
-def trained(optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW, seed: int = 0) -> torch.optim.Optimizer:
+def trained(
+    optimizer_cls: Callable[[Iterator[torch.nn.Parameter]], torch.optim.Optimizer] = torch.optim.AdamW, seed: int = 0
+) -> torch.optim.Optimizer:
     net = model(seed)
     optimizer = optimizer_cls(net.parameters())
     train(net, optimizer, 0, 2)

@@ -15,7 +15,6 @@ from attrs import field, frozen
 
 from opttree import _paths
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
-from opttree._plan import tensor_bytes
 from opttree._report import format_bytes
 from opttree._visitor import NodeVisitor
 
@@ -29,7 +28,7 @@ class Summary:
     path: str = field(eq=False)
 
 
-def _step_text(values: list[float]) -> str:
+def _step_text(values: set[float]) -> str:
     if not values:
         return ""
     low, high = min(values), max(values)
@@ -38,30 +37,41 @@ def _step_text(values: list[float]) -> str:
 
 def _step_number(value: object) -> float | None:
     if isinstance(value, torch.Tensor):
+        if value.numel() == 1:
+            return float(value.item())
         return float(value.max()) if value.numel() else None
     return float(value) if isinstance(value, (int, float)) else None
 
 
+def _placement(dtype: torch.dtype, device_index: int) -> str:
+    device = "cpu" if device_index < 0 else f"cuda:{device_index}"
+    return f"{str(dtype).removeprefix('torch.')}@{device}"
+
+
 def leaf_text(optimizer: torch.optim.Optimizer) -> str:
+    """One line for a leaf. Tensors are keyed by ``(dtype, get_device())``, which costs less
+    than building a ``torch.device`` per tensor: HybridDeviceOptimizer has thousands of leaves."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    by_kind: defaultdict[str, int] = defaultdict(int)
-    steps: list[float] = []
+    by_placement: defaultdict[tuple[torch.dtype, int], int] = defaultdict(int)
+    steps: set[float] = set()
     for group in optimizer.param_groups:
         group_step = _step_number(group.get("step"))
         if group_step is not None:
-            steps.append(group_step)
+            steps.add(group_step)
     for entry in optimizer.state.values():
         for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                by_placement[(value.dtype, value.get_device())] += value.nbytes
             if key == "step":
                 number = _step_number(value)
                 if number is not None:
-                    steps.append(number)
-            if isinstance(value, torch.Tensor):
-                by_kind[f"{str(value.dtype).removeprefix('torch.')}@{value.device}"] += tensor_bytes(value)
+                    steps.add(number)
     elements = sum(p.numel() for p in params)
-    total = sum(by_kind.values())
-    detail = ", ".join(f"{kind} {format_bytes(n)}" for kind, n in sorted(by_kind.items()))
-    state = f" state={format_bytes(total)} [{detail}]" if by_kind else " state=empty"
+    total = sum(by_placement.values())
+    detail = ", ".join(
+        sorted(f"{_placement(dtype, index)} {format_bytes(n)}" for (dtype, index), n in by_placement.items())
+    )
+    state = f" state={format_bytes(total)} [{detail}]" if by_placement else " state=empty"
     return f"{type(optimizer).__qualname__} params={len(params)} ({elements:,} elements){state}{_step_text(steps)}"
 
 

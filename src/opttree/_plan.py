@@ -7,24 +7,29 @@ Execution then zeroes every planned tensor with one ``torch._foreach_zero_`` per
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import MutableMapping
+from typing import cast
 
 import torch
 from attrs import define, field
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from opttree._errors import OptTreeError
 from opttree._nodes import LeafNode
 from opttree._problems import Problem, ProblemKind
 from opttree._report import ResetReport
-from opttree._schema import StateSchema, StepLocation
+from opttree._schema import KeyAction, StateSchema, StepLocation
 
 StateEntry = MutableMapping[str, object]
-_Bucket = tuple[torch.device, torch.dtype]
 
 
-def tensor_bytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+def group_by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` split into lists of one device and dtype each, so that every
+    ``_foreach`` call takes the fused multi-tensor path; grouped by torch in C++."""
+    if not tensors:
+        return []
+    groups = _group_tensors_by_device_and_dtype([cast(list[torch.Tensor | None], tensors)])
+    return [cast(list[torch.Tensor], lists[0]) for lists, _ in groups.values()]
 
 
 def step_value_is_nonzero(value: object) -> bool:
@@ -37,7 +42,7 @@ def step_value_is_nonzero(value: object) -> bool:
 class ResetPlan:
     """Everything a reset will do, gathered before anything is done."""
 
-    zero: defaultdict[_Bucket, list[torch.Tensor]] = field(factory=lambda: defaultdict(list))
+    zero: list[torch.Tensor] = field(factory=list)
     drop: list[tuple[StateEntry, str]] = field(factory=list)
     number_steps: list[StateEntry] = field(factory=list)
     scales: list[torch.Tensor] = field(factory=list)
@@ -50,24 +55,16 @@ class ResetPlan:
     bytes_kept: int = 0
     kept_keys: set[str] = field(factory=set)
 
-    def add_zero(self, tensor: torch.Tensor) -> None:
-        self.zero[(tensor.device, tensor.dtype)].append(tensor)
-
-    def add_history(self, tensor: torch.Tensor) -> None:
-        self.add_zero(tensor)
-        self.tensors_zeroed += 1
-        self.bytes_reset += tensor_bytes(tensor)
-
     def add_step(self, owner: StateEntry, value: object) -> None:
         if isinstance(value, torch.Tensor):
-            self.add_zero(value)
+            self.zero.append(value)
         else:
             self.number_steps.append(owner)
         self.steps += 1
 
     def execute(self) -> ResetReport:
         with torch.no_grad():
-            for tensors in self.zero.values():
+            for tensors in group_by_device_and_dtype(self.zero):
                 torch._foreach_zero_(tensors)
             for scale in self.scales:
                 scale.fill_(1.0)
@@ -120,28 +117,35 @@ class LeafInspector:
             self.inspect_entry(optimizer, param, entry)
 
     def inspect_entry(self, optimizer: torch.optim.Optimizer, param: torch.Tensor, entry: StateEntry) -> None:
-        schema = self.schema
+        """The hot loop of a reset: one dictionary look-up per state key."""
+        plan = self.plan
+        actions = self.schema.actions
+        zero = plan.zero
         for key, value in entry.items():
-            if key == "step" and schema.step is StepLocation.PER_PARAMETER:
-                self.plan.add_step(entry, value)
-            elif key in schema.keep:
-                self.plan.kept_keys.add(key)
+            action = actions.get(key)
+            if action is KeyAction.ZERO and isinstance(value, torch.Tensor):
+                zero.append(value)
+                plan.tensors_zeroed += 1
+                plan.bytes_reset += value.nbytes
+                if self.schema.scale_of is not None:
+                    self.plan_scale(optimizer, param, key)
+            elif action is KeyAction.STEP:
+                plan.add_step(entry, value)
+            elif action is KeyAction.KEEP:
+                plan.kept_keys.add(key)
                 if isinstance(value, torch.Tensor):
-                    self.plan.tensors_kept += 1
-                    self.plan.bytes_kept += tensor_bytes(value)
-            elif key not in schema.history:
-                known = ", ".join(sorted(schema.history | schema.keep)) or "no keys"
+                    plan.tensors_kept += 1
+                    plan.bytes_kept += value.nbytes
+            elif action is KeyAction.DROP and isinstance(value, torch.Tensor):
+                plan.drop.append((entry, key))
+                plan.bytes_reset += value.nbytes
+            elif action is None:
+                known = ", ".join(sorted(actions)) or "no keys"
                 self.problem(ProblemKind.UNSUPPORTED_STATE, f"not in the schema ({known})", key)
-            elif not isinstance(value, torch.Tensor):
+            else:
                 self.problem(
                     ProblemKind.UNSUPPORTED_STATE, f"history is a {type(value).__qualname__}, expected a tensor", key
                 )
-            elif key in schema.drop:
-                self.plan.drop.append((entry, key))
-                self.plan.bytes_reset += tensor_bytes(value)
-            else:
-                self.plan.add_history(value)
-                self.plan_scale(optimizer, param, key)
 
     def plan_scale(self, optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str) -> None:
         if self.schema.scale_of is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 
 import torch
@@ -13,6 +14,15 @@ from opttree._errors import RegistrationError
 ScaleLookup = Callable[[torch.optim.Optimizer, torch.Tensor, str], "torch.Tensor | None"]
 """``(optimizer, param, key) -> scale``: a tensor kept outside ``state`` that scales a
 low-precision history tensor and must be reset to one along with it."""
+
+
+class KeyAction(enum.Enum):
+    """What a reset does with one state key; derived from a schema."""
+
+    ZERO = "zero"
+    DROP = "drop"
+    KEEP = "keep"
+    STEP = "step"
 
 
 class StepLocation(enum.Enum):
@@ -30,7 +40,7 @@ def _frozen_keys(keys: frozenset[str] | set[str] | tuple[str, ...] | list[str]) 
     return frozenset(keys)
 
 
-@frozen
+@frozen(cache_hash=True)
 class StateSchema:
     """The state layout of one optimizer class.
 
@@ -59,3 +69,13 @@ class StateSchema:
     @property
     def history(self) -> frozenset[str]:
         return self.zero | self.drop
+
+    @functools.cached_property
+    def actions(self) -> dict[str, KeyAction]:
+        """Each state key the schema knows, with its action; per-parameter ``step`` included."""
+        actions = {key: KeyAction.ZERO for key in self.zero}
+        actions.update({key: KeyAction.DROP for key in self.drop})
+        actions.update({key: KeyAction.KEEP for key in self.keep})
+        if self.step is StepLocation.PER_PARAMETER:
+            actions["step"] = KeyAction.STEP
+        return actions
