@@ -1,0 +1,3 @@
+from opttree._cli import main
+
+raise SystemExit(main())
