@@ -27,12 +27,11 @@ def kind_for(cls: type) -> Expander | None:
     return _builtin_kinds.lookup(cls) if expand is None else expand
 
 
-def _add(table: LazyDispatch[StateSchema] | LazyDispatch[Expander], what: str, cls_or_dotted: type | str) -> str:
-    name = cls_or_dotted if isinstance(cls_or_dotted, str) else dotted_name(cls_or_dotted)
+def _refuse_repeat(table: LazyDispatch[StateSchema] | LazyDispatch[Expander], what: str, cls_or_dotted: type | str) -> None:
     if table.is_registered(cls_or_dotted):
+        name = cls_or_dotted if isinstance(cls_or_dotted, str) else dotted_name(cls_or_dotted)
         msg = f"a {what} for {name} is registered already"
         raise RegistrationError(msg)
-    return name
 
 
 def register_schema(cls_or_dotted: type | str, schema: StateSchema) -> None:
@@ -45,7 +44,7 @@ def register_schema(cls_or_dotted: type | str, schema: StateSchema) -> None:
     if not isinstance(cast(object, schema), StateSchema):
         msg = f"register_schema expects a StateSchema, got {type(schema).__qualname__}"
         raise RegistrationError(msg)
-    _add(_user_schemas, "schema", cls_or_dotted)
+    _refuse_repeat(_user_schemas, "schema", cls_or_dotted)
     if isinstance(cls_or_dotted, str):
         _user_schemas.register_lazy(cls_or_dotted, schema)
     else:
@@ -61,7 +60,7 @@ def register_wrapper(cls_or_dotted: type | str, *, children: ChildrenFn) -> None
     if not callable(cast(object, children)):
         msg = f"register_wrapper needs a callable children function, got {type(children).__qualname__}"
         raise RegistrationError(msg)
-    _add(_user_kinds, "wrapper kind", cls_or_dotted)
+    _refuse_repeat(_user_kinds, "wrapper kind", cls_or_dotted)
     expand = children_expander(children)
     if isinstance(cls_or_dotted, str):
         _user_kinds.register_lazy(cls_or_dotted, expand)

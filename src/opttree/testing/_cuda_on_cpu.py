@@ -17,14 +17,11 @@ import contextlib
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import TypeVar
 from unittest import mock
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
-
-R = TypeVar("R")
 
 _TENSOR_TYPE_NAMES = {
     torch.float32: "FloatTensor",
@@ -236,13 +233,9 @@ class CudaOnCpu:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        assert self._stack is not None
         stack, self._stack = self._stack, None
-        stack.close()
-
-    def run(self, fn: Callable[[], R]) -> R:
-        with self:
-            return fn()
+        if stack is not None:
+            stack.close()
 
 
 def cuda_on_cpu() -> CudaOnCpu:
