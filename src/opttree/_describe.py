@@ -15,6 +15,7 @@ from attrs import field, frozen
 
 from opttree import _paths
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
+from opttree._plan import step_number
 from opttree._report import format_bytes
 from opttree._visitor import NodeVisitor
 
@@ -35,14 +36,6 @@ def _step_text(values: set[float]) -> str:
     return f" step={low:g}" if low == high else f" step={low:g}..{high:g}"
 
 
-def _step_number(value: object) -> float | None:
-    if isinstance(value, torch.Tensor):
-        if value.numel() == 1:
-            return float(value.item())
-        return float(value.max()) if value.numel() else None
-    return float(value) if isinstance(value, (int, float)) else None
-
-
 def _placement(dtype: torch.dtype, device_index: int) -> str:
     device = "cpu" if device_index < 0 else f"cuda:{device_index}"
     return f"{str(dtype).removeprefix('torch.')}@{device}"
@@ -55,7 +48,7 @@ def leaf_text(optimizer: torch.optim.Optimizer) -> str:
     by_placement: defaultdict[tuple[torch.dtype, int], int] = defaultdict(int)
     steps: set[float] = set()
     for group in optimizer.param_groups:
-        group_step = _step_number(group.get("step"))
+        group_step = step_number(group.get("step"))
         if group_step is not None:
             steps.add(group_step)
     for entry in optimizer.state.values():
@@ -63,7 +56,7 @@ def leaf_text(optimizer: torch.optim.Optimizer) -> str:
             if isinstance(value, torch.Tensor):
                 by_placement[(value.dtype, value.get_device())] += value.nbytes
             if key == "step":
-                number = _step_number(value)
+                number = step_number(value)
                 if number is not None:
                     steps.add(number)
     elements = sum(p.numel() for p in params)

@@ -18,7 +18,7 @@ from opttree._errors import OptTreeError
 from opttree._nodes import LeafNode
 from opttree._problems import Problem, ProblemKind
 from opttree._report import ResetReport
-from opttree._schema import KeyAction, StateSchema, StepLocation
+from opttree._schema import KeyAction, ScaleLookup, StateSchema, StepLocation
 
 StateEntry = MutableMapping[str, object]
 
@@ -32,10 +32,13 @@ def group_by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Te
     return [cast(list[torch.Tensor], lists[0]) for lists, _ in groups.values()]
 
 
-def step_value_is_nonzero(value: object) -> bool:
+def step_number(value: object) -> float | None:
+    """A step counter's value (the largest, for a tensor of several), or None if it is none."""
     if isinstance(value, torch.Tensor):
-        return bool(value.numel()) and bool((value != 0).any())
-    return isinstance(value, (int, float)) and value != 0
+        if value.numel() == 1:
+            return float(value.item())
+        return float(value.max()) if value.numel() else None
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 @define
@@ -108,7 +111,7 @@ class LeafInspector:
             step = group.get("step")
             if self.schema.step is StepLocation.PER_GROUP and step is not None:
                 self.plan.add_step(group, step)
-            if step_value_is_nonzero(step) and not any(p in state for p in params):
+            if step_number(step) and not any(p in state for p in params):
                 self.problem(ProblemKind.EMPTY_STATE, f"a group says step {step} but none of its parameters has state")
         self.plan.leaves += 1
         for param, entry in state.items():
@@ -128,7 +131,7 @@ class LeafInspector:
                 plan.tensors_zeroed += 1
                 plan.bytes_reset += value.nbytes
                 if self.schema.scale_of is not None:
-                    self.plan_scale(optimizer, param, key)
+                    self.plan_scale(self.schema.scale_of, optimizer, param, key)
             elif action is KeyAction.STEP:
                 plan.add_step(entry, value)
             elif action is KeyAction.KEEP:
@@ -147,11 +150,9 @@ class LeafInspector:
                     ProblemKind.UNSUPPORTED_STATE, f"history is a {type(value).__qualname__}, expected a tensor", key
                 )
 
-    def plan_scale(self, optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str) -> None:
-        if self.schema.scale_of is None:
-            return
+    def plan_scale(self, scale_of: ScaleLookup, optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str) -> None:
         try:
-            scale = self.schema.scale_of(optimizer, param, key)
+            scale = scale_of(optimizer, param, key)
         except OptTreeError as error:
             self.problem(ProblemKind.UNSUPPORTED_STATE, str(error), key)
             return

@@ -66,10 +66,6 @@ class StateSchema:
             msg = "'step' is described by StateSchema.step, not by a key set"
             raise RegistrationError(msg)
 
-    @property
-    def history(self) -> frozenset[str]:
-        return self.zero | self.drop
-
     @functools.cached_property
     def actions(self) -> dict[str, KeyAction]:
         """Each state key the schema knows, with its action; per-parameter ``step`` included."""
