@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from opttree import _paths, _registry
+import torch.distributed as dist
+
+from opttree import _distributed, _paths, _registry
 from opttree._adapter import TreeBuilder
 from opttree._describe import DescribeVisitor
 from opttree._nodes import Node
@@ -24,11 +26,24 @@ def tree(optimizer: object) -> Node:
     return TreeBuilder(_registry.kind_for).build(optimizer, _paths.ROOT)
 
 
-def validate(optimizer: object) -> tuple[Problem, ...]:
-    """Every problem in the tree, errors and warnings, without raising for them."""
+def validate(optimizer: object, *, group: dist.ProcessGroup | None = None) -> tuple[Problem, ...]:
+    """Every problem in the tree, errors and warnings, without raising for them.
+
+    With a process group (collective: call it on every rank of ``group``), rank 0 of the
+    group returns every rank's problems, each with its ``rank``, plus a warning for each
+    rank whose tree shape differs from its own; the other ranks return their own problems.
+    """
+    root = tree(optimizer)
     visitor = ValidateVisitor()
-    tree(optimizer).accept(visitor)
-    return tuple(visitor.problems)
+    root.accept(visitor)
+    problems = tuple(visitor.problems)
+    if group is None:
+        return problems
+    summaries = _distributed.gather(_distributed.summarise(root, problems), group)
+    if summaries is None:
+        return problems
+    gathered = [p.on_rank(s.rank) for s in summaries for p in s.problems]
+    return (*gathered, *_distributed.shape_problems(summaries))
 
 
 def reset(optimizer: object) -> ResetReport:
@@ -42,6 +57,16 @@ def reset(optimizer: object) -> ResetReport:
     return ResetVisitor().reset(tree(optimizer))
 
 
-def describe(optimizer: object) -> str:
-    """An indented description of the tree: class, path, parameters, state bytes, step."""
-    return DescribeVisitor().render(tree(optimizer))
+def describe(optimizer: object, *, group: dist.ProcessGroup | None = None) -> str:
+    """An indented description of the tree: class, path, parameters, state bytes, step.
+
+    With a process group (collective: call it on every rank of ``group``), rank 0 of the
+    group appends each rank's total state bytes and tree shape, and names the ranks whose
+    shape differs from its own; the other ranks return their own description.
+    """
+    root = tree(optimizer)
+    text = DescribeVisitor().render(root)
+    if group is None:
+        return text
+    summaries = _distributed.gather(_distributed.summarise(root), group)
+    return text if summaries is None else f"{text}\n{_distributed.render(summaries)}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from attrs import frozen
+from attrs import evolve, field, frozen
 
 from opttree import _paths
 from opttree._errors import OptTreeError, UnsupportedOptimizer, UnsupportedOptimizerState
@@ -22,23 +22,26 @@ class ProblemKind(enum.Enum):
     UNSUPPORTED_STATE = "unsupported-state"
     EMPTY_STATE = "empty-state"
     ORPHAN_STATE = "orphan-state"
+    SHAPE_MISMATCH = "shape-mismatch"
 
     @property
     def severity(self) -> Severity:
-        if self in (ProblemKind.EMPTY_STATE, ProblemKind.ORPHAN_STATE):
+        if self in (ProblemKind.EMPTY_STATE, ProblemKind.ORPHAN_STATE, ProblemKind.SHAPE_MISMATCH):
             return Severity.WARNING
         return Severity.ERROR
 
 
 @frozen
 class Problem:
-    """One finding at one node: its kind, tree path, optimizer class and state key."""
+    """One finding at one node: its kind, tree path, optimizer class and state key; ``rank``
+    is set on problems gathered from a process group."""
 
     kind: ProblemKind
     path: str
     cls: str
     message: str
     key: str | None = None
+    rank: int | None = field(default=None, kw_only=True)
 
     @property
     def severity(self) -> Severity:
@@ -46,7 +49,11 @@ class Problem:
 
     def __str__(self) -> str:
         key = "" if self.key is None else f" key {self.key!r}:"
-        return f"{self.severity.value}: {self.cls} at {_paths.display(self.path)}:{key} {self.message}"
+        rank = "" if self.rank is None else f"rank {self.rank}: "
+        return f"{rank}{self.severity.value}: {self.cls} at {_paths.display(self.path)}:{key} {self.message}"
+
+    def on_rank(self, rank: int) -> Problem:
+        return evolve(self, rank=rank)
 
     def to_error(self, *, others: int = 0) -> OptTreeError:
         """The error a refused reset raises; ``others`` counts further errors found."""

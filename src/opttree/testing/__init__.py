@@ -16,6 +16,7 @@ from opttree.testing._megatron import (
     ensure_process_group,
     is_available,
 )
+from opttree.testing._ranks import run_ranks
 
 __all__ = [
     "RECIPES",
@@ -27,4 +28,5 @@ __all__ = [
     "cuda_on_cpu",
     "ensure_process_group",
     "is_available",
+    "run_ranks",
 ]

@@ -1,0 +1,99 @@
+"""Per-rank summaries gathered to rank 0 of a process group, for ``describe`` and ``validate``.
+
+Megatron runs one optimizer per rank, and ranks can hold different trees (a rank without
+parameters holds a stub optimizer). Every rank sends a small summary of its own tree with
+``torch.distributed.gather_object``; rank 0 of the group compares them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from attrs import frozen
+
+from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
+from opttree._problems import Problem, ProblemKind
+from opttree._report import format_bytes
+from opttree._visitor import NodeVisitor, TraverserVisitor
+
+
+class ShapeVisitor(NodeVisitor[str]):
+    """A tree's shape as one line of class names, such as ``ChainedOptimizer[FP32Optimizer[AdamW]]``."""
+
+    def inner(self, node: Node) -> str:
+        return type(node.optimizer).__qualname__ + (
+            "[" + ",".join(child.accept(self) for child in node.children) + "]" if node.children else ""
+        )
+
+    def visit_chained(self, node: ChainedNode) -> str:
+        return self.inner(node)
+
+    def visit_hybrid(self, node: HybridNode) -> str:
+        return self.inner(node)
+
+    def visit_wrapper(self, node: WrapperNode) -> str:
+        return self.inner(node)
+
+    def visit_leaf(self, node: LeafNode) -> str:
+        return self.inner(node)
+
+
+class _StateBytes(TraverserVisitor):
+    def __init__(self) -> None:
+        self.total = 0
+
+    def visit_leaf(self, node: LeafNode) -> None:
+        if node.shared_with is None:
+            self.total += sum(
+                v.nbytes for entry in node.optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)
+            )
+
+
+@frozen
+class RankSummary:
+    """What one rank reports about its own tree."""
+
+    rank: int
+    shape: str
+    state_bytes: int
+    problems: tuple[Problem, ...] = ()
+
+
+def summarise(root: Node, problems: tuple[Problem, ...] = ()) -> RankSummary:
+    state_bytes = _StateBytes()
+    root.accept(state_bytes)
+    return RankSummary(dist.get_rank(), root.accept(ShapeVisitor()), state_bytes.total, problems)
+
+
+def gather(summary: RankSummary, group: dist.ProcessGroup) -> list[RankSummary] | None:
+    """Every rank's summary on group rank 0, in rank order; ``None`` on the other ranks."""
+    leader = dist.get_global_rank(group, 0)
+    is_leader = dist.get_rank() == leader
+    received: list[RankSummary | None] | None = [None] * dist.get_world_size(group) if is_leader else None
+    dist.gather_object(summary, received, dst=leader, group=group)
+    if received is None:
+        return None
+    return [s for s in received if s is not None]
+
+
+def shape_problems(summaries: list[RankSummary]) -> list[Problem]:
+    """A warning for every rank whose tree shape differs from group rank 0's."""
+    reference = summaries[0]
+    return [
+        Problem(
+            ProblemKind.SHAPE_MISMATCH,
+            "",
+            s.shape.split("[", 1)[0],
+            f"tree shape {s.shape} differs from rank {reference.rank}'s {reference.shape}",
+            rank=s.rank,
+        )
+        for s in summaries[1:]
+        if s.shape != reference.shape
+    ]
+
+
+def render(summaries: list[RankSummary]) -> str:
+    lines = [f"ranks: {len(summaries)}, state {format_bytes(sum(s.state_bytes for s in summaries))} in all"]
+    lines += [f"  rank {s.rank}: state {format_bytes(s.state_bytes)}  {s.shape}" for s in summaries]
+    lines += [f"  {p}" for p in shape_problems(summaries)]
+    return "\n".join(lines)

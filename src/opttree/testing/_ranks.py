@@ -1,0 +1,67 @@
+"""Several gloo ranks on loopback, one process each, with a bounded running time."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import traceback
+from collections.abc import Callable
+from typing import TypeVar, cast
+
+import torch.distributed as dist
+
+R = TypeVar("R")
+
+
+_Message = tuple[int, bool, object]
+
+
+def _rank_main(fn: Callable[[], object], rank: int, world_size: int, port: int, results: multiprocessing.Queue[_Message]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        results.put((rank, True, fn()))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[[], R], world_size: int, *, timeout: float = 180.0) -> list[R]:
+    """Run ``fn`` on ``world_size`` gloo ranks and return each rank's result, in rank order.
+
+    ``fn`` runs in a fresh process per rank (``spawn``) after ``init_process_group``, so it
+    must be importable by name, and so must what it returns be picklable. A rank that
+    raises, or a run past ``timeout`` seconds, raises ``RuntimeError`` here.
+    """
+    from opttree.testing._megatron import free_port
+
+    context = multiprocessing.get_context("spawn")
+    results: multiprocessing.Queue[_Message] = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_rank_main, args=(fn, rank, world_size, port, results), daemon=True)
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    collected: dict[int, object] = {}
+    try:
+        while len(collected) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=timeout)
+            except queue.Empty:
+                msg = f"{world_size} ranks did not finish within {timeout:g} s"
+                raise RuntimeError(msg) from None
+            if not ok:
+                msg = f"rank {rank} failed:\n{value}"
+                raise RuntimeError(msg)
+            collected[rank] = value
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    return [cast(R, collected[rank]) for rank in range(world_size)]
