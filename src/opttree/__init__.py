@@ -7,8 +7,10 @@ from opttree._errors import (
     NotAnOptimizer,
     OptimizerCycle,
     OptTreeError,
+    PartialResetRefused,
     RegistrationError,
     UnsupportedOptimizer,
+    UnmappedParameter,
     UnsupportedOptimizerState,
 )
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
@@ -31,6 +33,7 @@ __all__ = [
     "NotAnOptimizer",
     "OptTreeError",
     "OptimizerCycle",
+    "PartialResetRefused",
     "Problem",
     "ProblemKind",
     "RegistrationError",
@@ -40,6 +43,7 @@ __all__ = [
     "StateSchema",
     "StepLocation",
     "TraverserVisitor",
+    "UnmappedParameter",
     "UnsupportedOptimizer",
     "UnsupportedOptimizerState",
     "ValidateVisitor",

@@ -85,6 +85,17 @@ def sequence_attribute(obj: object, name: str, path: str) -> list[object]:
     return list(value)
 
 
+def mapping_attribute(obj: object, name: str, path: str) -> dict[torch.Tensor, torch.Tensor]:
+    value = instance_attribute(obj, name, path)
+    if not isinstance(value, dict):
+        msg = (
+            f"{type(obj).__qualname__}.{name} at {_paths.display(path)} is a "
+            f"{type(value).__qualname__}, expected a dict"
+        )
+        raise MalformedWrapper(msg)
+    return value
+
+
 def expand_leaf(builder: TreeBuilder, obj: object, path: str) -> Node:
     return builder.leaf(cast(torch.optim.Optimizer, obj), path)  # registered for Optimizer
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
+import torch
 import torch.distributed as dist
 
 from opttree import _distributed, _paths, _registry
@@ -11,6 +14,7 @@ from opttree._nodes import Node
 from opttree._problems import Problem
 from opttree._report import ResetReport
 from opttree._reset import ResetVisitor
+from opttree._selection import EVERYTHING, select
 from opttree._validate import ValidateVisitor
 
 
@@ -46,15 +50,28 @@ def validate(optimizer: object, *, group: dist.ProcessGroup | None = None) -> tu
     return (*gathered, *_distributed.shape_problems(summaries))
 
 
-def reset(optimizer: object) -> ResetReport:
-    """Reset all optimizer history so the next step equals a fresh optimizer's.
+def reset(
+    optimizer: object,
+    *,
+    params: Iterable[torch.Tensor] | Callable[[str], bool] | None = None,
+    keys: Iterable[str] | None = None,
+    model: torch.nn.Module | None = None,
+) -> ResetReport:
+    """Reset optimizer history so the next step equals a fresh optimizer's.
 
     History tensors and per-parameter step tensors are zeroed in place; keys the
     optimizer creates lazily are dropped; per-group steps become 0; master weights and
     other non-history state are kept. The whole tree is validated first: on any
     unsupported leaf or key this raises and changes nothing.
+
+    ``params`` resets only the state of those model parameters (or, with ``model``, of the
+    parameters whose names the predicate accepts), mapped through the wrappers to the
+    tensors the leaves hold state for; ``keys`` resets only those history keys (``"step"``
+    names the step counter). A per-group step is only reset with its whole group.
     """
-    return ResetVisitor().reset(tree(optimizer))
+    root = tree(optimizer)
+    selection = EVERYTHING if params is None and keys is None else select(root, params, keys, model)
+    return ResetVisitor(selection).reset(root)
 
 
 def describe(optimizer: object, *, group: dist.ProcessGroup | None = None) -> str:

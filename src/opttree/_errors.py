@@ -29,3 +29,11 @@ class RegistrationError(OptTreeError):
 
 class MalformedWrapper(OptTreeError):
     """A known wrapper class lacks the attributes its kind defines, or yields bad children."""
+
+
+class UnmappedParameter(OptTreeError):
+    """A parameter selected for a partial reset is held by no optimizer in the tree."""
+
+
+class PartialResetRefused(OptTreeError):
+    """A partial reset would split state that is shared, or names keys no optimizer has."""

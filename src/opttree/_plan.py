@@ -19,6 +19,7 @@ from opttree._nodes import LeafNode
 from opttree._problems import Problem, ProblemKind
 from opttree._report import ResetReport
 from opttree._schema import KeyAction, ScaleLookup, StateSchema, StepLocation
+from opttree._selection import EVERYTHING, Selection
 
 StateEntry = MutableMapping[str, object]
 
@@ -91,11 +92,20 @@ class ResetPlan:
 class LeafInspector:
     """Plans one leaf against its schema and records every problem it finds."""
 
-    def __init__(self, node: LeafNode, schema: StateSchema, plan: ResetPlan, problems: list[Problem]) -> None:
+    def __init__(
+        self,
+        node: LeafNode,
+        schema: StateSchema,
+        plan: ResetPlan,
+        problems: list[Problem],
+        selection: Selection = EVERYTHING,
+    ) -> None:
         self.node = node
         self.schema = schema
         self.plan = plan
         self.problems = problems
+        self.selection = selection
+        self.actions = schema.actions if selection.keys is None else schema.actions_for(selection.keys)
         self.cls = type(node.optimizer).__qualname__
 
     def problem(self, kind: ProblemKind, message: str, key: str | None = None) -> None:
@@ -104,25 +114,44 @@ class LeafInspector:
     def inspect(self) -> None:
         optimizer = self.node.optimizer
         state = optimizer.state
+        chosen = self.selection.tensors
         grouped: set[int] = set()
-        for group in optimizer.param_groups:
+        for index, group in enumerate(optimizer.param_groups):
             params = group["params"]
             grouped.update(id(p) for p in params)
             step = group.get("step")
-            if self.schema.step is StepLocation.PER_GROUP and step is not None:
-                self.plan.add_step(group, step)
+            if self.schema.step is StepLocation.PER_GROUP and step is not None and self.selection.resets("step"):
+                self.plan_group_step(index, group, params, step)
             if step_number(step) and not any(p in state for p in params):
                 self.problem(ProblemKind.EMPTY_STATE, f"a group says step {step} but none of its parameters has state")
         self.plan.leaves += 1
         for param, entry in state.items():
             if id(param) not in grouped:
                 self.problem(ProblemKind.ORPHAN_STATE, "holds state for a tensor that is in no param group")
-            self.inspect_entry(optimizer, param, entry)
+            if chosen is None or id(param) in chosen:
+                self.inspect_entry(optimizer, param, entry)
+
+    def plan_group_step(self, index: int, group: StateEntry, params: list[torch.Tensor], step: object) -> None:
+        """A per-group step is shared by the group: a partial reset must take all of it."""
+        chosen = self.selection.tensors
+        if chosen is not None:
+            taken = sum(id(p) in chosen for p in params)
+            if taken == 0:
+                return
+            if taken < len(params):
+                self.problem(
+                    ProblemKind.PARTIAL_GROUP,
+                    f"param group {index} counts one step for its {len(params)} parameters and "
+                    f"{taken} are selected: select the whole group, or leave 'step' out of keys",
+                    "step",
+                )
+                return
+        self.plan.add_step(group, step)
 
     def inspect_entry(self, optimizer: torch.optim.Optimizer, param: torch.Tensor, entry: StateEntry) -> None:
         """The hot loop of a reset: one dictionary look-up per state key."""
         plan = self.plan
-        actions = self.schema.actions
+        actions = self.actions
         zero = plan.zero
         for key, value in entry.items():
             action = actions.get(key)

@@ -7,7 +7,7 @@ import enum
 from attrs import evolve, field, frozen
 
 from opttree import _paths
-from opttree._errors import OptTreeError, UnsupportedOptimizer, UnsupportedOptimizerState
+from opttree._errors import OptTreeError, PartialResetRefused, UnsupportedOptimizer, UnsupportedOptimizerState
 
 
 class Severity(enum.Enum):
@@ -23,6 +23,8 @@ class ProblemKind(enum.Enum):
     EMPTY_STATE = "empty-state"
     ORPHAN_STATE = "orphan-state"
     SHAPE_MISMATCH = "shape-mismatch"
+    PARTIAL_GROUP = "partial-group"
+    UNKNOWN_KEY = "unknown-key"
 
     @property
     def severity(self) -> Severity:
@@ -60,4 +62,6 @@ class Problem:
         message = str(self) if not others else f"{self} (and {others} more: see opttree.validate)"
         if self.kind is ProblemKind.UNSUPPORTED_OPTIMIZER:
             return UnsupportedOptimizer(message)
+        if self.kind in (ProblemKind.PARTIAL_GROUP, ProblemKind.UNKNOWN_KEY):
+            return PartialResetRefused(message)
         return UnsupportedOptimizerState(message)

@@ -9,6 +9,7 @@ from opttree._dispatch import LazyDispatch, dotted_name
 from opttree._errors import RegistrationError
 from opttree._leaf_schemas import builtin_schemas
 from opttree._schema import StateSchema
+from opttree._selection import INNER_PARAMS, InnerParams
 
 _builtin_schemas = builtin_schemas()
 _user_schemas: LazyDispatch[StateSchema] = LazyDispatch()
@@ -51,11 +52,15 @@ def register_schema(cls_or_dotted: type | str, schema: StateSchema) -> None:
         _user_schemas.register(cls_or_dotted, schema)
 
 
-def register_wrapper(cls_or_dotted: type | str, *, children: ChildrenFn) -> None:
+def register_wrapper(
+    cls_or_dotted: type | str, *, children: ChildrenFn, inner_params: InnerParams | None = None
+) -> None:
     """Register a wrapper kind: ``children(wrapper)`` yields ``(label, inner)`` pairs.
 
     The wrapper becomes a :class:`~opttree.WrapperNode` whose children are built from
-    the inner objects, which may be optimizers or other wrappers.
+    the inner objects, which may be optimizers or other wrappers. If the wrapper steps
+    copies of its parameters, ``inner_params(wrapper, path)`` yields ``(param, copies)``
+    pairs so that a partial reset can follow a parameter to its copies.
     """
     if not callable(cast(object, children)):
         msg = f"register_wrapper needs a callable children function, got {type(children).__qualname__}"
@@ -64,5 +69,9 @@ def register_wrapper(cls_or_dotted: type | str, *, children: ChildrenFn) -> None
     expand = children_expander(children)
     if isinstance(cls_or_dotted, str):
         _user_kinds.register_lazy(cls_or_dotted, expand)
+        if inner_params is not None:
+            INNER_PARAMS.register_lazy(cls_or_dotted, inner_params)
     else:
         _user_kinds.register(cls_or_dotted, expand)
+        if inner_params is not None:
+            INNER_PARAMS.register(cls_or_dotted, inner_params)

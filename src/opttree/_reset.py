@@ -17,6 +17,7 @@ class ResetVisitor(ValidateVisitor):
 
     def reset(self, root: Node) -> ResetReport:
         root.accept(self)
+        self.check_keys(root)
         errors = [p for p in self.problems if p.severity is Severity.ERROR]
         if errors:
             raise errors[0].to_error(others=len(errors) - 1)

@@ -75,3 +75,16 @@ class StateSchema:
         if self.step is StepLocation.PER_PARAMETER:
             actions["step"] = KeyAction.STEP
         return actions
+
+    @property
+    def resettable(self) -> frozenset[str]:
+        """The keys a partial reset may name: history, and ``step`` where there is one."""
+        keys = self.zero | self.drop
+        return keys if self.step is StepLocation.NONE else keys | {"step"}
+
+    def actions_for(self, keys: frozenset[str]) -> dict[str, KeyAction]:
+        """:attr:`actions` for a reset of ``keys`` only: other history is kept this time."""
+        return {
+            key: action if key in keys or action is KeyAction.KEEP else KeyAction.KEEP
+            for key, action in self.actions.items()
+        }

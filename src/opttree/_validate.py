@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from opttree import _registry
-from opttree._nodes import LeafNode
+from opttree._nodes import LeafNode, Node
 from opttree._plan import LeafInspector, ResetPlan
 from opttree._problems import Problem, ProblemKind
+from opttree._selection import EVERYTHING, Selection
 from opttree._visitor import TraverserVisitor
 
 
@@ -15,9 +16,25 @@ class ValidateVisitor(TraverserVisitor):
     A leaf reached a second time (``shared_with``) is checked once, at its first path.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, selection: Selection = EVERYTHING) -> None:
         self.problems: list[Problem] = []
         self.plan = ResetPlan()
+        self.selection = selection
+        self.resettable: set[str] = set()
+
+    def check_keys(self, root: Node) -> None:
+        """Keys named for a partial reset must be history in at least one leaf."""
+        unknown = sorted((self.selection.keys or frozenset()) - self.resettable)
+        if unknown:
+            known = ", ".join(sorted(self.resettable)) or "none"
+            self.problems.append(
+                Problem(
+                    ProblemKind.UNKNOWN_KEY,
+                    root.path,
+                    type(root.optimizer).__qualname__,
+                    f"no optimizer in the tree has history {unknown} (resettable here: {known})",
+                )
+            )
 
     def visit_leaf(self, node: LeafNode) -> None:
         if node.shared_with is not None:
@@ -35,4 +52,5 @@ class ValidateVisitor(TraverserVisitor):
                 )
             )
             return
-        LeafInspector(node, schema, self.plan, self.problems).inspect()
+        self.resettable |= schema.resettable
+        LeafInspector(node, schema, self.plan, self.problems, self.selection).inspect()

@@ -1,0 +1,184 @@
+"""Partial reset: which leaf tensors and which keys the user's selection reaches.
+
+Users name parameters as their model knows them. Megatron's wrappers step other tensors:
+fp32 main copies (``Float16OptimizerWithFloat16Params``), main-parameter shards
+(``DistributedOptimizer``), fp32 or CPU copies (``HybridDeviceOptimizer``). Each such
+wrapper kind has a registered *inner-params* function yielding ``(outer, inner tensors)``
+pairs; a selection flows down the tree through them to the leaves. A wrapper without one
+passes tensors through unchanged. A parameter that reaches no leaf and that no wrapper
+claims is an error, never a silent skip; one a wrapper claims with no inner tensors (a
+shard held by another rank) is selected with nothing to reset here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import cast
+
+import torch
+from attrs import frozen
+
+from opttree import _paths
+from opttree._adapter import mapping_attribute, sequence_attribute
+from opttree._dispatch import LazyDispatch
+from opttree._errors import MalformedWrapper, OptTreeError, UnmappedParameter
+from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
+from opttree._visitor import TraverserVisitor
+
+InnerParams = Callable[[object, str], Iterable[tuple[torch.Tensor, Sequence[torch.Tensor]]]]
+"""``(wrapper, path) -> (outer, inner tensors)`` pairs for the parameters it manages."""
+
+
+@frozen
+class Selection:
+    """The leaf tensors (by ``id``) whose state a reset touches, and the keys; ``None``: all."""
+
+    tensors: frozenset[int] | None = None
+    keys: frozenset[str] | None = None
+
+    def resets(self, key: str) -> bool:
+        return self.keys is None or key in self.keys
+
+
+EVERYTHING = Selection()
+
+
+def _pairs(wrapper: object, path: str, outer: str, inner: str) -> Iterable[tuple[torch.Tensor, Sequence[torch.Tensor]]]:
+    outer_groups, inner_groups = sequence_attribute(wrapper, outer, path), sequence_attribute(wrapper, inner, path)
+    if len(outer_groups) != len(inner_groups):
+        msg = f"{type(wrapper).__qualname__} at {_paths.display(path)}: {outer} and {inner} differ in length"
+        raise MalformedWrapper(msg)
+    for outer_group, inner_group in zip(outer_groups, inner_groups):
+        if not (isinstance(outer_group, list) and isinstance(inner_group, list) and len(outer_group) == len(inner_group)):
+            msg = f"{type(wrapper).__qualname__} at {_paths.display(path)}: {outer} does not pair with {inner}"
+            raise MalformedWrapper(msg)
+        for o, i in zip(outer_group, inner_group):
+            yield o, (i,)
+
+
+def float16_inner(wrapper: object, path: str) -> Iterable[tuple[torch.Tensor, Sequence[torch.Tensor]]]:
+    """Float16OptimizerWithFloat16Params steps fp32 copies of its fp16/bf16 parameters."""
+    return _pairs(wrapper, path, "float16_groups", "fp32_from_float16_groups")
+
+
+def distributed_inner(wrapper: object, path: str) -> Iterable[tuple[torch.Tensor, Sequence[torch.Tensor]]]:
+    """DistributedOptimizer steps this rank's shards: fp32 main shards of fp16/bf16
+    parameters (or, precision-aware, the model shards themselves) and fp32 shards."""
+    inner: dict[int, list[torch.Tensor]] = {}
+    for outer_name, inner_name in (
+        ("model_float16_groups", "shard_fp32_from_float16_groups"),
+        ("model_float16_groups", "shard_float16_groups"),
+        ("model_fp32_groups", "shard_fp32_groups"),
+    ):
+        for o, (i,) in _pairs(wrapper, path, outer_name, inner_name):
+            inner.setdefault(id(o), []).append(i)
+    for param in mapping_attribute(wrapper, "model_param_gbuf_map", path):
+        yield param, inner.get(id(param), [])
+
+
+def hybrid_inner(wrapper: object, path: str) -> Iterable[tuple[torch.Tensor, Sequence[torch.Tensor]]]:
+    """HybridDeviceOptimizer steps fp32 or CPU copies of its parameters."""
+    mapping = mapping_attribute(wrapper, "param_to_inner_param", path)
+    return ((outer, (inner,)) for outer, inner in mapping.items())
+
+
+def builtin_inner_params() -> LazyDispatch[InnerParams]:
+    table: LazyDispatch[InnerParams] = LazyDispatch()
+    prefix = "megatron.core.optimizer."
+    table.register_lazy(prefix + "optimizer.Float16OptimizerWithFloat16Params", float16_inner)
+    table.register_lazy(prefix + "distrib_optimizer.DistributedOptimizer", distributed_inner)
+    table.register_lazy(prefix + "cpu_offloading.hybrid_optimizer.HybridDeviceOptimizer", hybrid_inner)
+    return table
+
+
+INNER_PARAMS = builtin_inner_params()
+
+# id(tensor at this depth) -> (that tensor, index of the user's parameter it stands for)
+_Flow = dict[int, tuple[torch.Tensor, int]]
+
+
+class SelectVisitor(TraverserVisitor):
+    """Carries the selected tensors down the tree, through each wrapper's inner params."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.flow: _Flow = {id(p): (p, i) for i, p in enumerate(params)}
+        self.selected: set[int] = set()
+        self.reached: set[int] = set()
+
+    def through(self, node: Node, optimizer: object) -> None:
+        inner_params = INNER_PARAMS.lookup(type(optimizer))
+        if inner_params is None:
+            self.visit_children(node)
+            return
+        outer = self.flow
+        inner: _Flow = {}
+        claimed: set[int] = set()
+        for param, inner_tensors in inner_params(optimizer, node.path):
+            found = outer.get(id(param))
+            if found is None:
+                continue
+            claimed.add(id(param))
+            self.reached.add(found[1])
+            for tensor in inner_tensors:
+                inner[id(tensor)] = (tensor, found[1])
+        inner.update({k: v for k, v in outer.items() if k not in claimed})
+        self.flow = inner
+        try:
+            self.visit_children(node)
+        finally:
+            self.flow = outer
+
+    def visit_wrapper(self, node: WrapperNode) -> None:
+        self.through(node, node.optimizer)
+
+    def visit_hybrid(self, node: HybridNode) -> None:
+        self.through(node, node.optimizer)
+
+    def visit_chained(self, node: ChainedNode) -> None:
+        self.visit_children(node)
+
+    def visit_leaf(self, node: LeafNode) -> None:
+        for group in node.optimizer.param_groups:
+            for param in group["params"]:
+                found = self.flow.get(id(param))
+                if found is not None:
+                    self.selected.add(id(param))
+                    self.reached.add(found[1])
+
+
+ParamsArg = Iterable[torch.Tensor] | Callable[[str], bool]
+
+
+def resolve_params(params: ParamsArg, model: torch.nn.Module | None) -> list[torch.Tensor]:
+    if callable(params):
+        if model is None:
+            msg = "selecting parameters by a predicate on their names needs model="
+            raise OptTreeError(msg)
+        return [p for name, p in model.named_parameters() if params(name)]
+    chosen = list(params)
+    for p in chosen:
+        if not isinstance(cast(object, p), torch.Tensor):
+            msg = f"params must be tensors, got a {type(p).__qualname__}"
+            raise OptTreeError(msg)
+    return chosen
+
+
+def select(root: Node, params: ParamsArg | None, keys: Iterable[str] | None, model: torch.nn.Module | None) -> Selection:
+    """Map the user's parameters to the leaf tensors they reach; raise for any that reach none."""
+    key_set = None if keys is None else frozenset([keys] if isinstance(keys, str) else keys)
+    if params is None:
+        return Selection(None, key_set)
+    chosen = resolve_params(params, model)
+    visitor = SelectVisitor(chosen)
+    root.accept(visitor)
+    missing = [i for i in range(len(chosen)) if i not in visitor.reached]
+    if missing:
+        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        first = chosen[missing[0]]
+        label = names.get(id(first), f"of shape {tuple(first.shape)}")
+        msg = (
+            f"parameter {label} is held by no optimizer under {type(root.optimizer).__qualname__} at "
+            f"{_paths.display(root.path)} ({len(missing)} of {len(chosen)} selected parameters unmapped)"
+        )
+        raise UnmappedParameter(msg)
+    return Selection(frozenset(visitor.selected), key_set)

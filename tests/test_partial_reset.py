@@ -1,0 +1,160 @@
+"""Partial reset: chosen parameters and keys, mapped through Megatron's real wrappers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import opttree
+from opttree import testing
+from tests.helpers import model, snapshot, train, unchanged
+from tests.standins import TEFusedAdam
+
+K = 2
+
+
+def leaf_state(stack: testing.MegatronStack) -> list[tuple[str, torch.Tensor]]:
+    return [(k, v) for leaf in stack.leaves() for entry in leaf.state.values() for k, v in entry.items()]
+
+
+Position = tuple[int, int, str]
+
+
+def positions(stack: testing.MegatronStack) -> dict[Position, torch.Tensor]:
+    """Every state tensor by (leaf, entry, key); a dropped key is simply absent."""
+    return {
+        (i, j, key): value
+        for i, leaf in enumerate(stack.leaves())
+        for j, entry in enumerate(leaf.state.values())
+        for key, value in entry.items()
+    }
+
+
+def up_weight(stack: testing.MegatronStack) -> torch.Tensor:
+    return dict(stack.model.named_parameters())["module.up.weight"]
+
+
+def trained_pair(name: str) -> tuple[testing.MegatronStack, testing.MegatronStack]:
+    pair = testing.build(name), testing.build(name)
+    for stack in pair:
+        stack.train(0, K)
+    return pair
+
+
+@pytest.mark.parametrize("name", testing.available())
+def test_complementary_partial_resets_split_the_state_exactly(name: str) -> None:
+    """Reset the "up" layer's state in one stack and everything else in its twin: each
+    history tensor must be zeroed in exactly one of them and bitwise unchanged in the other."""
+    first, second = trained_pair(name)
+    before = {where: v.clone() for where, v in positions(first).items()}
+    assert all(torch.equal(v, before[where]) for where, v in positions(second).items())
+
+    def in_up(param_name: str) -> bool:
+        return ".up." in param_name
+
+    opttree.reset(first.optimizer, params=in_up, model=first.model)
+    opttree.reset(second.optimizer, params=lambda n: not in_up(n), model=second.model)
+
+    after_first, after_second = positions(first), positions(second)
+
+    def reset_in(after: dict[Position, torch.Tensor], where: Position) -> bool:
+        return where not in after or not after[where].any()  # dropped, or zeroed
+
+    def kept_in(after: dict[Position, torch.Tensor], where: Position) -> bool:
+        return where in after and torch.equal(after[where], before[where])
+
+    counts = {"first": 0, "second": 0}
+    for where, old in before.items():
+        if where[2] == "master_param":
+            assert kept_in(after_first, where) and kept_in(after_second, where)
+            continue
+        first_only = reset_in(after_first, where) and kept_in(after_second, where)
+        second_only = kept_in(after_first, where) and reset_in(after_second, where)
+        assert first_only or second_only, where
+        counts["first" if first_only else "second"] += 1
+    # Each side reset some of the state.
+    assert counts["first"] > 0 and counts["second"] > 0
+
+
+def test_only_the_named_keys_are_reset() -> None:
+    stack = testing.build("bf16")
+    stack.train(0, K)
+    before = [(k, v.clone()) for k, v in leaf_state(stack)]
+
+    report = opttree.reset(stack.optimizer, keys=["exp_avg"])
+
+    for (key, after), (_, old) in zip(leaf_state(stack), before, strict=True):
+        assert (not after.any()) if key == "exp_avg" else torch.equal(after, old), key
+    assert report.steps == 0 and "exp_avg_sq" in report.kept_keys
+
+
+def test_parameters_and_keys_combine() -> None:
+    stack = testing.build("offload_0.75")
+    stack.train(0, K)
+    weight = up_weight(stack)
+    before = [(k, v.clone()) for k, v in leaf_state(stack)]
+
+    report = opttree.reset(stack.optimizer, params=[weight], keys={"exp_avg", "step"})
+
+    assert report.tensors_zeroed == 1 and report.steps == 1
+    changed = [k for (k, v), (_, old) in zip(leaf_state(stack), before, strict=True) if not torch.equal(v, old)]
+    assert sorted(changed) == ["exp_avg", "step"]
+
+
+def test_a_parameter_no_optimizer_holds_is_an_error_and_nothing_changes() -> None:
+    stack = testing.build("dist_bf16")
+    stack.train(0, K)
+    before = [v.clone() for _, v in leaf_state(stack)]
+    stranger = torch.nn.Parameter(torch.zeros(3, 5))
+
+    with pytest.raises(opttree.UnmappedParameter, match=r"of shape \(3, 5\) is held by no optimizer"):
+        opttree.reset(stack.optimizer, params=[up_weight(stack), stranger])
+
+    assert all(torch.equal(v, old) for (_, v), old in zip(leaf_state(stack), before, strict=True))
+
+
+def test_a_predicate_needs_the_model() -> None:
+    stack = testing.build("fp32")
+    with pytest.raises(opttree.OptTreeError, match="needs model="):
+        opttree.reset(stack.optimizer, params=lambda name: True)
+
+
+def test_a_key_no_optimizer_has_is_refused() -> None:
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters())
+    train(net, optimizer, 0, 1)
+    before = snapshot(optimizer)
+
+    with pytest.raises(opttree.PartialResetRefused, match=r"no optimizer in the tree has history \['momentum'\]"):
+        opttree.reset(optimizer, keys=["momentum"])
+    assert unchanged(optimizer, before)
+
+
+def test_per_parameter_steps_reset_for_just_the_selected_parameters() -> None:
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters())
+    train(net, optimizer, 0, 3)
+    first = next(net.parameters())
+
+    opttree.reset(optimizer, params=[first])
+
+    steps = {id(p): float(optimizer.state[p]["step"]) for p in net.parameters()}
+    assert steps.pop(id(first)) == 0.0
+    assert set(steps.values()) == {3.0}
+
+
+def test_a_per_group_step_is_only_reset_with_its_whole_group() -> None:
+    net = model()
+    optimizer = TEFusedAdam(net.parameters())
+    train(net, optimizer, 0, 3)
+    first = next(net.parameters())
+    before = snapshot(optimizer)
+
+    with pytest.raises(opttree.PartialResetRefused, match=r"param group 0 counts one step for its 4 parameters"):
+        opttree.reset(optimizer, params=[first])
+    assert unchanged(optimizer, before) and optimizer.param_groups[0]["step"] == 3
+
+    moments_only = opttree.reset(optimizer, params=[first], keys=["exp_avg", "exp_avg_sq"])
+    assert moments_only.tensors_zeroed == 2 and optimizer.param_groups[0]["step"] == 3
+    whole = opttree.reset(optimizer, params=list(net.parameters()))
+    assert whole.steps == 1 and optimizer.param_groups[0]["step"] == 0
