@@ -35,12 +35,21 @@ class TreeBuilder:
         self._kind_of = kind_of
         self._on_path: set[int] = set()
         self._leaves: dict[int, str] = {}
+        self._kinds: dict[type, Expander | None] = {}
 
     def build(self, obj: object, path: str) -> Node:
         if len(self._on_path) >= MAX_DEPTH:
             msg = f"optimizer stack at {_paths.display(path)} is nested deeper than {MAX_DEPTH}"
             raise OptTreeError(msg)
-        expand = self._kind_of(type(obj))
+        cls = type(obj)
+        if cls in self._kinds:
+            expand = self._kinds[cls]
+        else:
+            expand = self._kinds[cls] = self._kind_of(cls)
+        if expand is expand_leaf:
+            # A leaf contains nothing, so it cannot close a cycle: skip the path bookkeeping,
+            # which HybridDeviceOptimizer's thousands of per-parameter leaves would pay.
+            return self.leaf(cast(torch.optim.Optimizer, obj), path)
         if expand is None:
             msg = (
                 f"{type(obj).__qualname__} at {_paths.display(path)} is not an optimizer: "

@@ -6,6 +6,7 @@ from opttree import _registry
 from opttree._nodes import LeafNode, Node
 from opttree._plan import LeafInspector, ResetPlan
 from opttree._problems import Problem, ProblemKind
+from opttree._schema import StateSchema
 from opttree._selection import EVERYTHING, Selection
 from opttree._visitor import TraverserVisitor
 
@@ -21,6 +22,7 @@ class ValidateVisitor(TraverserVisitor):
         self.plan = ResetPlan()
         self.selection = selection
         self.resettable: set[str] = set()
+        self._schemas: dict[type, StateSchema | None] = {}
 
     def check_keys(self, root: Node) -> None:
         """Keys named for a partial reset must be history in at least one leaf."""
@@ -40,9 +42,12 @@ class ValidateVisitor(TraverserVisitor):
         if node.shared_with is not None:
             self.plan.shared_leaves += 1
             return
-        schema = _registry.schema_for(type(node.optimizer))
+        cls = type(node.optimizer)
+        if cls in self._schemas:
+            schema = self._schemas[cls]
+        else:
+            schema = self._schemas[cls] = _registry.schema_for(cls)
         if schema is None:
-            cls = type(node.optimizer)
             self.problems.append(
                 Problem(
                     ProblemKind.UNSUPPORTED_OPTIMIZER,

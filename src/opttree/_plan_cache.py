@@ -1,0 +1,97 @@
+"""Reusing a leaf's state plan across resets.
+
+Frameworks reset after every rollout, over the same state tensors, and on the CPU the
+per-tensor work of planning costs as much as the zeroing. A full reset therefore keeps
+the plan of each leaf whose pass found nothing wrong, and the next full reset reuses it
+after checking that the state holds the very same parameters, entry dicts, keys and
+tensor objects (by identity, never by value: a tensor's ``==`` compares elements) and
+the groups the very same parameters in the same order. The checks run over flattened views of the state,
+at C speed; anything else is a miss, and the leaf is planned afresh.
+
+The cache holds the state it planned, so it is dropped when the optimizer loads a state
+dict, and dies with the optimizer.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from collections.abc import MutableMapping, Sequence
+from itertools import chain
+from typing import TYPE_CHECKING
+
+import torch
+from attrs import frozen
+
+from opttree._schema import StateSchema
+
+if TYPE_CHECKING:
+    from opttree._plan import StatePlan
+
+MIN_ENTRIES = 64
+"""Leaves with fewer state entries are not cached."""
+
+_State = MutableMapping[torch.Tensor, MutableMapping[str, object]]
+
+
+def _values(state: _State) -> list[object]:
+    return list(chain.from_iterable(map(dict.values, state.values())))  # type: ignore[arg-type]
+
+
+def _keys(state: _State) -> list[str]:
+    return list(chain.from_iterable(state.values()))
+
+
+def _same_objects(now: Sequence[object], then: Sequence[object]) -> bool:
+    return len(now) == len(then) and all(map(operator.is_, now, then))
+
+
+@frozen(eq=False)
+class _Stored:
+    schema: StateSchema
+    in_groups: list[object]
+    params: list[object]
+    entries: list[object]
+    keys: list[str]
+    values: list[object]
+    part: StatePlan
+
+    def matches(self, state: _State, schema: StateSchema, in_groups: list[torch.Tensor]) -> bool:
+        return (
+            schema is self.schema
+            and _same_objects(in_groups, self.in_groups)
+            and _same_objects(list(state), self.params)
+            and _same_objects(list(state.values()), self.entries)
+            and _keys(state) == self.keys
+            and _same_objects(_values(state), self.values)
+        )
+
+
+_plans: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Stored] = weakref.WeakKeyDictionary()
+_hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def _forget(optimizer: torch.optim.Optimizer) -> None:
+    _plans.pop(optimizer, None)
+
+
+def store(optimizer: torch.optim.Optimizer, schema: StateSchema, in_groups: list[torch.Tensor], part: StatePlan) -> None:
+    state = optimizer.state
+    _plans[optimizer] = _Stored(
+        schema, list(in_groups), list(state), list(state.values()), _keys(state), _values(state), part
+    )
+    if optimizer not in _hooked:
+        optimizer.register_load_state_dict_post_hook(_forget)
+        _hooked.add(optimizer)
+
+
+def lookup(optimizer: torch.optim.Optimizer, schema: StateSchema, in_groups: list[torch.Tensor]) -> StatePlan | None:
+    """The stored plan if the state and the groups' parameters (``in_groups``, in order)
+    are exactly what it was planned from, else None."""
+    stored = _plans.get(optimizer)
+    if stored is None:
+        return None
+    if stored.matches(optimizer.state, schema, in_groups):
+        return stored.part
+    _forget(optimizer)
+    return None

@@ -1,0 +1,42 @@
+"""Zeroing many tensors at once: one ``torch._foreach_zero_`` per list, and on the CPU,
+where ``_foreach_zero_`` has no fused kernel and costs a dispatch per tensor, the lists
+of small tensors split across threads (the call releases the GIL)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+_THREADED_MIN_TENSORS = 1024
+"""Below this many tensors a thread hand-off costs more than it saves."""
+_THREADED_MAX_AVERAGE_BYTES = 1 << 20
+"""Larger tensors are zeroed by ATen's own intra-op threads already."""
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def _workers() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()), thread_name_prefix="opttree-zero")
+    return _pool
+
+
+def zero_lists(lists: list[list[torch.Tensor]], *, total_bytes: int) -> None:
+    """Zero every tensor of ``lists`` in place; each list holds one device and dtype."""
+    count = sum(len(tensors) for tensors in lists)
+    threads = torch.get_num_threads()
+    if threads < 2 or count < _THREADED_MIN_TENSORS or total_bytes > _THREADED_MAX_AVERAGE_BYTES * count:
+        for tensors in lists:
+            torch._foreach_zero_(tensors)
+        return
+    slices: list[list[torch.Tensor]] = []
+    for tensors in lists:
+        if tensors[0].device.type != "cpu":
+            torch._foreach_zero_(tensors)
+            continue
+        size = -(-len(tensors) // threads)
+        slices.extend(tensors[i : i + size] for i in range(0, len(tensors), size))
+    for done in [_workers().submit(torch._foreach_zero_, s) for s in slices]:
+        done.result()

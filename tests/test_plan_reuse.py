@@ -1,0 +1,96 @@
+"""A full reset reuses the previous reset's plan of a large leaf only while its state is
+the very same; any change is seen and planned afresh."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import opttree
+from opttree import _plan_cache
+
+
+def many_params(count: int = 2 * _plan_cache.MIN_ENTRIES) -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(3)) for _ in range(count)]
+
+
+def step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=generator)
+    optimizer.step()
+
+
+def test_repeated_resets_match_a_fresh_optimizer_each_time() -> None:
+    params = many_params()
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    optimizer = torch.optim.AdamW(params, lr=0.1)
+    for rollout in range(3):
+        for i in range(3):
+            step(optimizer, params, 10 * rollout + i)
+        opttree.reset(optimizer)
+        assert optimizer in _plan_cache._plans
+        with torch.no_grad():
+            for twin, p in zip(twins, params, strict=True):
+                twin.copy_(p)
+        fresh = torch.optim.AdamW(twins, lr=0.1)
+        step(optimizer, params, 99 + rollout)
+        step(fresh, twins, 99 + rollout)
+        assert all(torch.equal(a, b) for a, b in zip(params, twins, strict=True))
+
+
+def test_a_replaced_state_tensor_is_the_one_zeroed() -> None:
+    params = many_params()
+    optimizer = torch.optim.AdamW(params)
+    step(optimizer, params, 0)
+    opttree.reset(optimizer)
+    step(optimizer, params, 1)
+    entry = optimizer.state[params[-1]]
+    stale = entry["exp_avg"]
+    entry["exp_avg"] = torch.ones(3)
+
+    opttree.reset(optimizer)
+
+    assert not entry["exp_avg"].any() and stale.any()
+
+
+def test_a_key_added_after_a_reset_is_still_refused() -> None:
+    params = many_params()
+    optimizer = torch.optim.AdamW(params)
+    step(optimizer, params, 0)
+    opttree.reset(optimizer)
+    optimizer.state[params[5]]["ema"] = torch.ones(3)
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'ema'"):
+        opttree.reset(optimizer)
+
+
+def test_loading_a_state_dict_forgets_the_plan() -> None:
+    params = many_params()
+    optimizer = torch.optim.AdamW(params)
+    step(optimizer, params, 0)
+    saved = copy.deepcopy(optimizer.state_dict())  # state_dict() shares the tensors
+    opttree.reset(optimizer)
+    assert optimizer in _plan_cache._plans
+
+    optimizer.load_state_dict(saved)
+
+    assert optimizer not in _plan_cache._plans
+    assert all(optimizer.state[p]["exp_avg"].any() for p in params)
+    opttree.reset(optimizer)
+    assert not any(optimizer.state[p]["exp_avg"].any() for p in params)
+
+
+def test_a_parameter_moved_out_of_its_group_is_seen() -> None:
+    params = many_params()
+    optimizer = torch.optim.AdamW(params)
+    step(optimizer, params, 0)
+    opttree.reset(optimizer)
+    optimizer.param_groups[0]["params"] = params[:-1]
+
+    problems = opttree.validate(optimizer)
+
+    assert [p.kind for p in problems] == [opttree.ProblemKind.ORPHAN_STATE]
