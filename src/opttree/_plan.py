@@ -1,10 +1,11 @@
 """One pass over a leaf's state that both validates it and plans its reset.
 
 Nothing is mutated while planning, so a reset that finds any error changes nothing.
-Tensors to zero are collected per leaf and key: the supported optimizers create each
-key's history like its parameter, and a leaf's parameters share a device and dtype, so
-each list takes ``torch._foreach_zero_``'s multi-tensor path (a mixed list is still
-zeroed correctly, tensor by tensor). Execution allocates no tensors.
+Tensors to zero are listed by state key and by the device and dtype of their leaf's
+parameters: the supported optimizers create history like its parameter, so each list
+takes ``torch._foreach_zero_``'s multi-tensor path (a mixed list would still be zeroed
+correctly, tensor by tensor), and thousands of one-parameter leaves share a few lists.
+Execution allocates no tensors.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from opttree._selection import EVERYTHING, Selection
 from opttree._zeroing import zero_lists
 
 StateEntry = MutableMapping[str, object]
+ListKey = tuple[str, torch.dtype | None, torch.device | None]
+"""A zero list: the state key, and the dtype and device of the leaf's parameters."""
 
 
 def step_number(value: object) -> float | None:
@@ -37,9 +40,9 @@ def step_number(value: object) -> float | None:
 
 @define
 class StatePlan:
-    """What a reset does to one leaf's ``state``: the result of the per-tensor pass."""
+    """What a reset does to some state: one leaf's, or, merged, a whole tree's."""
 
-    lists: list[list[torch.Tensor]] = field(factory=list)
+    lists: dict[ListKey, list[torch.Tensor]] = field(factory=dict)
     number_steps: list[StateEntry] = field(factory=list)
     drop: list[tuple[StateEntry, str]] = field(factory=list)
     scales: list[torch.Tensor] = field(factory=list)
@@ -56,54 +59,53 @@ class StatePlan:
         and no scales, which TE may rebuild."""
         return not self.drop and not self.scales
 
+    def zero_list(self, key: ListKey) -> list[torch.Tensor]:
+        found = self.lists.get(key)
+        if found is None:
+            found = self.lists[key] = []
+        return found
+
+    def merge(self, other: StatePlan) -> None:
+        for key, tensors in other.lists.items():
+            self.zero_list(key).extend(tensors)
+        self.number_steps.extend(other.number_steps)
+        self.drop.extend(other.drop)
+        self.scales.extend(other.scales)
+        self.zeroed += other.zeroed
+        self.steps += other.steps
+        self.kept += other.kept
+        self.bytes_reset += other.bytes_reset
+        self.bytes_kept += other.bytes_kept
+        self.kept_keys |= other.kept_keys
+
 
 @define
 class ResetPlan:
     """Everything a reset will do, gathered before anything is done."""
 
-    zero: list[list[torch.Tensor]] = field(factory=list)
-    drop: list[tuple[StateEntry, str]] = field(factory=list)
-    number_steps: list[StateEntry] = field(factory=list)
-    scales: list[torch.Tensor] = field(factory=list)
+    state: StatePlan = field(factory=StatePlan)
     leaves: int = 0
     shared_leaves: int = 0
-    tensors_zeroed: int = 0
-    bytes_reset: int = 0
-    steps: int = 0
-    tensors_kept: int = 0
-    bytes_kept: int = 0
-    kept_keys: set[str] = field(factory=set)
-
-    def add_state(self, part: StatePlan) -> None:
-        self.zero.extend(part.lists)
-        self.number_steps.extend(part.number_steps)
-        self.drop.extend(part.drop)
-        self.scales.extend(part.scales)
-        self.tensors_zeroed += part.zeroed
-        self.steps += part.steps
-        self.tensors_kept += part.kept
-        self.bytes_reset += part.bytes_reset
-        self.bytes_kept += part.bytes_kept
-        self.kept_keys |= part.kept_keys
 
     def execute(self) -> ResetReport:
+        state = self.state
         with torch.no_grad():
-            zero_lists(self.zero, total_bytes=self.bytes_reset)
-            for scale in self.scales:
+            zero_lists(list(state.lists.values()), total_bytes=state.bytes_reset)
+            for scale in state.scales:
                 scale.fill_(1.0)
-        for entry, key in self.drop:
+        for entry, key in state.drop:
             del entry[key]
-        for entry in self.number_steps:
+        for entry in state.number_steps:
             entry["step"] = 0
         return ResetReport(
             leaves=self.leaves,
-            tensors_zeroed=self.tensors_zeroed,
-            tensors_dropped=len(self.drop),
-            bytes_reset=self.bytes_reset,
-            steps=self.steps,
-            tensors_kept=self.tensors_kept,
-            bytes_kept=self.bytes_kept,
-            kept_keys=tuple(sorted(self.kept_keys)),
+            tensors_zeroed=state.zeroed,
+            tensors_dropped=len(state.drop),
+            bytes_reset=state.bytes_reset,
+            steps=state.steps,
+            tensors_kept=state.kept,
+            bytes_kept=state.bytes_kept,
+            kept_keys=tuple(sorted(state.kept_keys)),
             shared_leaves=self.shared_leaves,
         )
 
@@ -125,41 +127,51 @@ class LeafInspector:
         self.problems = problems
         self.selection = selection
         self.actions = schema.actions if selection.keys is None else schema.actions_for(selection.keys)
-        self.cls = type(node.optimizer).__qualname__
 
     def problem(self, kind: ProblemKind, message: str, key: str | None = None) -> None:
-        self.problems.append(Problem(kind, self.node.path, self.cls, message, key))
+        cls = type(self.node.optimizer).__qualname__
+        self.problems.append(Problem(kind, self.node.path, cls, message, key))
 
     def inspect(self) -> None:
         optimizer = self.node.optimizer
         state = optimizer.state
-        chosen = self.selection.tensors
+        plan = self.plan
         in_groups: list[torch.Tensor] = []
-        group_steps: list[torch.Tensor] = []
         for index, group in enumerate(optimizer.param_groups):
             params = group["params"]
             in_groups.extend(params)
             step = group.get("step")
-            if self.schema.step is StepLocation.PER_GROUP and step is not None and self.selection.resets("step"):
-                self.plan_group_step(index, group, params, step, group_steps)
+            if step is None:
+                continue
+            if self.schema.step is StepLocation.PER_GROUP and self.selection.resets("step"):
+                self.plan_group_step(index, group, params, step)
             if step_number(step) and not any(p in state for p in params):
                 self.problem(ProblemKind.EMPTY_STATE, f"a group says step {step} but none of its parameters has state")
-        self.plan.leaves += 1
+        plan.leaves += 1
+        if not state:
+            return
+        chosen = self.selection.tensors
         # Reusing a plan pays off for large states; a small one is planned faster than checked.
         whole = chosen is None and self.selection.keys is None and len(state) >= plan_cache.MIN_ENTRIES
-        part = plan_cache.lookup(optimizer, self.schema, in_groups) if whole else None
+        if not whole:
+            self.inspect_state(optimizer, state.items(), set(map(id, in_groups)), chosen, plan.state)
+            return
+        part = plan_cache.lookup(optimizer, self.schema, in_groups)
         if part is None:
             problems_before = len(self.problems)
-            part = self.inspect_state(optimizer, state.items(), set(map(id, in_groups)), chosen)
-            if whole and part.reusable and len(self.problems) == problems_before:
+            part = StatePlan()
+            self.inspect_state(optimizer, state.items(), set(map(id, in_groups)), None, part)
+            if part.reusable and len(self.problems) == problems_before:
                 plan_cache.store(optimizer, self.schema, in_groups, part)
-        self.plan.add_state(part)
-        if group_steps:
-            self.plan.zero.append(group_steps)
+        plan.state.merge(part)
 
-    def plan_group_step(
-        self, index: int, group: StateEntry, params: list[torch.Tensor], step: object, tensors: list[torch.Tensor]
-    ) -> None:
+    def placement(self) -> tuple[torch.dtype | None, torch.device | None]:
+        for group in self.node.optimizer.param_groups:
+            for param in group["params"]:
+                return param.dtype, param.device
+        return None, None
+
+    def plan_group_step(self, index: int, group: StateEntry, params: list[torch.Tensor], step: object) -> None:
         """A per-group step is shared by the group: a partial reset must take all of it."""
         chosen = self.selection.tensors
         if chosen is not None:
@@ -174,11 +186,12 @@ class LeafInspector:
                     "step",
                 )
                 return
+        state = self.plan.state
         if isinstance(step, torch.Tensor):
-            tensors.append(step)
+            state.zero_list(("group step", step.dtype, step.device)).append(step)
         else:
-            self.plan.number_steps.append(group)
-        self.plan.steps += 1
+            state.number_steps.append(group)
+        state.steps += 1
 
     def inspect_state(
         self,
@@ -186,12 +199,13 @@ class LeafInspector:
         entries: Iterable[tuple[torch.Tensor, StateEntry]],
         grouped: set[int],
         chosen: frozenset[int] | None,
-    ) -> StatePlan:
+        into: StatePlan,
+    ) -> None:
         """The hot loop of a reset: one dictionary look-up per state key, counters kept in
         locals, tensors appended to one list per key."""
-        part = StatePlan()
         actions = self.actions
         scale_of = self.schema.scale_of
+        dtype, device = self.placement()
         lists: dict[str, list[torch.Tensor]] = {}
         zeroed = steps = kept = 0
         bytes_reset = bytes_kept = 0
@@ -205,28 +219,28 @@ class LeafInspector:
                 if action is KeyAction.ZERO and isinstance(value, torch.Tensor):
                     tensors = lists.get(key)
                     if tensors is None:
-                        tensors = lists[key] = []
+                        tensors = lists[key] = into.zero_list((key, dtype, device))
                     tensors.append(value)
                     zeroed += 1
                     bytes_reset += value.nbytes
                     if scale_of is not None:
-                        self.plan_scale(scale_of, optimizer, param, key, part.scales)
+                        self.plan_scale(scale_of, optimizer, param, key, into.scales)
                 elif action is KeyAction.STEP:
                     steps += 1
                     if isinstance(value, torch.Tensor):
                         tensors = lists.get(key)
                         if tensors is None:
-                            tensors = lists[key] = []
+                            tensors = lists[key] = into.zero_list((key, dtype, device))
                         tensors.append(value)
                     else:
-                        part.number_steps.append(entry)
+                        into.number_steps.append(entry)
                 elif action is KeyAction.KEEP:
-                    part.kept_keys.add(key)
+                    into.kept_keys.add(key)
                     if isinstance(value, torch.Tensor):
                         kept += 1
                         bytes_kept += value.nbytes
                 elif action is KeyAction.DROP and isinstance(value, torch.Tensor):
-                    part.drop.append((entry, key))
+                    into.drop.append((entry, key))
                     bytes_reset += value.nbytes
                 elif action is None:
                     known = ", ".join(sorted(actions)) or "no keys"
@@ -237,10 +251,11 @@ class LeafInspector:
                         f"history is a {type(value).__qualname__}, expected a tensor",
                         key,
                     )
-        part.lists = list(lists.values())
-        part.zeroed, part.steps, part.kept = zeroed, steps, kept
-        part.bytes_reset, part.bytes_kept = bytes_reset, bytes_kept
-        return part
+        into.zeroed += zeroed
+        into.steps += steps
+        into.kept += kept
+        into.bytes_reset += bytes_reset
+        into.bytes_kept += bytes_kept
 
     def plan_scale(
         self,

@@ -57,5 +57,6 @@ class ValidateVisitor(TraverserVisitor):
                 )
             )
             return
-        self.resettable |= schema.resettable
+        if self.selection.keys is not None:
+            self.resettable |= schema.resettable
         LeafInspector(node, schema, self.plan, self.problems, self.selection).inspect()
