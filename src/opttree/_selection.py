@@ -22,7 +22,7 @@ from opttree import _paths
 from opttree._adapter import mapping_attribute, sequence_attribute
 from opttree._dispatch import LazyDispatch
 from opttree._errors import MalformedWrapper, OptTreeError, UnmappedParameter
-from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
+from opttree._nodes import HybridNode, LeafNode, Node, WrapperNode
 from opttree._visitor import TraverserVisitor
 
 InnerParams = Callable[[object, str], Iterable[tuple[torch.Tensor, Sequence[torch.Tensor]]]]
@@ -105,7 +105,8 @@ class SelectVisitor(TraverserVisitor):
         self.selected: set[int] = set()
         self.reached: set[int] = set()
 
-    def through(self, node: Node, optimizer: object) -> None:
+    def through(self, node: Node) -> None:
+        optimizer = node.optimizer
         inner_params = INNER_PARAMS.lookup(type(optimizer))
         if inner_params is None:
             self.visit_children(node)
@@ -129,13 +130,10 @@ class SelectVisitor(TraverserVisitor):
             self.flow = outer
 
     def visit_wrapper(self, node: WrapperNode) -> None:
-        self.through(node, node.optimizer)
+        self.through(node)
 
     def visit_hybrid(self, node: HybridNode) -> None:
-        self.through(node, node.optimizer)
-
-    def visit_chained(self, node: ChainedNode) -> None:
-        self.visit_children(node)
+        self.through(node)
 
     def visit_leaf(self, node: LeafNode) -> None:
         for group in node.optimizer.param_groups:
