@@ -94,3 +94,22 @@ def test_a_parameter_moved_out_of_its_group_is_seen() -> None:
     problems = opttree.validate(optimizer)
 
     assert [p.kind for p in problems] == [opttree.ProblemKind.ORPHAN_STATE]
+
+
+def test_a_forked_child_resets_with_its_own_threads() -> None:
+    import multiprocessing
+
+    params = many_params(2048)  # enough small tensors for the threaded path
+    optimizer = torch.optim.AdamW(params)
+    step(optimizer, params, 0)
+    opttree.reset(optimizer)  # the parent's pool now has threads
+    step(optimizer, params, 1)
+
+    context = multiprocessing.get_context("fork")
+    child = context.Process(target=opttree.reset, args=(optimizer,))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():  # hung on the parent's threads
+        child.kill()
+
+    assert child.exitcode == 0

@@ -4,6 +4,7 @@ of small tensors split across threads (the call releases the GIL)."""
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -14,6 +15,20 @@ _THREADED_MAX_AVERAGE_BYTES = 1 << 20
 """Larger tensors are zeroed by ATen's own intra-op threads already."""
 
 _pool: ThreadPoolExecutor | None = None
+
+
+def _forget_pool() -> None:
+    """A forked child has none of its parent's threads: it makes its own pool."""
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _zero(tensors: list[torch.Tensor]) -> None:
+    with torch.no_grad():  # grad mode is per thread
+        torch._foreach_zero_(tensors)
 
 
 def _workers() -> ThreadPoolExecutor:
@@ -38,5 +53,5 @@ def zero_lists(lists: list[list[torch.Tensor]], *, total_bytes: int) -> None:
             continue
         size = -(-len(tensors) // threads)
         slices.extend(tensors[i : i + size] for i in range(0, len(tensors), size))
-    for done in [_workers().submit(torch._foreach_zero_, s) for s in slices]:
+    for done in [_workers().submit(_zero, s) for s in slices]:
         done.result()
