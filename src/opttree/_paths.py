@@ -10,9 +10,9 @@ def child(parent: str, label: str) -> str:
     return label if parent == ROOT else f"{parent}.{label}"
 
 
-def indexed(parent: str, name: str, index: int) -> str:
-    """The path of the ``index``-th member of the sequence ``name``."""
-    return child(parent, f"{name}[{index}]")
+def items(sequence: str, count: int) -> list[str]:
+    """The paths of the first ``count`` members of the sequence at path ``sequence``."""
+    return [f"{sequence}[{index}]" for index in range(count)]
 
 
 def display(path: str) -> str:
