@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from opttree import _registry
-from opttree._nodes import LeafNode, Node
+from opttree._nodes import HybridNode, LeafNode, Node
 from opttree._plan import LeafInspector, ResetPlan
 from opttree._problems import Problem, ProblemKind
-from opttree._schema import StateSchema
+from opttree._runs import alike_runs
 from opttree._selection import EVERYTHING, Selection
 from opttree._visitor import TraverserVisitor
 
@@ -15,6 +15,8 @@ class ValidateVisitor(TraverserVisitor):
     """Checks each leaf against its schema, collecting ``problems`` and the reset ``plan``.
 
     A leaf reached a second time (``shared_with``) is checked once, at its first path.
+    Runs of alike sibling leaves are planned in one pooled pass where that cannot change
+    the outcome (:meth:`LeafInspector.inspect_alike`), else leaf by leaf.
     """
 
     def __init__(self, selection: Selection = EVERYTHING) -> None:
@@ -22,7 +24,7 @@ class ValidateVisitor(TraverserVisitor):
         self.plan = ResetPlan()
         self.selection = selection
         self.resettable: set[str] = set()
-        self._schemas: dict[type, StateSchema | None] = {}
+        self._inspectors: dict[type, LeafInspector | None] = {}
 
     def check_keys(self, root: Node) -> None:
         """Keys named for a partial reset must be history in at least one leaf."""
@@ -38,16 +40,43 @@ class ValidateVisitor(TraverserVisitor):
                 )
             )
 
+    def inspector_for(self, cls: type) -> LeafInspector | None:
+        if cls in self._inspectors:
+            return self._inspectors[cls]
+        schema = _registry.schema_for(cls)
+        inspector = None if schema is None else LeafInspector(schema, self.plan, self.problems, self.selection)
+        if schema is not None and self.selection.keys is not None:
+            self.resettable |= schema.resettable
+        self._inspectors[cls] = inspector
+        return inspector
+
+    def visit_children(self, node: Node) -> None:
+        self.visit_siblings(node.children)
+
+    def visit_hybrid(self, node: HybridNode) -> None:
+        """CPU and GPU sub-optimizers, often of one class, are never pooled together:
+        their state lives on different devices."""
+        self.visit_siblings(node.cpu)
+        if node.gpu is not None:
+            node.gpu.accept(self)
+
+    def visit_siblings(self, nodes: tuple[Node, ...]) -> None:
+        for item in alike_runs(nodes):
+            if isinstance(item, Node):
+                item.accept(self)
+                continue
+            inspector = self.inspector_for(type(item[0].optimizer))
+            if inspector is None or not inspector.inspect_alike(item):
+                for leaf in item:
+                    self.visit_leaf(leaf)
+
     def visit_leaf(self, node: LeafNode) -> None:
         if node.shared_with is not None:
             self.plan.shared_leaves += 1
             return
         cls = type(node.optimizer)
-        if cls in self._schemas:
-            schema = self._schemas[cls]
-        else:
-            schema = self._schemas[cls] = _registry.schema_for(cls)
-        if schema is None:
+        inspector = self.inspector_for(cls)
+        if inspector is None:
             self.problems.append(
                 Problem(
                     ProblemKind.UNSUPPORTED_OPTIMIZER,
@@ -57,6 +86,4 @@ class ValidateVisitor(TraverserVisitor):
                 )
             )
             return
-        if self.selection.keys is not None:
-            self.resettable |= schema.resettable
-        LeafInspector(node, schema, self.plan, self.problems, self.selection).inspect()
+        inspector.inspect(node)

@@ -1,0 +1,32 @@
+"""Runs of alike leaves: consecutive siblings that are leaves of one optimizer class,
+each reached for the first time.
+
+Validation and ``describe`` take such a run in bulk. A HybridDeviceOptimizer with
+overlap holds one CPU optimizer per parameter, and thousands of one-parameter leaves
+would otherwise cost more in per-leaf Python than their state does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from itertools import groupby
+from typing import cast
+
+from opttree._nodes import LeafNode, Node
+
+LeafRun = tuple[LeafNode, ...]
+"""Two or more alike leaves, in sibling order."""
+
+
+def _run_key(node: Node) -> object:
+    """Alike leaves share their class as key; any other node has a key of its own."""
+    if isinstance(node, LeafNode) and node.shared_with is None:
+        return type(node.optimizer)
+    return id(node)
+
+
+def alike_runs(nodes: Iterable[Node]) -> Iterator[Node | LeafRun]:
+    """``nodes`` in order, each run of two or more alike leaves yielded as one tuple."""
+    for _, group in groupby(nodes, _run_key):
+        run = tuple(group)
+        yield run[0] if len(run) == 1 else cast(LeafRun, run)
