@@ -1,39 +1,46 @@
-"""``describe``: an indented, human-readable tree with runs of identical siblings collapsed.
+"""``describe``: an indented, human-readable tree, bounded in length however many leaves.
 
 HybridDeviceOptimizer with overlap builds one CPU optimizer per parameter, so a tree can
-hold thousands of equal leaves. Each node is first summarised without its path; equal
-neighbouring summaries print once, with a count and the range of their paths.
+hold thousands of leaves. Up to :data:`DETAIL_LIMIT` alike sibling leaves are described
+one by one; a longer run prints one line with its totals, computed in bulk. Equal
+neighbouring summaries then print once, with a count and the range of their paths.
 """
 
 from __future__ import annotations
 
+import contextlib
+import operator
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import cast
 
 import torch
-from attrs import field, frozen
+from attrs import evolve, field, frozen
 
 from opttree import _paths
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._plan import step_number
 from opttree._report import format_bytes
+from opttree._runs import alike_runs
 from opttree._visitor import NodeVisitor
+
+DETAIL_LIMIT = 8
+"""Runs of more alike sibling leaves than this are described by their totals."""
+
+_DTYPE = operator.attrgetter("dtype")
+_NBYTES = operator.attrgetter("nbytes")
 
 
 @frozen
 class Summary:
-    """A node's printed line and its children's summaries; equality ignores the path."""
+    """Lines for ``count`` nodes, the first at ``path`` and the last at ``last_path``:
+    one line, and the children's summaries. Equality ignores the paths."""
 
     text: str
     children: tuple[Summary, ...]
     path: str = field(eq=False)
-
-
-def _step_text(values: set[float]) -> str:
-    if not values:
-        return ""
-    low, high = min(values), max(values)
-    return f" step={low:g}" if low == high else f" step={low:g}..{high:g}"
+    count: int = 1
+    last_path: str = field(eq=False, default="")
 
 
 def _placement(dtype: torch.dtype, device_index: int) -> str:
@@ -41,38 +48,74 @@ def _placement(dtype: torch.dtype, device_index: int) -> str:
     return f"{str(dtype).removeprefix('torch.')}@{device}"
 
 
-def leaf_text(optimizer: torch.optim.Optimizer) -> str:
-    """One line for a leaf. Tensors are keyed by ``(dtype, get_device())``, which costs less
-    than building a ``torch.device`` per tensor: HybridDeviceOptimizer has thousands of leaves."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    by_placement: defaultdict[tuple[torch.dtype, int], int] = defaultdict(int)
-    steps: set[float] = set()
-    for group in optimizer.param_groups:
-        group_step = step_number(group.get("step"))
-        if group_step is not None:
-            steps.add(group_step)
-    for entry in optimizer.state.values():
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                by_placement[(value.dtype, value.get_device())] += value.nbytes
-            if key == "step":
-                number = step_number(value)
-                if number is not None:
-                    steps.add(number)
-    elements = sum(p.numel() for p in params)
-    total = sum(by_placement.values())
+def _bytes_by_placement(tensors: list[torch.Tensor]) -> dict[tuple[torch.dtype, int], int]:
+    """Bytes per ``(dtype, get_device())``, which costs less than a ``torch.device`` per
+    tensor; read at C speed where all share one placement, as they usually do."""
+    dtypes = set(map(_DTYPE, tensors))
+    devices = set(map(torch.Tensor.get_device, tensors))
+    if len(dtypes) == 1 and len(devices) == 1:
+        return {(dtypes.pop(), devices.pop()): sum(map(_NBYTES, tensors))}
+    totals: defaultdict[tuple[torch.dtype, int], int] = defaultdict(int)
+    for tensor in tensors:
+        totals[(tensor.dtype, tensor.get_device())] += tensor.nbytes
+    return dict(totals)
+
+
+def _step_text(counters: list[object]) -> str:
+    """The range of step counters. Where all are tensors, the usual per-parameter steps,
+    they are read in one ``map``; anything else goes through :func:`step_number`."""
+    numbers: list[float] = []
+    if set(map(type, counters)) == {torch.Tensor}:
+        with contextlib.suppress(RuntimeError):  # a tensor of several steps, or of none
+            numbers = list(map(torch.Tensor.item, cast(list[torch.Tensor], counters)))
+    if not numbers:
+        numbers = [n for n in map(step_number, counters) if n is not None]
+    if not numbers:
+        return ""
+    low, high = min(numbers), max(numbers)
+    return f" step={low:g}" if low == high else f" step={low:g}..{high:g}"
+
+
+def leaves_text(optimizers: Sequence[torch.optim.Optimizer]) -> str:
+    """Parameters, state bytes by placement and the step range of some leaves, together."""
+    groups = [group for optimizer in optimizers for group in optimizer.param_groups]
+    params = [param for group in groups for param in group["params"]]
+    entries = [entry for optimizer in optimizers for entry in optimizer.state.values()]
+    tensors = [value for entry in entries for value in entry.values() if isinstance(value, torch.Tensor)]
+    counters = [group["step"] for group in groups if group.get("step") is not None]
+    counters += [entry["step"] for entry in entries if "step" in entry]
+    by_placement = _bytes_by_placement(tensors) if tensors else {}
     detail = ", ".join(
         sorted(f"{_placement(dtype, index)} {format_bytes(n)}" for (dtype, index), n in by_placement.items())
     )
-    state = f" state={format_bytes(total)} [{detail}]" if by_placement else " state=empty"
-    return f"{type(optimizer).__qualname__} params={len(params)} ({elements:,} elements){state}{_step_text(steps)}"
+    state = f" state={format_bytes(sum(by_placement.values()))} [{detail}]" if by_placement else " state=empty"
+    elements = sum(map(torch.Tensor.numel, params))
+    return f"params={len(params)} ({elements:,} elements){state}{_step_text(counters)}"
+
+
+def leaf_text(optimizer: torch.optim.Optimizer) -> str:
+    """One line for a leaf."""
+    return f"{type(optimizer).__qualname__} {leaves_text([optimizer])}"
 
 
 class DescribeVisitor(NodeVisitor[Summary]):
     """Summarises each node; :meth:`render` turns the root's summary into text."""
 
-    def summarise(self, node: Node, text: str) -> Summary:
-        return Summary(text, tuple(child.accept(self) for child in node.children), node.path)
+    def summarise(self, node: Node, text: str, children: Sequence[Node] | None = None) -> Summary:
+        return Summary(text, self.siblings(node.children if children is None else children), node.path)
+
+    def siblings(self, nodes: Sequence[Node]) -> tuple[Summary, ...]:
+        summaries: list[Summary] = []
+        for item in alike_runs(nodes):
+            if isinstance(item, Node):
+                summaries.append(item.accept(self))
+            elif len(item) <= DETAIL_LIMIT:
+                summaries.extend(leaf.accept(self) for leaf in item)
+            else:
+                cls = type(item[0].optimizer).__qualname__
+                text = f"{cls}, in all: {leaves_text([leaf.optimizer for leaf in item])}"
+                summaries.append(Summary(text, (), item[0].path, len(item), item[-1].path))
+        return _collapsed(summaries)
 
     def visit_chained(self, node: ChainedNode) -> Summary:
         return self.summarise(node, f"{type(node.optimizer).__qualname__} members={len(node.members)}")
@@ -81,9 +124,12 @@ class DescribeVisitor(NodeVisitor[Summary]):
         gpu = "none" if node.gpu is None else "1"
         offload = getattr(node.optimizer, "offload_fraction", None)
         fraction = f" offload_fraction={offload:g}" if isinstance(offload, (int, float)) else ""
-        return self.summarise(
-            node, f"{type(node.optimizer).__qualname__} cpu_optimizers={len(node.cpu)} gpu_optimizer={gpu}{fraction}"
-        )
+        text = f"{type(node.optimizer).__qualname__} cpu_optimizers={len(node.cpu)} gpu_optimizer={gpu}{fraction}"
+        summary = self.summarise(node, text, node.cpu)
+        if node.gpu is None:
+            return summary
+        # The GPU sub-optimizer is never totalled with the CPU ones.
+        return evolve(summary, children=(*summary.children, node.gpu.accept(self)))
 
     def visit_wrapper(self, node: WrapperNode) -> Summary:
         stub = " (stub: no optimizer on this rank)" if node.is_stub else ""
@@ -97,27 +143,26 @@ class DescribeVisitor(NodeVisitor[Summary]):
         return Summary(text, (), node.path)
 
     def render(self, root: Node) -> str:
-        return "\n".join(_lines(root.accept(self), count=1, last_path=root.path, depth=0))
+        return "\n".join(_lines(root.accept(self), depth=0))
 
 
-def _lines(summary: Summary, *, count: int, last_path: str, depth: int) -> Iterator[str]:
+def _collapsed(summaries: list[Summary]) -> tuple[Summary, ...]:
+    """Consecutive equal summaries merged into one with their count and last path."""
+    merged: list[Summary] = []
+    for summary in summaries:
+        if merged and merged[-1] == evolve(summary, count=merged[-1].count):
+            merged[-1] = evolve(merged[-1], count=merged[-1].count + summary.count, last_path=summary.path)
+        else:
+            merged.append(summary)
+    return tuple(merged)
+
+
+def _lines(summary: Summary, *, depth: int) -> Iterator[str]:
     indent = "  " * depth
     where = _paths.display(summary.path)
-    if count > 1:
-        yield f"{indent}{count} x {summary.text}  @ {where} .. {_paths.display(last_path)}"
+    if summary.count > 1:
+        yield f"{indent}{summary.count} x {summary.text}  @ {where} .. {_paths.display(summary.last_path)}"
     else:
         yield f"{indent}{summary.text}  @ {where}"
-    for run in _runs(summary.children):
-        first, n, last = run
-        yield from _lines(first, count=n, last_path=last, depth=depth + 1)
-
-
-def _runs(children: tuple[Summary, ...]) -> Iterator[tuple[Summary, int, str]]:
-    """Consecutive equal summaries as (first, how many, path of the last)."""
-    i = 0
-    while i < len(children):
-        j = i + 1
-        while j < len(children) and children[j] == children[i]:
-            j += 1
-        yield children[i], j - i, children[j - 1].path
-        i = j
+    for child in summary.children:
+        yield from _lines(child, depth=depth + 1)

@@ -7,6 +7,8 @@ parameters holds a stub optimizer). Every rank sends a small summary of its own 
 
 from __future__ import annotations
 
+from itertools import groupby
+
 import torch
 import torch.distributed as dist
 from attrs import frozen
@@ -18,12 +20,18 @@ from opttree._visitor import NodeVisitor, TraverserVisitor
 
 
 class ShapeVisitor(NodeVisitor[str]):
-    """A tree's shape as one line of class names, such as ``ChainedOptimizer[FP32Optimizer[AdamW]]``."""
+    """A tree's shape as one line of class names, such as ``ChainedOptimizer[FP32Optimizer[AdamW]]``.
+
+    Equal neighbouring shapes are written once with their count, ``AdamW*10000``, so a
+    HybridDeviceOptimizer's one leaf per parameter keeps the line short.
+    """
 
     def inner(self, node: Node) -> str:
-        return type(node.optimizer).__qualname__ + (
-            "[" + ",".join(child.accept(self) for child in node.children) + "]" if node.children else ""
-        )
+        name = type(node.optimizer).__qualname__
+        if not node.children:
+            return name
+        runs = groupby(child.accept(self) for child in node.children)
+        return name + "[" + ",".join(_counted(shape, sum(1 for _ in run)) for shape, run in runs) + "]"
 
     def visit_chained(self, node: ChainedNode) -> str:
         return self.inner(node)
@@ -36,6 +44,10 @@ class ShapeVisitor(NodeVisitor[str]):
 
     def visit_leaf(self, node: LeafNode) -> str:
         return self.inner(node)
+
+
+def _counted(shape: str, count: int) -> str:
+    return shape if count == 1 else f"{shape}*{count}"
 
 
 class _StateBytes(TraverserVisitor):
