@@ -102,3 +102,32 @@ def test_tree_of_a_tree_is_itself() -> None:
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     train(net, optimizer, 0, 1)
     assert opttree.reset(opttree.tree(optimizer)).tensors_dropped == 4
+
+
+class ComparableSGD(torch.optim.SGD):
+    """An optimizer that compares by its hyper-parameters, which makes it unhashable."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ComparableSGD) and self.defaults == other.defaults
+
+
+def test_optimizers_that_are_unhashable_or_equal_to_each_other_are_still_told_apart() -> None:
+    nets = [torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(40)]) for _ in range(3)]
+    leaves = [ComparableSGD(net.parameters(), lr=0.1, momentum=0.9) for net in nets]  # 80 entries each
+    for net, leaf in zip(nets, leaves, strict=True):
+        train_constant(net, leaf)
+    root = chained([*leaves, leaves[0]])  # type: ignore[list-item]  # Megatron chains raw optimizers too
+
+    node = opttree.tree(root)
+    report = opttree.reset(root)
+    opttree.reset(root)  # a second full reset, where plans of large leaves are reused
+
+    assert [getattr(c, "shared_with", None) for c in node.children] == [None, None, None, "chained[0]"]
+    assert (report.leaves, report.shared_leaves, report.tensors_dropped) == (3, 1, 3 * 80)
+    assert all(not leaf.state[p] for leaf in leaves for p in leaf.state)
+
+
+def train_constant(net: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    for p in net.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()

@@ -18,6 +18,7 @@ import torch
 from opttree import _paths
 from opttree._dispatch import LazyDispatch
 from opttree._errors import MalformedWrapper, NotAnOptimizer, OptimizerCycle, OptTreeError
+from opttree._identity import by_identity, identity_key
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 
 MAX_DEPTH = 64
@@ -34,9 +35,7 @@ class TreeBuilder:
     def __init__(self, kind_of: Callable[[type], Expander | None]) -> None:
         self._kind_of = kind_of
         self._on_path: set[int] = set()
-        # Keyed by the optimizers themselves: ``id()`` raises an audit event, which costs
-        # a Python call per leaf wherever an audit hook is installed (filelock installs one).
-        self._leaves: dict[torch.optim.Optimizer, str] = {}
+        self._leaves: dict[object, str] = {}  # by identity_key
         self._kinds: dict[type, Expander | None] = {}
 
     def kind(self, cls: type) -> Expander | None:
@@ -83,14 +82,15 @@ class TreeBuilder:
         return [self.build(obj, path) for obj, path in zip(objects, paths, strict=True)]
 
     def fresh_leaves(self, objects: list[object]) -> bool:
-        """Whether ``objects`` are all of leaf kinds, each met for the first time."""
-        if any(self.kind(cls) is not expand_leaf for cls in set(map(type, objects))):
+        """Whether ``objects`` are all of leaf kinds that are keys of their own (see
+        :mod:`opttree._identity`), each met for the first time."""
+        if any(self.kind(cls) is not expand_leaf or not by_identity(cls) for cls in set(map(type, objects))):
             return False
         distinct = set(objects)
         return len(distinct) == len(objects) and self._leaves.keys().isdisjoint(distinct)
 
     def leaf(self, optimizer: torch.optim.Optimizer, path: str) -> LeafNode:
-        first = self._leaves.setdefault(optimizer, path)
+        first = self._leaves.setdefault(identity_key(optimizer), path)
         return LeafNode(path, optimizer, None if first == path else first)
 
 

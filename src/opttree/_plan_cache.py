@@ -9,7 +9,8 @@ the groups the very same parameters in the same order. The checks run over flatt
 at C speed; anything else is a miss, and the leaf is planned afresh.
 
 The cache holds the state it planned, so it is dropped when the optimizer loads a state
-dict, and dies with the optimizer.
+dict, and dies with the optimizer. Optimizers that are not keys of their own (see
+:mod:`opttree._identity`) are never cached.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from attrs import frozen
 
+from opttree._identity import by_identity
 from opttree._schema import StateSchema
 
 if TYPE_CHECKING:
@@ -76,6 +78,8 @@ def _forget(optimizer: torch.optim.Optimizer) -> None:
 
 
 def store(optimizer: torch.optim.Optimizer, schema: StateSchema, in_groups: list[torch.Tensor], part: StatePlan) -> None:
+    if not by_identity(type(optimizer)):  # unhashable, or equal to other optimizers
+        return
     state = optimizer.state
     _plans[optimizer] = _Stored(
         schema, list(in_groups), list(state), list(state.values()), _keys(state), _values(state), part
@@ -88,7 +92,7 @@ def store(optimizer: torch.optim.Optimizer, schema: StateSchema, in_groups: list
 def lookup(optimizer: torch.optim.Optimizer, schema: StateSchema, in_groups: list[torch.Tensor]) -> StatePlan | None:
     """The stored plan if the state and the groups' parameters (``in_groups``, in order)
     are exactly what it was planned from, else None."""
-    stored = _plans.get(optimizer)
+    stored = _plans.get(optimizer) if by_identity(type(optimizer)) else None
     if stored is None:
         return None
     if stored.matches(optimizer.state, schema, in_groups):
