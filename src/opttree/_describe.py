@@ -147,10 +147,11 @@ class DescribeVisitor(NodeVisitor[Summary]):
 
 
 def _collapsed(summaries: list[Summary]) -> tuple[Summary, ...]:
-    """Consecutive equal summaries merged into one with their count and last path."""
+    """Consecutive equal single summaries merged into one with their count and last path.
+    (A run's totals never merge: its neighbours are not leaves of its class.)"""
     merged: list[Summary] = []
     for summary in summaries:
-        if merged and merged[-1] == evolve(summary, count=merged[-1].count):
+        if merged and summary.count == 1 and merged[-1] == evolve(summary, count=merged[-1].count):
             merged[-1] = evolve(merged[-1], count=merged[-1].count + summary.count, last_path=summary.path)
         else:
             merged.append(summary)
