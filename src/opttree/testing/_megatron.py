@@ -12,7 +12,6 @@ filled by hand.
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -103,9 +102,9 @@ def ensure_process_group() -> None:
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        # An explicit address, not MASTER_PORT in os.environ: a subprocess would inherit
+        # the port this process's store listens on, and fail to start its own.
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         with cuda_on_cpu():
             parallel_state.initialize_model_parallel()
