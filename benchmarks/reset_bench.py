@@ -102,10 +102,18 @@ def few_large(n_params: int, numel: int, repeats: int) -> None:
 
 def reset_allocations(n_params: int) -> None:
     optimizer = stepped_adamw(n_params, 1024)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    if DEVICE.type == "cuda":
+        sync()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
         opttree.reset(optimizer)
-    allocated = sum(max(e.cpu_memory_usage, 0) for e in prof.key_averages())
-    print(f"bytes allocated by torch during a reset of {n_params:,} params: {allocated:,}")
+        sync()
+        allocated = torch.cuda.max_memory_allocated() - before
+    else:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            opttree.reset(optimizer)
+        allocated = sum(max(e.cpu_memory_usage, 0) for e in prof.key_averages())
+    print(f"bytes allocated on {DEVICE.type} during a reset of {n_params:,} params: {allocated:,}")
 
 
 def hybrid(n_params: int, repeats: int) -> None:
