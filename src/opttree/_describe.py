@@ -19,7 +19,7 @@ from attrs import evolve, field, frozen
 
 from opttree import _paths
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
-from opttree._plan import step_number
+from opttree._inspect import step_number
 from opttree._report import format_bytes
 from opttree._runs import alike_runs
 from opttree._visitor import NodeVisitor

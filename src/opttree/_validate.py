@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from opttree import _registry
 from opttree._nodes import HybridNode, LeafNode, Node
-from opttree._plan import LeafInspector, ResetPlan
+from opttree._inspect import LeafInspector
+from opttree._plan import ResetPlan
 from opttree._problems import Problem, ProblemKind
 from opttree._runs import alike_runs
 from opttree._selection import EVERYTHING, Selection
@@ -16,7 +17,7 @@ class ValidateVisitor(TraverserVisitor):
 
     A leaf reached a second time (``shared_with``) is checked once, at its first path.
     Runs of alike sibling leaves are planned in one pooled pass where that cannot change
-    the outcome (:meth:`LeafInspector.inspect_alike`), else leaf by leaf.
+    the outcome (:meth:`~opttree._inspect.LeafInspector.inspect_alike`), else leaf by leaf.
     """
 
     def __init__(self, selection: Selection = EVERYTHING) -> None:

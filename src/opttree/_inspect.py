@@ -1,0 +1,268 @@
+"""Validating a leaf's state and planning its reset, in the same pass.
+
+The state is taken key by key: each key's values across the entries are gathered and
+checked at once, and a wrong key is reported once per leaf. Nothing is mutated while
+planning, so a reset that finds any error changes nothing.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from itertools import chain
+
+import torch
+
+from opttree import _plan_cache as plan_cache
+from opttree._errors import OptTreeError
+from opttree._nodes import LeafNode
+from opttree._plan import ResetPlan, StateEntry, StatePlan
+from opttree._problems import Problem, ProblemKind
+from opttree._schema import KeyAction, ScaleLookup, StateSchema, StepLocation
+from opttree._selection import EVERYTHING, Selection
+
+Placement = tuple[torch.dtype | None, torch.device | None]
+
+_DTYPE_AND_DEVICE = operator.attrgetter("dtype", "device")
+_NBYTES = operator.attrgetter("nbytes")
+
+
+def _placement(params: Sequence[torch.Tensor]) -> Placement:
+    """The dtype and device of a leaf's first parameter, which its history follows."""
+    return (params[0].dtype, params[0].device) if params else (None, None)
+
+
+def _held_for_own_params(
+    optimizers: Sequence[torch.optim.Optimizer],
+    states: Sequence[Mapping[torch.Tensor, StateEntry]],
+    held: list[torch.Tensor],
+    params: list[torch.Tensor],
+) -> bool:
+    """Whether each optimizer's state is held for parameters of its own groups, given
+    all state keys (``held``) and all group parameters (``params``) in order.
+
+    Where there is state for every parameter, in order, as after a step that reached them
+    all, this compares ``held`` with ``params`` at C speed, without ``id()``: it raises an
+    audit event, a Python call per tensor wherever an audit hook is installed.
+    """
+    if (
+        len(held) == len(params)
+        and all(map(operator.is_, held, params))
+        and (len(optimizers) == 1 or list(map(len, states)) == _param_counts(optimizers))
+    ):
+        return True
+    owned = {(i, id(p)) for i, opt in enumerate(optimizers) for group in opt.param_groups for p in group["params"]}
+    return {(i, id(p)) for i, state in enumerate(states) for p in state} <= owned
+
+
+def _param_counts(optimizers: Sequence[torch.optim.Optimizer]) -> list[int]:
+    if all(len(optimizer.param_groups) == 1 for optimizer in optimizers):
+        return [len(optimizer.param_groups[0]["params"]) for optimizer in optimizers]
+    return [sum(len(group["params"]) for group in optimizer.param_groups) for optimizer in optimizers]
+
+
+def step_number(value: object) -> float | None:
+    """A step counter's value (the largest, for a tensor of several), or None if it is none."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1:
+            return float(value.item())
+        return float(value.max()) if value.numel() else None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+class LeafInspector:
+    """Plans the leaves of one optimizer class against its schema, recording every problem."""
+
+    def __init__(
+        self,
+        schema: StateSchema,
+        plan: ResetPlan,
+        problems: list[Problem],
+        selection: Selection = EVERYTHING,
+    ) -> None:
+        self.schema = schema
+        self.plan = plan
+        self.problems = problems
+        self.selection = selection
+        self.actions = schema.actions if selection.keys is None else schema.actions_for(selection.keys)
+
+    def problem(self, node: LeafNode, kind: ProblemKind, message: str, key: str | None = None) -> None:
+        cls = type(node.optimizer).__qualname__
+        self.problems.append(Problem(kind, node.path, cls, message, key))
+
+    def inspect(self, node: LeafNode) -> None:
+        optimizer = node.optimizer
+        state = optimizer.state
+        plan = self.plan
+        in_groups: list[torch.Tensor] = []
+        for index, group in enumerate(optimizer.param_groups):
+            params = group["params"]
+            in_groups.extend(params)
+            step = group.get("step")
+            if step is None:
+                continue
+            if self.schema.step is StepLocation.PER_GROUP and self.selection.resets("step"):
+                self.plan_group_step(node, index, group, params, step)
+            if step_number(step) and not any(p in state for p in params):
+                self.problem(node, ProblemKind.EMPTY_STATE, f"a group says step {step} but none of its parameters has state")
+        plan.leaves += 1
+        if not state:
+            return
+        chosen = self.selection.tensors
+        # Reusing a plan pays off for large states; a small one is planned faster than checked.
+        whole = chosen is None and self.selection.keys is None and len(state) >= plan_cache.MIN_ENTRIES
+        if not whole:
+            self.inspect_state(node, in_groups, plan.state)
+            return
+        part = plan_cache.lookup(optimizer, self.schema, in_groups)
+        if part is None:
+            problems_before = len(self.problems)
+            part = StatePlan()
+            self.inspect_state(node, in_groups, part)
+            if part.reusable and len(self.problems) == problems_before:
+                plan_cache.store(optimizer, self.schema, in_groups, part)
+        plan.state.merge(part)
+
+    def inspect_alike(self, leaves: Sequence[LeafNode]) -> bool:
+        """Plan a run of leaves of this class in one pass over their pooled state.
+
+        Pooling applies where it cannot change the outcome: small states (large ones reuse
+        their own plans), no per-group steps, no scales, every parameter of one dtype and
+        device, and each leaf's state held for its own parameters. Where it does not apply,
+        or the pass finds a problem, this changes nothing and returns False: the caller
+        then inspects the leaves one by one, which names the leaf of each problem.
+        """
+        if self.schema.scale_of is not None:
+            return False
+        optimizers = [leaf.optimizer for leaf in leaves]
+        states = [optimizer.state for optimizer in optimizers]
+        if max(map(len, states)) >= plan_cache.MIN_ENTRIES:
+            return False
+        groups = [group for optimizer in optimizers for group in optimizer.param_groups]
+        if any(group.get("step") is not None for group in groups):
+            return False
+        params = [param for group in groups for param in group["params"]]
+        if len(set(map(_DTYPE_AND_DEVICE, params))) > 1:
+            return False
+        held = list(chain.from_iterable(states))
+        if not _held_for_own_params(optimizers, states, held, params):
+            return False
+        problems_before = len(self.problems)
+        part = StatePlan()
+        entries = [entry for state in states for entry in state.values()]
+        self.plan_entries(leaves[0], held, entries, _placement(params), part)
+        if len(self.problems) > problems_before:
+            del self.problems[problems_before:]
+            return False
+        self.plan.state.merge(part)
+        self.plan.leaves += len(leaves)
+        return True
+
+    def plan_group_step(
+        self, node: LeafNode, index: int, group: StateEntry, params: list[torch.Tensor], step: object
+    ) -> None:
+        """A per-group step is shared by the group: a partial reset must take all of it."""
+        chosen = self.selection.tensors
+        if chosen is not None:
+            taken = sum(id(p) in chosen for p in params)
+            if taken == 0:
+                return
+            if taken < len(params):
+                self.problem(
+                    node,
+                    ProblemKind.PARTIAL_GROUP,
+                    f"param group {index} counts one step for its {len(params)} parameters and "
+                    f"{taken} are selected: select the whole group, or leave 'step' out of keys",
+                    "step",
+                )
+                return
+        state = self.plan.state
+        if isinstance(step, torch.Tensor):
+            state.zero_list(("group step", step.dtype, step.device)).append(step)
+        else:
+            state.number_steps.append(group)
+        state.steps += 1
+
+    def inspect_state(self, node: LeafNode, in_groups: list[torch.Tensor], into: StatePlan) -> None:
+        """Plan one leaf's state, given the parameters of its groups in order."""
+        state = node.optimizer.state
+        held = list(state)
+        if not _held_for_own_params([node.optimizer], [state], held, in_groups):
+            grouped = set(map(id, in_groups))
+            orphans = sum(id(param) not in grouped for param in held)
+            if orphans:
+                self.problem(node, ProblemKind.ORPHAN_STATE, f"holds state for {orphans} tensor(s) in no param group")
+        self.plan_entries(node, held, list(state.values()), _placement(in_groups), into)
+
+    def plan_entries(
+        self,
+        node: LeafNode,
+        held: list[torch.Tensor],
+        entries: list[StateEntry],
+        placement: Placement,
+        into: StatePlan,
+    ) -> None:
+        """Plan the state ``entries`` held for the tensors ``held``, key by key: each key's
+        values are gathered and checked in one go, and reported once per leaf if wrong."""
+        chosen = self.selection.tensors
+        if chosen is not None:
+            picked = [i for i, param in enumerate(held) if id(param) in chosen]
+            held, entries = [held[i] for i in picked], [entries[i] for i in picked]
+        for key, count in Counter(chain.from_iterable(entries)).items():
+            action = self.actions.get(key)
+            if action is None:
+                known = ", ".join(sorted(self.actions)) or "no keys"
+                self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"not in the schema ({known})", key)
+                continue
+            having = entries if count == len(entries) else [entry for entry in entries if key in entry]
+            values = list(map(operator.itemgetter(key), having))
+            tensors = [value for value in values if isinstance(value, torch.Tensor)]
+            if action is KeyAction.STEP:
+                into.steps += count
+                if tensors:
+                    into.zero_list((key, *placement)).extend(tensors)
+                if len(tensors) < count:
+                    into.number_steps.extend(e for e in having if not isinstance(e[key], torch.Tensor))
+                continue
+            if action is KeyAction.KEEP:
+                into.kept_keys.add(key)
+                into.kept += len(tensors)
+                into.bytes_kept += sum(map(_NBYTES, tensors))
+                continue
+            if len(tensors) < count:
+                wrong = next(value for value in values if not isinstance(value, torch.Tensor))
+                self.problem(
+                    node,
+                    ProblemKind.UNSUPPORTED_STATE,
+                    f"history is a {type(wrong).__qualname__}, expected a tensor",
+                    key,
+                )
+                continue
+            into.bytes_reset += sum(map(_NBYTES, tensors))
+            if action is KeyAction.DROP:
+                into.drop.extend((entry, key) for entry in having)
+                continue
+            into.zero_list((key, *placement)).extend(tensors)
+            into.zeroed += count
+            scale_of = self.schema.scale_of
+            if scale_of is not None:
+                for param, entry in zip(held, entries, strict=True):
+                    if key in entry:
+                        self.plan_scale(node, scale_of, param, key, into.scales)
+
+    def plan_scale(
+        self,
+        node: LeafNode,
+        scale_of: ScaleLookup,
+        param: torch.Tensor,
+        key: str,
+        scales: list[torch.Tensor],
+    ) -> None:
+        try:
+            scale = scale_of(node.optimizer, param, key)
+        except OptTreeError as error:
+            self.problem(node, ProblemKind.UNSUPPORTED_STATE, str(error), key)
+            return
+        if scale is not None:
+            scales.append(scale)
