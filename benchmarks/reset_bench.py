@@ -2,11 +2,12 @@
 
     .venv-current/bin/python benchmarks/reset_bench.py [--device cpu|cuda] [--quick]
 
-Each timing is the best of several repeats, taken with ``megatron.core.optimizer``
-imported, as in training code: what it imports changes the cost of some builtins
-(filelock's audit hook makes every ``id()`` a Python call). Ratios compare opttree with
-the per-tensor loop hand-written resets use, with a bare ``torch._foreach_zero_`` over
-the same tensors, and with zeroing one flat buffer of the same size.
+Each timing is the best of several rounds in which the functions compared take turns,
+with ``megatron.core.optimizer`` imported, as in training code: what it imports changes
+the cost of some builtins (filelock's audit hook makes every ``id()`` a Python call).
+Ratios compare opttree with the per-tensor loop hand-written resets use, with a bare
+``torch._foreach_zero_`` over the same tensors, and with zeroing one flat buffer of the
+same size.
 """
 
 from __future__ import annotations
@@ -26,15 +27,19 @@ with warnings.catch_warnings():
     from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
 
-def best_of(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
+def best_of(*fns: Callable[[], object], repeats: int) -> list[float]:
+    """The best time of each function over ``repeats`` rounds, the functions taking turns
+    in each round, so that a ratio of two compares them under the same machine load."""
+    for fn in fns:
         fn()
-        sync()
-        best = min(best, time.perf_counter() - start)
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            best[i] = min(best[i], time.perf_counter() - start)
     return best
 
 
@@ -77,10 +82,13 @@ def first_reset(optimizer: torch.optim.Optimizer) -> None:
 def many_small(n_params: int, repeats: int) -> None:
     optimizer = stepped_adamw(n_params, 1024)
     tensors = state_tensors(optimizer)
-    loop = best_of(lambda: per_tensor_loop(optimizer), repeats)
-    bare = best_of(lambda: torch._foreach_zero_(tensors), repeats)
-    ours = best_of(lambda: opttree.reset(optimizer), repeats)
-    first = best_of(lambda: first_reset(optimizer), repeats)
+    loop, bare, ours, first = best_of(
+        lambda: per_tensor_loop(optimizer),
+        lambda: torch._foreach_zero_(tensors),
+        lambda: opttree.reset(optimizer),
+        lambda: first_reset(optimizer),
+        repeats=repeats,
+    )
     print(f"{n_params:,} AdamW params x 1,024 floats ({len(tensors):,} state tensors):")
     print(f"  per-tensor loop {loop * 1e3:8.2f} ms | bare foreach {bare * 1e3:8.2f} ms | opttree.reset {ours * 1e3:8.2f} ms")
     print(f"  (a first reset, which plans from scratch instead of reusing the last plan: {first * 1e3:.2f} ms)")
@@ -92,8 +100,7 @@ def few_large(n_params: int, numel: int, repeats: int) -> None:
     optimizer = stepped_adamw(n_params, numel)
     history_bytes = sum(t.numel() * t.element_size() for t in state_tensors(optimizer))
     flat = torch.empty(history_bytes // 4, device=DEVICE)
-    ours = best_of(lambda: opttree.reset(optimizer), repeats)
-    one = best_of(flat.zero_, repeats)
+    ours, one = best_of(lambda: opttree.reset(optimizer), flat.zero_, repeats=repeats)
     print(f"{n_params} AdamW params x {numel:,} floats ({history_bytes / 2**30:.2f} GiB of state):")
     print(f"  opttree.reset {history_bytes / ours / 2**30:6.2f} GiB/s | one flat buffer {history_bytes / one / 2**30:6.2f} GiB/s")
     print(f"  bandwidth ratio: {one / ours:.2f} (target >= 0.9)")
@@ -134,9 +141,12 @@ def hybrid(n_params: int, repeats: int) -> None:
             p.grad = torch.ones_like(p)
         optimizer.step()
     text = opttree.describe(optimizer)
-    describe = best_of(lambda: opttree.describe(optimizer), repeats)
-    validate = best_of(lambda: opttree.validate(optimizer), repeats)
-    reset = best_of(lambda: opttree.reset(optimizer), repeats)
+    describe, validate, reset = best_of(
+        lambda: opttree.describe(optimizer),
+        lambda: opttree.validate(optimizer),
+        lambda: opttree.reset(optimizer),
+        repeats=repeats,
+    )
     print(f"HybridDeviceOptimizer with {len(optimizer.cpu_optimizers):,} CPU sub-optimizers of 7 sizes:")
     print(f"  describe {describe * 1e3:7.1f} ms, {len(text.splitlines())} lines (targets < 100 ms, <= 60 lines)")
     print(f"  tree + validate {validate * 1e3:7.1f} ms (target < 100 ms)")
@@ -148,7 +158,7 @@ def scaling(counts: list[int], repeats: int) -> None:
     print(f"  {'state tensors':>14} {'ms':>9} {'us/tensor':>10}")
     for count in counts:
         optimizer = stepped_adamw(count // 3, 64)
-        seconds = best_of(lambda: opttree.reset(optimizer), repeats)
+        (seconds,) = best_of(lambda: opttree.reset(optimizer), repeats=repeats)
         print(f"  {count:>14,} {seconds * 1e3:9.2f} {seconds / count * 1e6:10.3f}")
 
 
