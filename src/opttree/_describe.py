@@ -21,7 +21,7 @@ from opttree import _paths
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._inspect import step_number
 from opttree._report import format_bytes
-from opttree._runs import alike_runs
+from opttree._runs import alike_runs, sibling_groups
 from opttree._visitor import NodeVisitor
 
 DETAIL_LIMIT = 8
@@ -101,8 +101,9 @@ def leaf_text(optimizer: torch.optim.Optimizer) -> str:
 class DescribeVisitor(NodeVisitor[Summary]):
     """Summarises each node; :meth:`render` turns the root's summary into text."""
 
-    def summarise(self, node: Node, text: str, children: Sequence[Node] | None = None) -> Summary:
-        return Summary(text, self.siblings(node.children if children is None else children), node.path)
+    def summarise(self, node: Node, text: str) -> Summary:
+        children = tuple(summary for siblings in sibling_groups(node) for summary in self.siblings(siblings))
+        return Summary(text, children, node.path)
 
     def siblings(self, nodes: Sequence[Node]) -> tuple[Summary, ...]:
         summaries: list[Summary] = []
@@ -125,11 +126,7 @@ class DescribeVisitor(NodeVisitor[Summary]):
         offload = getattr(node.optimizer, "offload_fraction", None)
         fraction = f" offload_fraction={offload:g}" if isinstance(offload, (int, float)) else ""
         text = f"{type(node.optimizer).__qualname__} cpu_optimizers={len(node.cpu)} gpu_optimizer={gpu}{fraction}"
-        summary = self.summarise(node, text, node.cpu)
-        if node.gpu is None:
-            return summary
-        # The GPU sub-optimizer is never totalled with the CPU ones.
-        return evolve(summary, children=(*summary.children, node.gpu.accept(self)))
+        return self.summarise(node, text)
 
     def visit_wrapper(self, node: WrapperNode) -> Summary:
         stub = " (stub: no optimizer on this rank)" if node.is_stub else ""

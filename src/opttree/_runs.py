@@ -12,10 +12,19 @@ from collections.abc import Iterable, Iterator
 from itertools import groupby
 from typing import cast
 
-from opttree._nodes import LeafNode, Node
+from opttree._nodes import HybridNode, LeafNode, Node
 
 LeafRun = tuple[LeafNode, ...]
 """Two or more alike leaves, in sibling order."""
+
+
+def sibling_groups(node: Node) -> tuple[tuple[Node, ...], ...]:
+    """A node's children, in order, in the groups within which runs may form: a
+    HybridNode's GPU sub-optimizer, often of its CPU ones' class, never joins them, as
+    its state lives on another device."""
+    if isinstance(node, HybridNode) and node.gpu is not None:
+        return node.cpu, (node.gpu,)
+    return (node.children,)
 
 
 def _run_key(node: Node) -> object:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from opttree import _registry
-from opttree._nodes import HybridNode, LeafNode, Node
+from opttree._nodes import LeafNode, Node
 from opttree._inspect import LeafInspector
 from opttree._plan import ResetPlan
 from opttree._problems import Problem, ProblemKind
-from opttree._runs import alike_runs
+from opttree._runs import alike_runs, sibling_groups
 from opttree._selection import EVERYTHING, Selection
 from opttree._visitor import TraverserVisitor
 
@@ -52,14 +52,8 @@ class ValidateVisitor(TraverserVisitor):
         return inspector
 
     def visit_children(self, node: Node) -> None:
-        self.visit_siblings(node.children)
-
-    def visit_hybrid(self, node: HybridNode) -> None:
-        """CPU and GPU sub-optimizers, often of one class, are never pooled together:
-        their state lives on different devices."""
-        self.visit_siblings(node.cpu)
-        if node.gpu is not None:
-            node.gpu.accept(self)
+        for siblings in sibling_groups(node):
+            self.visit_siblings(siblings)
 
     def visit_siblings(self, nodes: tuple[Node, ...]) -> None:
         for item in alike_runs(nodes):
