@@ -44,7 +44,8 @@ def trained_pair(name: str) -> tuple[testing.MegatronStack, testing.MegatronStac
 @pytest.mark.parametrize("name", testing.available())
 def test_complementary_partial_resets_split_the_state_exactly(name: str) -> None:
     """Reset the "up" layer's state in one stack and everything else in its twin: each
-    history tensor must be zeroed in exactly one of them and bitwise unchanged in the other."""
+    history tensor must be zeroed in exactly one of them and bitwise unchanged in the other;
+    step counters and master weights are kept by both."""
     first, second = trained_pair(name)
     before = {where: v.clone() for where, v in positions(first).items()}
     assert all(torch.equal(v, before[where]) for where, v in positions(second).items())
@@ -65,7 +66,7 @@ def test_complementary_partial_resets_split_the_state_exactly(name: str) -> None
 
     counts = {"first": 0, "second": 0}
     for where, old in before.items():
-        if where[2] == "master_param":
+        if where[2] in ("master_param", "step"):
             assert kept_in(after_first, where) and kept_in(after_second, where)
             continue
         first_only = reset_in(after_first, where) and kept_in(after_second, where)
@@ -94,11 +95,42 @@ def test_parameters_and_keys_combine() -> None:
     weight = up_weight(stack)
     before = [(k, v.clone()) for k, v in leaf_state(stack)]
 
-    report = opttree.reset(stack.optimizer, params=[weight], keys={"exp_avg", "step"})
+    report = opttree.reset(stack.optimizer, params=[weight], keys={"exp_avg"})
 
-    assert report.tensors_zeroed == 1 and report.steps == 1
+    assert report.tensors_zeroed == 1 and report.steps == 0
     changed = [k for (k, v), (_, old) in zip(leaf_state(stack), before, strict=True) if not torch.equal(v, old)]
-    assert sorted(changed) == ["exp_avg", "step"]
+    assert changed == ["exp_avg"]
+
+
+@pytest.mark.parametrize("name", ["fp32", "dist_bf16", "offload_0.75"])
+def test_steps_of_part_of_a_megatron_optimizer_are_refused_and_megatron_shows_why(name: str) -> None:
+    """Megatron saves one step per optimizer: unequal steps inside one cannot be saved."""
+    stack = testing.build(name)
+    stack.train(0, K)
+    before = [(k, v.clone()) for k, v in leaf_state(stack)]
+
+    with pytest.raises(opttree.PartialResetRefused, match=r"Megatron saves one step per optimizer") as caught:
+        opttree.reset(stack.optimizer, params=[up_weight(stack)], keys={"exp_avg", "step"})
+    assert caught.value.problem is not None and caught.value.problem.kind is opttree.ProblemKind.PARTIAL_STEP
+    assert all(torch.equal(v, old) for (_, v), (_, old) in zip(leaf_state(stack), before, strict=True))
+
+    everything = list(stack.model.parameters())
+    report = opttree.reset(stack.optimizer, params=everything, keys={"exp_avg", "exp_avg_sq", "step"})
+    assert report.steps > 0
+    with stack.device:
+        stack.optimizer.state_dict()  # equal steps: Megatron can save it
+
+
+def test_megatron_cannot_save_unequal_steps() -> None:
+    """The other side: what opttree refuses, Megatron's own checkpointing fails on."""
+    stack = testing.build("fp32")
+    stack.train(0, K)
+    leaf = stack.leaves()[0]
+    first = next(iter(leaf.state.values()))
+    first["step"].zero_()  # by hand, as a per-parameter partial reset would
+
+    with stack.device, pytest.raises(ValueError, match="The optimizer step differs per parameter"):
+        stack.optimizer.sharded_state_dict(stack.model.sharded_state_dict())
 
 
 def test_a_parameter_no_optimizer_holds_is_an_error_and_nothing_changes() -> None:
@@ -137,6 +169,9 @@ def test_per_parameter_steps_reset_for_just_the_selected_parameters() -> None:
     first = next(net.parameters())
 
     opttree.reset(optimizer, params=[first])
+    assert {float(optimizer.state[p]["step"]) for p in net.parameters()} == {3.0}  # kept by default
+
+    opttree.reset(optimizer, params=[first], keys=["exp_avg", "exp_avg_sq", "step"])
 
     steps = {id(p): float(optimizer.state[p]["step"]) for p in net.parameters()}
     assert steps.pop(id(first)) == 0.0
@@ -151,10 +186,10 @@ def test_a_per_group_step_is_only_reset_with_its_whole_group() -> None:
     before = snapshot(optimizer)
 
     with pytest.raises(opttree.PartialResetRefused, match=r"param group 0 counts one step for its 4 parameters"):
-        opttree.reset(optimizer, params=[first])
+        opttree.reset(optimizer, params=[first], keys=["exp_avg", "exp_avg_sq", "step"])
     assert unchanged(optimizer, before) and optimizer.param_groups[0]["step"] == 3
 
-    moments_only = opttree.reset(optimizer, params=[first], keys=["exp_avg", "exp_avg_sq"])
+    moments_only = opttree.reset(optimizer, params=[first])
     assert moments_only.tensors_zeroed == 2 and optimizer.param_groups[0]["step"] == 3
-    whole = opttree.reset(optimizer, params=list(net.parameters()))
+    whole = opttree.reset(optimizer, params=list(net.parameters()), keys=["exp_avg", "exp_avg_sq", "step"])
     assert whole.steps == 1 and optimizer.param_groups[0]["step"] == 0

@@ -66,14 +66,18 @@ def test_a_wrapper_that_contains_itself_is_a_cycle() -> None:
     root = chained([inner])
     inner.optimizer = root  # type: ignore[assignment]  # the malformed stack under test
 
-    with pytest.raises(opttree.OptimizerCycle, match=r"ChainedOptimizer at chained\[0\]\.optimizer contains itself"):
+    with pytest.raises(opttree.OptimizerCycle, match=r"ChainedOptimizer at chained\[0\]\.optimizer: contains itself"):
         opttree.tree(root)
+    assert [p.kind for p in opttree.validate(root)] == [opttree.ProblemKind.OPTIMIZER_CYCLE]
 
 
 @pytest.mark.parametrize("bad", [42, "adam", torch.nn.Linear(2, 2), None])
 def test_non_optimizer_input_is_refused(bad: object) -> None:
-    with pytest.raises(opttree.NotAnOptimizer, match="at <root> is not an optimizer"):
+    with pytest.raises(opttree.NotAnOptimizer, match="at <root>: not an optimizer"):
         opttree.reset(bad)
+    (problem,) = opttree.validate(bad)
+    assert problem.kind is opttree.ProblemKind.NOT_AN_OPTIMIZER and problem.path == ""
+    assert "(refused: not an optimizer" in opttree.describe(bad)
 
 
 def test_an_unknown_object_inside_a_wrapper_names_its_path() -> None:
@@ -81,8 +85,12 @@ def test_an_unknown_object_inside_a_wrapper_names_its_path() -> None:
     root = chained([fp32(adamw(), shared), fp32(adamw(), shared)])
     root.chained_optimizers[1].optimizer = object()  # type: ignore[union-attr]
 
-    with pytest.raises(opttree.NotAnOptimizer, match=r"object at chained\[1\]\.optimizer"):
-        opttree.validate(root)
+    with pytest.raises(opttree.NotAnOptimizer, match=r"object at chained\[1\]\.optimizer: not an optimizer"):
+        opttree.reset(root)
+    problems = opttree.validate(root)  # reports, and still checks the rest of the tree
+    assert [(p.kind, p.path) for p in problems] == [(opttree.ProblemKind.NOT_AN_OPTIMIZER, "chained[1].optimizer")]
+    text = opttree.describe(root)
+    assert "AdamW params=" in text and "object (refused: not an optimizer" in text
 
 
 def test_deep_nesting_is_a_clear_error_not_a_recursion_error() -> None:

@@ -3,6 +3,7 @@
 from opttree._api import describe, reset, tree, validate
 from opttree._describe import DescribeVisitor
 from opttree._errors import (
+    HiddenOptimizer,
     MalformedWrapper,
     NotAnOptimizer,
     OptimizerCycle,
@@ -11,6 +12,7 @@ from opttree._errors import (
     RegistrationError,
     UnsupportedOptimizer,
     UnmappedParameter,
+    UnknownWrapper,
     UnsupportedOptimizerState,
 )
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
@@ -25,6 +27,7 @@ from opttree._visitor import NodeVisitor, TraverserVisitor
 __all__ = [
     "ChainedNode",
     "DescribeVisitor",
+    "HiddenOptimizer",
     "HybridNode",
     "LeafNode",
     "MalformedWrapper",
@@ -43,6 +46,7 @@ __all__ = [
     "StateSchema",
     "StepLocation",
     "TraverserVisitor",
+    "UnknownWrapper",
     "UnmappedParameter",
     "UnsupportedOptimizer",
     "UnsupportedOptimizerState",

@@ -17,9 +17,10 @@ import torch
 
 from opttree import _paths
 from opttree._dispatch import LazyDispatch
-from opttree._errors import MalformedWrapper, NotAnOptimizer, OptimizerCycle, OptTreeError
+from opttree._errors import OptTreeError
 from opttree._identity import by_identity, identity_key
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
+from opttree._problems import Problem, ProblemKind
 
 MAX_DEPTH = 64
 """Deeper stacks are refused: no real optimizer nests this far, and a clear error beats
@@ -29,11 +30,22 @@ ChildrenFn = Callable[[object], Iterable[tuple[str, object]]]
 """A wrapper's children as ``(label, child)`` pairs, in stepping order."""
 
 
-class TreeBuilder:
-    """One build: tracks the wrappers on the current path (cycles) and leaves seen (sharing)."""
+def refusal(kind: ProblemKind, obj: object, path: str, message: str) -> OptTreeError:
+    """The error for an object the adapter cannot build a node for."""
+    return Problem(kind, path, type(obj).__qualname__, message).to_error()
 
-    def __init__(self, kind_of: Callable[[type], Expander | None]) -> None:
+
+class TreeBuilder:
+    """One build: tracks the wrappers on the current path (cycles) and leaves seen (sharing).
+
+    With a ``problems`` list the build is lenient, for ``validate`` and ``describe``: an
+    object the adapter refuses is recorded there and stands in the tree as a wrapper
+    without children, so the rest of the tree is still built and checked.
+    """
+
+    def __init__(self, kind_of: Callable[[type], Expander | None], problems: list[Problem] | None = None) -> None:
         self._kind_of = kind_of
+        self._problems = problems
         self._on_path: set[int] = set()
         self._leaves: dict[object, str] = {}  # by identity_key
         self._kinds: dict[type, Expander | None] = {}
@@ -45,23 +57,31 @@ class TreeBuilder:
         return expand
 
     def build(self, obj: object, path: str) -> Node:
-        if len(self._on_path) >= MAX_DEPTH:
-            msg = f"optimizer stack at {_paths.display(path)} is nested deeper than {MAX_DEPTH}"
-            raise OptTreeError(msg)
         expand = self.kind(type(obj))
         if expand is expand_leaf:
             # A leaf contains nothing, so it cannot close a cycle: no path bookkeeping.
             return self.leaf(cast(torch.optim.Optimizer, obj), path)
+        try:
+            return self.expand(expand, obj, path)
+        except OptTreeError as error:
+            if self._problems is None or error.problem is None or error.problem.path != path:
+                raise
+            self._problems.append(error.problem)
+            return WrapperNode(path, obj, ())
+
+    def expand(self, expand: Expander | None, obj: object, path: str) -> Node:
         if expand is None:
-            msg = (
-                f"{type(obj).__qualname__} at {_paths.display(path)} is not an optimizer: "
-                "expected a torch.optim.Optimizer, a Megatron optimizer or a registered wrapper"
+            raise refusal(
+                ProblemKind.NOT_AN_OPTIMIZER,
+                obj,
+                path,
+                "not an optimizer: expected a torch.optim.Optimizer, a Megatron optimizer or a registered wrapper",
             )
-            raise NotAnOptimizer(msg)
+        if len(self._on_path) >= MAX_DEPTH:
+            raise refusal(ProblemKind.OPTIMIZER_CYCLE, obj, path, f"the stack is nested deeper than {MAX_DEPTH}")
         key = id(obj)
         if key in self._on_path:
-            msg = f"{type(obj).__qualname__} at {_paths.display(path)} contains itself"
-            raise OptimizerCycle(msg)
+            raise refusal(ProblemKind.OPTIMIZER_CYCLE, obj, path, "contains itself")
         self._on_path.add(key)
         try:
             return expand(self, obj, path)
@@ -97,34 +117,29 @@ class TreeBuilder:
 Expander = Callable[[TreeBuilder, object, str], Node]
 
 
-def instance_attribute(obj: object, name: str, path: str) -> object:
-    """``obj.name`` read from the instance dict, bypassing properties."""
+def instance_attribute(obj: object, name: str, path: str, owner: object = None) -> object:
+    """``obj.name`` read from the instance dict, bypassing properties. A missing one is a
+    malformed wrapper: ``owner`` (default ``obj``), the wrapper at ``path``."""
     attributes = getattr(obj, "__dict__", {})
-    if name not in attributes:
-        msg = f"{type(obj).__qualname__} at {_paths.display(path)} has no attribute {name!r}"
-        raise MalformedWrapper(msg)
+    if not isinstance(attributes, dict) or name not in attributes:
+        what = type(obj).__qualname__
+        raise refusal(ProblemKind.MALFORMED_WRAPPER, obj if owner is None else owner, path, f"{what} has no attribute {name!r}")
     return attributes[name]
 
 
 def sequence_attribute(obj: object, name: str, path: str) -> list[object]:
     value = instance_attribute(obj, name, path)
     if not isinstance(value, (list, tuple)):
-        msg = (
-            f"{type(obj).__qualname__}.{name} at {_paths.display(path)} is a "
-            f"{type(value).__qualname__}, expected a list"
-        )
-        raise MalformedWrapper(msg)
+        message = f"{name} is a {type(value).__qualname__}, expected a list"
+        raise refusal(ProblemKind.MALFORMED_WRAPPER, obj, path, message)
     return list(value)
 
 
-def mapping_attribute(obj: object, name: str, path: str) -> dict[torch.Tensor, torch.Tensor]:
+def mapping_attribute(obj: object, name: str, path: str) -> dict[object, object]:
     value = instance_attribute(obj, name, path)
     if not isinstance(value, dict):
-        msg = (
-            f"{type(obj).__qualname__}.{name} at {_paths.display(path)} is a "
-            f"{type(value).__qualname__}, expected a dict"
-        )
-        raise MalformedWrapper(msg)
+        message = f"{name} is a {type(value).__qualname__}, expected a dict"
+        raise refusal(ProblemKind.MALFORMED_WRAPPER, obj, path, message)
     return value
 
 
@@ -142,6 +157,33 @@ def expand_megatron_wrapper(builder: TreeBuilder, obj: object, path: str) -> Nod
     if inner is None:
         return WrapperNode(path, obj, ())
     return WrapperNode(path, obj, (builder.build(inner, _paths.child(path, "optimizer")),))
+
+
+def expand_mimo(builder: TreeBuilder, obj: object, path: str) -> Node:
+    """megatron-core's ``MimoOptimizer`` keeps ``optimizer = None`` and one Megatron
+    optimizer per module in ``module_infos[name].optimizer`` (``None`` where this rank
+    has no part of the module)."""
+    infos = mapping_attribute(obj, "module_infos", path)
+    inner: list[Node] = []
+    for name, info in infos.items():
+        label = _paths.key(_paths.child(path, "module_infos"), name)
+        optimizer = instance_attribute(info, "optimizer", path, owner=obj)
+        if optimizer is not None:
+            inner.append(builder.build(optimizer, _paths.child(label, "optimizer")))
+    return WrapperNode(path, obj, tuple(inner))
+
+
+def expand_unknown_megatron(builder: TreeBuilder, obj: object, path: str) -> Node:
+    """A ``MegatronOptimizer`` subclass of no known kind: where it keeps its optimizers is
+    not known, so it is refused rather than guessed to be an ``.optimizer`` wrapper."""
+    cls = type(obj)
+    raise refusal(
+        ProblemKind.UNKNOWN_WRAPPER,
+        obj,
+        path,
+        f"{cls.__module__}.{cls.__qualname__} is a MegatronOptimizer of no known kind: "
+        "register it with opttree.register_wrapper(cls, children=...) to say where its optimizers are",
+    )
 
 
 def expand_hybrid(builder: TreeBuilder, obj: object, path: str) -> Node:
@@ -164,11 +206,8 @@ def children_expander(children: ChildrenFn) -> Expander:
         except OptTreeError:
             raise
         except Exception as error:
-            msg = (
-                f"children function for {type(obj).__qualname__} at {_paths.display(path)} "
-                f"failed: {type(error).__name__}: {error}"
-            )
-            raise MalformedWrapper(msg) from error
+            message = f"its children function failed: {type(error).__name__}: {error}"
+            raise refusal(ProblemKind.MALFORMED_WRAPPER, obj, path, message) from error
         return WrapperNode(
             path, obj, tuple(builder.build(child, _paths.child(path, label)) for label, child in pairs)
         )
@@ -176,13 +215,22 @@ def children_expander(children: ChildrenFn) -> Expander:
     return expand
 
 
+_MEGATRON = "megatron.core.optimizer."
+MEGATRON_KINDS: dict[str, Expander] = {
+    _MEGATRON + "optimizer.MegatronOptimizer": expand_unknown_megatron,
+    _MEGATRON + "optimizer.FP32Optimizer": expand_megatron_wrapper,
+    _MEGATRON + "optimizer.Float16OptimizerWithFloat16Params": expand_megatron_wrapper,
+    _MEGATRON + "distrib_optimizer.DistributedOptimizer": expand_megatron_wrapper,
+    _MEGATRON + "optimizer.ChainedOptimizer": expand_chained,  # LayerWiseDistributedOptimizer too
+    _MEGATRON + "cpu_offloading.hybrid_optimizer.HybridDeviceOptimizer": expand_hybrid,
+    "megatron.core.models.mimo.optimizer.MimoOptimizer": expand_mimo,
+}
+"""Megatron's wrapper kinds by dotted path. Any other ``MegatronOptimizer`` is refused."""
+
+
 def builtin_kinds() -> LazyDispatch[Expander]:
     table: LazyDispatch[Expander] = LazyDispatch()
     table.register(torch.optim.Optimizer, expand_leaf)
-    table.register_lazy("megatron.core.optimizer.optimizer.MegatronOptimizer", expand_megatron_wrapper)
-    table.register_lazy("megatron.core.optimizer.optimizer.ChainedOptimizer", expand_chained)
-    table.register_lazy(
-        "megatron.core.optimizer.cpu_offloading.hybrid_optimizer.HybridDeviceOptimizer",
-        expand_hybrid,
-    )
+    for dotted, expand in MEGATRON_KINDS.items():
+        table.register_lazy(dotted, expand)
     return table

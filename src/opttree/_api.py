@@ -22,12 +22,22 @@ def tree(optimizer: object) -> Node:
     """Build the typed tree of an optimizer stack.
 
     Raises :class:`~opttree.NotAnOptimizer` for an object that is neither an optimizer
-    nor a known wrapper, and :class:`~opttree.OptimizerCycle` for a wrapper that
-    contains itself.
+    nor a known wrapper (:class:`~opttree.UnknownWrapper` for a Megatron optimizer class
+    of no known kind), :class:`~opttree.OptimizerCycle` for a wrapper that contains
+    itself, and :class:`~opttree.MalformedWrapper` for a known wrapper that lacks its parts.
     """
     if isinstance(optimizer, Node):
         return optimizer
     return TreeBuilder(_registry.kind_for).build(optimizer, _paths.ROOT)
+
+
+def lenient_tree(optimizer: object) -> tuple[Node, list[Problem]]:
+    """The tree, and the objects the adapter refused, each standing in it as a wrapper
+    without children, for ``validate`` and ``describe``, which report instead of raising."""
+    if isinstance(optimizer, Node):
+        return optimizer, []
+    problems: list[Problem] = []
+    return TreeBuilder(_registry.kind_for, problems).build(optimizer, _paths.ROOT), problems
 
 
 def validate(optimizer: object, *, group: dist.ProcessGroup | None = None) -> tuple[Problem, ...]:
@@ -37,10 +47,10 @@ def validate(optimizer: object, *, group: dist.ProcessGroup | None = None) -> tu
     group returns every rank's problems, each with its ``rank``, plus a warning for each
     rank whose tree shape differs from its own; the other ranks return their own problems.
     """
-    root = tree(optimizer)
+    root, refused = lenient_tree(optimizer)
     visitor = ValidateVisitor()
-    root.accept(visitor)
-    problems = tuple(visitor.problems)
+    visitor.check(root)
+    problems = (*refused, *visitor.problems)
     if group is None:
         return problems
     summaries = _distributed.gather(_distributed.summarise(root, problems), group)
@@ -81,8 +91,8 @@ def describe(optimizer: object, *, group: dist.ProcessGroup | None = None) -> st
     group appends each rank's total state bytes and tree shape, and names the ranks whose
     shape differs from its own; the other ranks return their own description.
     """
-    root = tree(optimizer)
-    text = DescribeVisitor().render(root)
+    root, refused = lenient_tree(optimizer)
+    text = DescribeVisitor({p.path: p.message for p in refused}).render(root)
     if group is None:
         return text
     summaries = _distributed.gather(_distributed.summarise(root), group)

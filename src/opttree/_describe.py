@@ -11,13 +11,14 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import cast
 
 import torch
 from attrs import evolve, field, frozen
 
 from opttree import _paths
+from opttree._containers import malformed, well_formed
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._inspect import step_number
 from opttree._report import format_bytes
@@ -50,15 +51,25 @@ def _placement(dtype: torch.dtype, device_index: int) -> str:
 
 def _bytes_by_placement(tensors: list[torch.Tensor]) -> dict[tuple[torch.dtype, int], int]:
     """Bytes per ``(dtype, get_device())``, which costs less than a ``torch.device`` per
-    tensor; read at C speed where all share one placement, as they usually do."""
+    tensor; read at C speed where all share one placement, as they usually do. Tensors
+    without a byte size (sparse ones) count their dense size."""
     dtypes = set(map(_DTYPE, tensors))
     devices = set(map(torch.Tensor.get_device, tensors))
     if len(dtypes) == 1 and len(devices) == 1:
-        return {(dtypes.pop(), devices.pop()): sum(map(_NBYTES, tensors))}
+        with contextlib.suppress(RuntimeError):
+            return {(dtypes.pop(), devices.pop()): sum(map(_NBYTES, tensors))}
     totals: defaultdict[tuple[torch.dtype, int], int] = defaultdict(int)
     for tensor in tensors:
-        totals[(tensor.dtype, tensor.get_device())] += tensor.nbytes
+        totals[(tensor.dtype, tensor.get_device())] += nbytes(tensor)
     return dict(totals)
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    """A tensor's bytes; a sparse one, which has no byte size, counts its dense size."""
+    try:
+        return tensor.nbytes
+    except RuntimeError:
+        return tensor.numel() * tensor.element_size()
 
 
 def _step_text(counters: list[object]) -> str:
@@ -78,11 +89,15 @@ def _step_text(counters: list[object]) -> str:
 
 def leaves_text(optimizers: Sequence[torch.optim.Optimizer]) -> str:
     """Parameters, state bytes by placement and the step range of some leaves, together."""
+    if not well_formed(optimizers):
+        reasons = [reason for reason in map(malformed, optimizers) if reason is not None]
+        if reasons:
+            return f"malformed: {reasons[0]}" + (f" ({len(reasons)} leaves)" if len(optimizers) > 1 else "")
     groups = [group for optimizer in optimizers for group in optimizer.param_groups]
     params = [param for group in groups for param in group["params"]]
     entries = [entry for optimizer in optimizers for entry in optimizer.state.values()]
     tensors = [value for entry in entries for value in entry.values() if isinstance(value, torch.Tensor)]
-    counters = [group["step"] for group in groups if group.get("step") is not None]
+    counters: list[object] = [group["step"] for group in groups if group.get("step") is not None]
     counters += [entry["step"] for entry in entries if "step" in entry]
     by_placement = _bytes_by_placement(tensors) if tensors else {}
     detail = ", ".join(
@@ -99,7 +114,14 @@ def leaf_text(optimizer: torch.optim.Optimizer) -> str:
 
 
 class DescribeVisitor(NodeVisitor[Summary]):
-    """Summarises each node; :meth:`render` turns the root's summary into text."""
+    """Summarises each node; :meth:`render` turns the root's summary into text.
+
+    ``refused`` maps the paths of objects the adapter refused to the reason, which their
+    line shows instead of their contents.
+    """
+
+    def __init__(self, refused: Mapping[str, str] | None = None) -> None:
+        self.refused = refused or {}
 
     def summarise(self, node: Node, text: str) -> Summary:
         children = tuple(summary for siblings in sibling_groups(node) for summary in self.siblings(siblings))
@@ -129,6 +151,9 @@ class DescribeVisitor(NodeVisitor[Summary]):
         return self.summarise(node, text)
 
     def visit_wrapper(self, node: WrapperNode) -> Summary:
+        refused = self.refused.get(node.path)
+        if refused is not None:
+            return Summary(f"{type(node.optimizer).__qualname__} (refused: {refused})", (), node.path)
         stub = " (stub: no optimizer on this rank)" if node.is_stub else ""
         return self.summarise(node, f"{type(node.optimizer).__qualname__}{stub}")
 

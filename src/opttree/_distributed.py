@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from attrs import frozen
 
+from opttree._containers import malformed
+from opttree._describe import nbytes
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._problems import Problem, ProblemKind
 from opttree._report import format_bytes
@@ -55,9 +57,9 @@ class _StateBytes(TraverserVisitor):
         self.total = 0
 
     def visit_leaf(self, node: LeafNode) -> None:
-        if node.shared_with is None:
+        if node.shared_with is None and malformed(node.optimizer) is None:
             self.total += sum(
-                v.nbytes for entry in node.optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)
+                nbytes(v) for entry in node.optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)
             )
 
 

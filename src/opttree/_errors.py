@@ -2,17 +2,36 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from opttree._problems import Problem
+
 
 class OptTreeError(Exception):
-    """Base of every error opttree raises on purpose."""
+    """Base of every error opttree raises on purpose.
+
+    ``problem`` is the finding behind the error, where it came from one: its kind, path,
+    class and key, as :func:`opttree.validate` would report it.
+    """
+
+    problem: Problem | None = None
 
 
 class NotAnOptimizer(OptTreeError):
     """An object in the tree is neither an optimizer nor a registered wrapper."""
 
 
+class UnknownWrapper(NotAnOptimizer):
+    """A Megatron optimizer class whose layout opttree does not know: register it."""
+
+
 class OptimizerCycle(OptTreeError):
     """A wrapper is reachable from itself."""
+
+
+class HiddenOptimizer(OptTreeError):
+    """A wrapper holds an optimizer that the tree does not contain, so a reset would miss it."""
 
 
 class UnsupportedOptimizer(OptTreeError):
@@ -20,7 +39,7 @@ class UnsupportedOptimizer(OptTreeError):
 
 
 class UnsupportedOptimizerState(OptTreeError):
-    """A leaf holds state that its schema does not describe."""
+    """A leaf holds state that its schema does not describe, or that cannot be reset in place."""
 
 
 class RegistrationError(OptTreeError):

@@ -17,3 +17,10 @@ def by_identity(cls: type) -> bool:
 def identity_key(obj: object) -> object:
     """A dict key that stands for ``obj`` itself and no other object."""
     return obj if by_identity(type(obj)) else id(obj)
+
+
+def identity_keys(objects: list[object]) -> set[object]:
+    """The :func:`identity_key` of each object, at C speed where all are keys of their own."""
+    if all(map(by_identity, set(map(type, objects)))):
+        return set(objects)
+    return set(map(identity_key, objects))

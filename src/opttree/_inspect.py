@@ -1,8 +1,10 @@
 """Validating a leaf's state and planning its reset, in the same pass.
 
 The state is taken key by key: each key's values across the entries are gathered and
-checked at once, and a wrong key is reported once per leaf. Nothing is mutated while
-planning, so a reset that finds any error changes nothing.
+checked at once, and a wrong key is reported once per leaf. Every tensor the reset will
+write is checked here (:mod:`opttree._preflight`) and its address range recorded for the
+tree-wide aliasing check. Nothing is mutated while planning, so a reset that finds any
+error changes nothing.
 """
 
 from __future__ import annotations
@@ -14,18 +16,20 @@ from itertools import chain
 
 import torch
 
+from opttree import _paths
 from opttree import _plan_cache as plan_cache
 from opttree._errors import OptTreeError
 from opttree._nodes import LeafNode
+from opttree._containers import malformed, well_formed
 from opttree._plan import ResetPlan, StateEntry, StatePlan
+from opttree._preflight import ranges, writable_ranges
 from opttree._problems import Problem, ProblemKind
-from opttree._schema import KeyAction, ScaleLookup, StateSchema, StepLocation
+from opttree._schema import KeyAction, ScaleLookup, StateSchema
 from opttree._selection import EVERYTHING, Selection
 
 Placement = tuple[torch.dtype | None, torch.device | None]
 
 _DTYPE_AND_DEVICE = operator.attrgetter("dtype", "device")
-_NBYTES = operator.attrgetter("nbytes")
 
 
 def _placement(params: Sequence[torch.Tensor]) -> Placement:
@@ -63,12 +67,25 @@ def _param_counts(optimizers: Sequence[torch.optim.Optimizer]) -> list[int]:
 
 
 def step_number(value: object) -> float | None:
-    """A step counter's value (the largest, for a tensor of several), or None if it is none."""
+    """A step counter's value (the largest, for a tensor of several), or None if it is
+    none or cannot be read (a meta tensor, say)."""
     if isinstance(value, torch.Tensor):
-        if value.numel() == 1:
-            return float(value.item())
-        return float(value.max()) if value.numel() else None
+        try:
+            if value.numel() == 1:
+                return float(value.item())
+            return float(value.max()) if value.numel() else None
+        except (RuntimeError, NotImplementedError, TypeError, ValueError):
+            return None
+    if isinstance(value, bool):
+        return None
     return float(value) if isinstance(value, (int, float)) else None
+
+
+def _zero_like(value: object) -> int | float | None:
+    """The zero that replaces a step counter kept as a Python number, of its own type."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return type(value)(0)
 
 
 class LeafInspector:
@@ -85,7 +102,7 @@ class LeafInspector:
         self.plan = plan
         self.problems = problems
         self.selection = selection
-        self.actions = schema.actions if selection.keys is None else schema.actions_for(selection.keys)
+        self.actions = schema.actions if selection.everything else schema.actions_for(selection.resets)
 
     def problem(self, node: LeafNode, kind: ProblemKind, message: str, key: str | None = None) -> None:
         cls = type(node.optimizer).__qualname__
@@ -93,49 +110,60 @@ class LeafInspector:
 
     def inspect(self, node: LeafNode) -> None:
         optimizer = node.optimizer
+        reason = malformed(optimizer)
+        if reason is not None:
+            self.problem(node, ProblemKind.MALFORMED_STATE, reason)
+            return
         state = optimizer.state
         plan = self.plan
         in_groups: list[torch.Tensor] = []
         for index, group in enumerate(optimizer.param_groups):
-            params = group["params"]
+            params = list(group["params"])
             in_groups.extend(params)
             step = group.get("step")
             if step is None:
                 continue
-            if self.schema.step is StepLocation.PER_GROUP and self.selection.resets("step"):
+            # Every step counter is reset, whatever the schema says: one kept silently
+            # after zeroed moments is exactly a stale bias correction.
+            if self.selection.resets("step"):
                 self.plan_group_step(node, index, group, params, step)
             if step_number(step) and not any(p in state for p in params):
                 self.problem(node, ProblemKind.EMPTY_STATE, f"a group says step {step} but none of its parameters has state")
         plan.leaves += 1
         if not state:
             return
-        chosen = self.selection.tensors
         # Reusing a plan pays off for large states; a small one is planned faster than checked.
-        whole = chosen is None and self.selection.keys is None and len(state) >= plan_cache.MIN_ENTRIES
-        if not whole:
+        if not (self.selection.everything and len(state) >= plan_cache.MIN_ENTRIES):
             self.inspect_state(node, in_groups, plan.state)
+            plan.fresh += 1
             return
         part = plan_cache.lookup(optimizer, self.schema, in_groups)
         if part is None:
             problems_before = len(self.problems)
             part = StatePlan()
             self.inspect_state(node, in_groups, part)
+            plan.fresh += 1
             if part.reusable and len(self.problems) == problems_before:
-                plan_cache.store(optimizer, self.schema, in_groups, part)
+                plan.to_store.append((optimizer, self.schema, in_groups, part))
+        else:
+            plan.reused += 1
         plan.state.merge(part)
 
     def inspect_alike(self, leaves: Sequence[LeafNode]) -> bool:
         """Plan a run of leaves of this class in one pass over their pooled state.
 
-        Pooling applies where it cannot change the outcome: small states (large ones reuse
-        their own plans), no per-group steps, no scales, every parameter of one dtype and
-        device, and each leaf's state held for its own parameters. Where it does not apply,
-        or the pass finds a problem, this changes nothing and returns False: the caller
-        then inspects the leaves one by one, which names the leaf of each problem.
+        Pooling applies where it cannot change the outcome: plain containers, small states
+        (large ones reuse their own plans), no per-group steps, no scales, every parameter
+        of one dtype and device, and each leaf's state held for its own parameters. Where
+        it does not apply, or the pass finds a problem, this changes nothing and returns
+        False: the caller then inspects the leaves one by one, which names the leaf of
+        each problem.
         """
         if self.schema.scale_of is not None:
             return False
         optimizers = [leaf.optimizer for leaf in leaves]
+        if not well_formed(optimizers):
+            return False
         states = [optimizer.state for optimizer in optimizers]
         if max(map(len, states)) >= plan_cache.MIN_ENTRIES:
             return False
@@ -150,13 +178,15 @@ class LeafInspector:
             return False
         problems_before = len(self.problems)
         part = StatePlan()
-        entries = [entry for state in states for entry in state.values()]
-        self.plan_entries(leaves[0], held, entries, _placement(params), part)
+        owner = (f"{_paths.display(leaves[0].path)} .. {_paths.display(leaves[-1].path)}", type(optimizers[0]).__qualname__)
+        self.plan_entries(leaves[0], owner, held, [entry for state in states for entry in state.values()], _placement(params), part)
+        part.kept_ranges.extend(ranges(params).owned((*owner, None)))
         if len(self.problems) > problems_before:
             del self.problems[problems_before:]
             return False
         self.plan.state.merge(part)
         self.plan.leaves += len(leaves)
+        self.plan.fresh += 1
         return True
 
     def plan_group_step(
@@ -179,9 +209,20 @@ class LeafInspector:
                 return
         state = self.plan.state
         if isinstance(step, torch.Tensor):
+            checked = writable_ranges([step])
+            if isinstance(checked, tuple):
+                self.problem(node, ProblemKind.UNWRITABLE_STATE, f"param group {index}'s step counter is {checked[1]}", "step")
+                return
             state.zero_list(("group step", step.dtype, step.device)).append(step)
+            state.step_ranges.extend(checked.owned((node.path, type(node.optimizer).__qualname__, "step")))
+            self.plan.fresh += 1
         else:
-            state.number_steps.append(group)
+            zero = _zero_like(step)
+            if zero is None:
+                message = f"param group {index}'s step counter is a {type(step).__qualname__}, expected a number or tensor"
+                self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, "step")
+                return
+            state.number_steps.append((group, zero))
         state.steps += 1
 
     def inspect_state(self, node: LeafNode, in_groups: list[torch.Tensor], into: StatePlan) -> None:
@@ -193,18 +234,22 @@ class LeafInspector:
             orphans = sum(id(param) not in grouped for param in held)
             if orphans:
                 self.problem(node, ProblemKind.ORPHAN_STATE, f"holds state for {orphans} tensor(s) in no param group")
-        self.plan_entries(node, held, list(state.values()), _placement(in_groups), into)
+        owner = (node.path, type(node.optimizer).__qualname__)
+        self.plan_entries(node, owner, held, list(state.values()), _placement(in_groups), into)
+        into.kept_ranges.extend(ranges(in_groups).owned((*owner, None)))
 
     def plan_entries(
         self,
         node: LeafNode,
+        owner: tuple[str, str],
         held: list[torch.Tensor],
         entries: list[StateEntry],
         placement: Placement,
         into: StatePlan,
     ) -> None:
         """Plan the state ``entries`` held for the tensors ``held``, key by key: each key's
-        values are gathered and checked in one go, and reported once per leaf if wrong."""
+        values are gathered and checked in one go, and reported once per leaf if wrong.
+        ``owner`` is the path and class that the ranges recorded for aliasing name."""
         chosen = self.selection.tensors
         if chosen is not None:
             picked = [i for i, param in enumerate(held) if id(param) in chosen]
@@ -213,33 +258,33 @@ class LeafInspector:
             action = self.actions.get(key)
             if action is None:
                 known = ", ".join(sorted(self.actions)) or "no keys"
-                self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"not in the schema ({known})", key)
+                self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"not in the schema ({known})", str(key))
                 continue
             having = entries if count == len(entries) else [entry for entry in entries if key in entry]
             values = list(map(operator.itemgetter(key), having))
             tensors = [value for value in values if isinstance(value, torch.Tensor)]
-            if action is KeyAction.STEP:
-                into.steps += count
-                if tensors:
-                    into.zero_list((key, *placement)).extend(tensors)
-                if len(tensors) < count:
-                    into.number_steps.extend(e for e in having if not isinstance(e[key], torch.Tensor))
-                continue
             if action is KeyAction.KEEP:
                 into.kept_keys.add(key)
                 into.kept += len(tensors)
-                into.bytes_kept += sum(map(_NBYTES, tensors))
+                kept = ranges(tensors).owned((*owner, key))
+                into.bytes_kept += kept.nbytes
+                into.kept_ranges.extend(kept)
+                continue
+            if action is KeyAction.STEP:
+                self.plan_steps(node, owner, key, having, tensors, placement, into)
+                into.steps += count
                 continue
             if len(tensors) < count:
                 wrong = next(value for value in values if not isinstance(value, torch.Tensor))
-                self.problem(
-                    node,
-                    ProblemKind.UNSUPPORTED_STATE,
-                    f"history is a {type(wrong).__qualname__}, expected a tensor",
-                    key,
-                )
+                message = f"history is a {type(wrong).__qualname__}, expected a tensor"
+                self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
                 continue
-            into.bytes_reset += sum(map(_NBYTES, tensors))
+            checked = writable_ranges(tensors) if action is KeyAction.ZERO else ranges(tensors)
+            if isinstance(checked, tuple):
+                self.unwritable(node, key, checked, count)
+                continue
+            into.bytes_reset += checked.nbytes
+            into.written.extend(checked.owned((*owner, key)))
             if action is KeyAction.DROP:
                 into.drop.extend((entry, key) for entry in having)
                 continue
@@ -247,22 +292,70 @@ class LeafInspector:
             into.zeroed += count
             scale_of = self.schema.scale_of
             if scale_of is not None:
-                for param, entry in zip(held, entries, strict=True):
-                    if key in entry:
-                        self.plan_scale(node, scale_of, param, key, into.scales)
+                self.plan_scales(node, owner, scale_of, held, entries, key, into)
 
-    def plan_scale(
+    def plan_steps(
         self,
         node: LeafNode,
-        scale_of: ScaleLookup,
-        param: torch.Tensor,
+        owner: tuple[str, str],
         key: str,
-        scales: list[torch.Tensor],
+        having: list[StateEntry],
+        tensors: list[torch.Tensor],
+        placement: Placement,
+        into: StatePlan,
     ) -> None:
-        try:
-            scale = scale_of(node.optimizer, param, key)
-        except OptTreeError as error:
-            self.problem(node, ProblemKind.UNSUPPORTED_STATE, str(error), key)
+        """Per-parameter step counters: tensors are zeroed in place, Python numbers set to
+        a zero of their own type, anything else refused."""
+        if tensors:
+            checked = writable_ranges(tensors)
+            if isinstance(checked, tuple):
+                self.unwritable(node, key, checked, len(having))
+                return
+            into.zero_list((key, *placement)).extend(tensors)
+            into.step_ranges.extend(checked.owned((*owner, key)))
+        if len(tensors) == len(having):
             return
-        if scale is not None:
-            scales.append(scale)
+        for entry in having:
+            value = entry[key]
+            if isinstance(value, torch.Tensor):
+                continue
+            zero = _zero_like(value)
+            if zero is None:
+                message = f"step counter is a {type(value).__qualname__}, expected a number or tensor"
+                self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
+                return
+            into.number_steps.append((entry, zero))
+
+    def unwritable(self, node: LeafNode, key: str, found: tuple[int, str], count: int) -> None:
+        bad, reason = found
+        what = "its value is" if count == 1 else f"{bad} of its {count} values are; the first is"
+        self.problem(node, ProblemKind.UNWRITABLE_STATE, f"cannot be zeroed in place: {what} {reason}", key)
+
+    def plan_scales(
+        self,
+        node: LeafNode,
+        owner: tuple[str, str],
+        scale_of: ScaleLookup,
+        held: list[torch.Tensor],
+        entries: list[StateEntry],
+        key: str,
+        into: StatePlan,
+    ) -> None:
+        scales: list[torch.Tensor] = []
+        for param, entry in zip(held, entries, strict=True):
+            if key not in entry:
+                continue
+            try:
+                scale = scale_of(node.optimizer, param, key)
+            except OptTreeError as error:
+                self.problem(node, ProblemKind.UNSUPPORTED_STATE, str(error), key)
+                return
+            if scale is not None:
+                scales.append(scale)
+        checked = writable_ranges(scales)
+        if isinstance(checked, tuple):
+            self.unwritable(node, f"{key} scale", checked, len(scales))
+            return
+        into.scales.extend(scales)
+        into.written.extend(checked.owned((*owner, f"{key} scale")))
+

@@ -15,6 +15,11 @@ def items(sequence: str, count: int) -> list[str]:
     return [f"{sequence}[{index}]" for index in range(count)]
 
 
+def key(mapping: str, name: object) -> str:
+    """The path of the value stored under ``name`` in the mapping at path ``mapping``."""
+    return f"{mapping}[{name!r}]"
+
+
 def display(path: str) -> str:
     """A path as printed in messages: the root has no label of its own."""
     return path or "<root>"

@@ -14,7 +14,9 @@ from collections.abc import MutableMapping
 import torch
 from attrs import define, field
 
+from opttree._preflight import Extents
 from opttree._report import ResetReport
+from opttree._schema import StateSchema
 from opttree._zeroing import zero_lists
 
 StateEntry = MutableMapping[str, object]
@@ -24,10 +26,15 @@ ListKey = tuple[str, torch.dtype | None, torch.device | None]
 
 @define
 class StatePlan:
-    """What a reset does to some state: one leaf's, or, merged, a whole tree's."""
+    """What a reset does to some state: one leaf's, or, merged, a whole tree's.
+
+    ``written``, ``step_ranges`` and ``kept_ranges`` are the address ranges of what the
+    reset writes (history, scales, group step tensors), of per-parameter step tensors,
+    and of what it must leave alone (parameters, kept state), for the aliasing check.
+    """
 
     lists: dict[ListKey, list[torch.Tensor]] = field(factory=dict)
-    number_steps: list[StateEntry] = field(factory=list)
+    number_steps: list[tuple[StateEntry, int | float]] = field(factory=list)
     drop: list[tuple[StateEntry, str]] = field(factory=list)
     scales: list[torch.Tensor] = field(factory=list)
     zeroed: int = 0
@@ -36,6 +43,9 @@ class StatePlan:
     bytes_reset: int = 0
     bytes_kept: int = 0
     kept_keys: set[str] = field(factory=set)
+    written: Extents = field(factory=Extents)
+    step_ranges: Extents = field(factory=Extents)
+    kept_ranges: Extents = field(factory=Extents)
 
     @property
     def reusable(self) -> bool:
@@ -61,15 +71,31 @@ class StatePlan:
         self.bytes_reset += other.bytes_reset
         self.bytes_kept += other.bytes_kept
         self.kept_keys |= other.kept_keys
+        self.written.extend(other.written)
+        self.step_ranges.extend(other.step_ranges)
+        self.kept_ranges.extend(other.kept_ranges)
+
+
+Store = tuple[torch.optim.Optimizer, StateSchema, list[torch.Tensor], StatePlan]
+"""A leaf's plan to keep for the next reset, once this one has run: the optimizer, its
+schema, its groups' parameters in order, and the plan."""
 
 
 @define
 class ResetPlan:
-    """Everything a reset will do, gathered before anything is done."""
+    """Everything a reset will do, gathered before anything is done.
+
+    ``fresh`` counts the parts planned afresh and ``reused`` those taken from the plan
+    cache, which were checked for aliasing when they were planned.
+    """
 
     state: StatePlan = field(factory=StatePlan)
     leaves: int = 0
     shared_leaves: int = 0
+    shared_steps: int = 0
+    fresh: int = 0
+    reused: int = 0
+    to_store: list[Store] = field(factory=list)
 
     def execute(self) -> ResetReport:
         state = self.state
@@ -79,14 +105,14 @@ class ResetPlan:
                 scale.fill_(1.0)
         for entry, key in state.drop:
             del entry[key]
-        for entry in state.number_steps:
-            entry["step"] = 0
+        for entry, zero in state.number_steps:
+            entry["step"] = zero
         return ResetReport(
             leaves=self.leaves,
             tensors_zeroed=state.zeroed,
             tensors_dropped=len(state.drop),
             bytes_reset=state.bytes_reset,
-            steps=state.steps,
+            steps=state.steps - self.shared_steps,
             tensors_kept=state.kept,
             bytes_kept=state.bytes_kept,
             kept_keys=tuple(sorted(state.kept_keys)),

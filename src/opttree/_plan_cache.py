@@ -2,11 +2,13 @@
 
 Frameworks reset after every rollout, over the same state tensors, and on the CPU the
 per-tensor work of planning costs as much as the zeroing. A full reset therefore keeps
-the plan of each leaf whose pass found nothing wrong, and the next full reset reuses it
-after checking that the state holds the very same parameters, entry dicts, keys and
-tensor objects (by identity, never by value: a tensor's ``==`` compares elements) and
-the groups the very same parameters in the same order. The checks run over flattened views of the state,
-at C speed; anything else is a miss, and the leaf is planned afresh.
+the plan of each leaf whose pass found nothing wrong, once it has run, and the next full
+reset reuses it after checking that the state holds the very same parameters, entry
+dicts, keys (entry by entry) and tensor objects (by identity, never by value: a tensor's
+``==`` compares elements), the groups the very same parameters in the same order, and
+that every tensor it zeroes still has the data address it was planned with (a storage
+freed in place, or swapped by ``.data =``, has another). The checks run over flattened
+views of the state, at C speed; anything else is a miss, and the leaf is planned afresh.
 
 The cache holds the state it planned, so it is dropped when the optimizer loads a state
 dict, and dies with the optimizer. Optimizers that are not keys of their own (see
@@ -48,14 +50,20 @@ def _same_objects(now: Sequence[object], then: Sequence[object]) -> bool:
     return len(now) == len(then) and all(map(operator.is_, now, then))
 
 
+def _addresses(part: StatePlan) -> list[int]:
+    return list(map(torch.Tensor.data_ptr, chain.from_iterable(part.lists.values())))
+
+
 @frozen(eq=False)
 class _Stored:
     schema: StateSchema
     in_groups: list[object]
     params: list[object]
     entries: list[object]
+    sizes: list[int]
     keys: list[str]
     values: list[object]
+    addresses: list[int]
     part: StatePlan
 
     def matches(self, state: _State, schema: StateSchema, in_groups: list[torch.Tensor]) -> bool:
@@ -64,8 +72,10 @@ class _Stored:
             and _same_objects(in_groups, self.in_groups)
             and _same_objects(list(state), self.params)
             and _same_objects(list(state.values()), self.entries)
+            and list(map(len, state.values())) == self.sizes
             and _keys(state) == self.keys
             and _same_objects(_values(state), self.values)
+            and _addresses(self.part) == self.addresses
         )
 
 
@@ -78,11 +88,22 @@ def _forget(optimizer: torch.optim.Optimizer) -> None:
 
 
 def store(optimizer: torch.optim.Optimizer, schema: StateSchema, in_groups: list[torch.Tensor], part: StatePlan) -> None:
-    if not by_identity(type(optimizer)):  # unhashable, or equal to other optimizers
-        return
+    """Keep ``part`` for the next reset, where the optimizer keys a dict by identity and
+    every state entry is a plain dict (the flattened views read ``dict.values``)."""
     state = optimizer.state
+    if not by_identity(type(optimizer)) or set(map(type, state.values())) != {dict}:
+        return
+    entries = list(state.values())
     _plans[optimizer] = _Stored(
-        schema, list(in_groups), list(state), list(state.values()), _keys(state), _values(state), part
+        schema,
+        list(in_groups),
+        list(state),
+        entries,
+        list(map(len, entries)),
+        _keys(state),
+        _values(state),
+        _addresses(part),
+        part,
     )
     if optimizer not in _hooked:
         optimizer.register_load_state_dict_post_hook(_forget)

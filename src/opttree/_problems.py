@@ -7,7 +7,17 @@ import enum
 from attrs import evolve, field, frozen
 
 from opttree import _paths
-from opttree._errors import OptTreeError, PartialResetRefused, UnsupportedOptimizer, UnsupportedOptimizerState
+from opttree._errors import (
+    HiddenOptimizer,
+    MalformedWrapper,
+    NotAnOptimizer,
+    OptimizerCycle,
+    OptTreeError,
+    PartialResetRefused,
+    UnknownWrapper,
+    UnsupportedOptimizer,
+    UnsupportedOptimizerState,
+)
 
 
 class Severity(enum.Enum):
@@ -18,19 +28,56 @@ class Severity(enum.Enum):
 
 
 class ProblemKind(enum.Enum):
+    NOT_AN_OPTIMIZER = "not-an-optimizer"
+    """An object in the stack is neither an optimizer nor a known wrapper."""
+    UNKNOWN_WRAPPER = "unknown-wrapper"
+    """A Megatron optimizer class that is not a known kind and not registered."""
+    OPTIMIZER_CYCLE = "optimizer-cycle"
+    MALFORMED_WRAPPER = "malformed-wrapper"
+    HIDDEN_OPTIMIZER = "hidden-optimizer"
+    """A wrapper holds an optimizer, in an attribute, that the tree does not contain."""
     UNSUPPORTED_OPTIMIZER = "unsupported-optimizer"
     UNSUPPORTED_STATE = "unsupported-state"
+    MALFORMED_STATE = "malformed-state"
+    """``state`` or ``param_groups`` are not the containers torch optimizers hold."""
+    UNWRITABLE_STATE = "unwritable-state"
+    """History that cannot be zeroed in place: inference, quantized, sparse or meta
+    tensors, freed storage, tensor subclasses."""
+    ALIASED_STATE = "aliased-state"
+    """History sharing memory with other state or a parameter: zeroing it would zero those."""
+    SHARED_STEP = "shared-step"
+    """One step tensor counts the steps of several parameters."""
     EMPTY_STATE = "empty-state"
     ORPHAN_STATE = "orphan-state"
     SHAPE_MISMATCH = "shape-mismatch"
     PARTIAL_GROUP = "partial-group"
+    PARTIAL_STEP = "partial-step"
+    """A partial reset of step counters inside one Megatron optimizer, which checkpoints
+    one step for all its parameters."""
     UNKNOWN_KEY = "unknown-key"
 
     @property
     def severity(self) -> Severity:
-        if self in (ProblemKind.EMPTY_STATE, ProblemKind.ORPHAN_STATE, ProblemKind.SHAPE_MISMATCH):
-            return Severity.WARNING
-        return Severity.ERROR
+        return Severity.WARNING if self in _WARNINGS else Severity.ERROR
+
+    @property
+    def error(self) -> type[OptTreeError]:
+        """The error a reset raises when it refuses for a problem of this kind."""
+        return _ERRORS.get(self, UnsupportedOptimizerState)
+
+
+_WARNINGS = frozenset({ProblemKind.EMPTY_STATE, ProblemKind.ORPHAN_STATE, ProblemKind.SHAPE_MISMATCH, ProblemKind.SHARED_STEP})
+_ERRORS: dict[ProblemKind, type[OptTreeError]] = {
+    ProblemKind.NOT_AN_OPTIMIZER: NotAnOptimizer,
+    ProblemKind.UNKNOWN_WRAPPER: UnknownWrapper,
+    ProblemKind.OPTIMIZER_CYCLE: OptimizerCycle,
+    ProblemKind.MALFORMED_WRAPPER: MalformedWrapper,
+    ProblemKind.HIDDEN_OPTIMIZER: HiddenOptimizer,
+    ProblemKind.UNSUPPORTED_OPTIMIZER: UnsupportedOptimizer,
+    ProblemKind.PARTIAL_GROUP: PartialResetRefused,
+    ProblemKind.PARTIAL_STEP: PartialResetRefused,
+    ProblemKind.UNKNOWN_KEY: PartialResetRefused,
+}
 
 
 @frozen
@@ -60,8 +107,6 @@ class Problem:
     def to_error(self, *, others: int = 0) -> OptTreeError:
         """The error a refused reset raises; ``others`` counts further errors found."""
         message = str(self) if not others else f"{self} (and {others} more: see opttree.validate)"
-        if self.kind is ProblemKind.UNSUPPORTED_OPTIMIZER:
-            return UnsupportedOptimizer(message)
-        if self.kind in (ProblemKind.PARTIAL_GROUP, ProblemKind.UNKNOWN_KEY):
-            return PartialResetRefused(message)
-        return UnsupportedOptimizerState(message)
+        error = self.kind.error(message)
+        error.problem = self
+        return error

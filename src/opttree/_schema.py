@@ -82,9 +82,10 @@ class StateSchema:
         keys = self.zero | self.drop
         return keys if self.step is StepLocation.NONE else keys | {"step"}
 
-    def actions_for(self, keys: frozenset[str]) -> dict[str, KeyAction]:
-        """:attr:`actions` for a reset of ``keys`` only: other history is kept this time."""
+    def actions_for(self, resets: Callable[[str], bool]) -> dict[str, KeyAction]:
+        """:attr:`actions` for a partial reset of the keys ``resets`` accepts (``"step"``
+        for the step counter): other history is kept this time."""
         return {
-            key: action if key in keys or action is KeyAction.KEEP else KeyAction.KEEP
+            key: action if action is KeyAction.KEEP or resets(key) else KeyAction.KEEP
             for key, action in self.actions.items()
         }

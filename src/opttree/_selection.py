@@ -20,6 +20,7 @@ from attrs import frozen
 
 from opttree import _paths
 from opttree._adapter import mapping_attribute, sequence_attribute
+from opttree._containers import malformed
 from opttree._dispatch import LazyDispatch
 from opttree._errors import MalformedWrapper, OptTreeError, UnmappedParameter
 from opttree._nodes import HybridNode, LeafNode, Node, WrapperNode
@@ -31,12 +32,20 @@ InnerParams = Callable[[object, str], Iterable[tuple[torch.Tensor, Sequence[torc
 
 @frozen
 class Selection:
-    """The leaf tensors (by ``id``) whose state a reset touches, and the keys; ``None``: all."""
+    """The leaf tensors (by ``id``) whose state a reset touches, the history keys, and
+    whether step counters are reset; ``None``: all."""
 
     tensors: frozenset[int] | None = None
     keys: frozenset[str] | None = None
+    steps: bool = True
+
+    @property
+    def everything(self) -> bool:
+        return self.tensors is None and self.keys is None and self.steps
 
     def resets(self, key: str) -> bool:
+        if key == "step":
+            return self.steps
         return self.keys is None or key in self.keys
 
 
@@ -72,13 +81,13 @@ def distributed_inner(wrapper: object, path: str) -> Iterable[tuple[torch.Tensor
     ):
         for o, (i,) in _pairs(wrapper, path, outer_name, inner_name):
             inner.setdefault(id(o), []).append(i)
-    for param in mapping_attribute(wrapper, "model_param_gbuf_map", path):
+    for param in cast(dict[torch.Tensor, object], mapping_attribute(wrapper, "model_param_gbuf_map", path)):
         yield param, inner.get(id(param), [])
 
 
 def hybrid_inner(wrapper: object, path: str) -> Iterable[tuple[torch.Tensor, Sequence[torch.Tensor]]]:
     """HybridDeviceOptimizer steps fp32 or CPU copies of its parameters."""
-    mapping = mapping_attribute(wrapper, "param_to_inner_param", path)
+    mapping = cast(dict[torch.Tensor, torch.Tensor], mapping_attribute(wrapper, "param_to_inner_param", path))
     return ((outer, (inner,)) for outer, inner in mapping.items())
 
 
@@ -92,6 +101,28 @@ def builtin_inner_params() -> LazyDispatch[InnerParams]:
 
 
 INNER_PARAMS = builtin_inner_params()
+
+STEP_UNITS: LazyDispatch[bool] = LazyDispatch()
+"""Wrappers that checkpoint one step for all their parameters: Megatron's optimizers
+over torch optimizers (``MegatronOptimizer._extract_common_per_param_step``)."""
+STEP_UNITS.register_lazy("megatron.core.optimizer.optimizer.FP32Optimizer", True)
+STEP_UNITS.register_lazy("megatron.core.optimizer.optimizer.MixedPrecisionOptimizer", True)
+
+
+class _LeafParams(TraverserVisitor):
+    def __init__(self) -> None:
+        self.params: list[torch.Tensor] = []
+
+    def visit_leaf(self, node: LeafNode) -> None:
+        if node.shared_with is None and malformed(node.optimizer) is None:
+            self.params.extend(p for group in node.optimizer.param_groups for p in group["params"])
+
+
+def tree_params(node: Node) -> list[torch.Tensor]:
+    """The parameters of every leaf under ``node``."""
+    found = _LeafParams()
+    node.accept(found)
+    return found.params
 
 # id(tensor at this depth) -> (that tensor, index of the user's parameter it stands for)
 _Flow = dict[int, tuple[torch.Tensor, int]]
@@ -136,6 +167,8 @@ class SelectVisitor(TraverserVisitor):
         self.through(node)
 
     def visit_leaf(self, node: LeafNode) -> None:
+        if malformed(node.optimizer) is not None:
+            return  # validation reports it; the reset refuses
         for group in node.optimizer.param_groups:
             for param in group["params"]:
                 found = self.flow.get(id(param))
@@ -162,10 +195,17 @@ def resolve_params(params: ParamsArg, model: torch.nn.Module | None) -> list[tor
 
 
 def select(root: Node, params: ParamsArg | None, keys: Iterable[str] | None, model: torch.nn.Module | None) -> Selection:
-    """Map the user's parameters to the leaf tensors they reach; raise for any that reach none."""
+    """Map the user's parameters to the leaf tensors they reach; raise for any that reach none.
+
+    Step counters are reset by a full reset, and by a partial one only where ``keys``
+    names ``"step"``: resetting some parameters' moments keeps their step (as ReLoRA and
+    SPAM do), and Megatron checkpoints one step per optimizer.
+    """
     key_set = None if keys is None else frozenset([keys] if isinstance(keys, str) else keys)
+    steps = "step" in key_set if key_set is not None else params is None
+    history = None if key_set is None else key_set - {"step"}
     if params is None:
-        return Selection(None, key_set)
+        return Selection(None, history, steps) if key_set is not None else EVERYTHING
     chosen = resolve_params(params, model)
     visitor = SelectVisitor(chosen)
     root.accept(visitor)
@@ -179,4 +219,4 @@ def select(root: Node, params: ParamsArg | None, keys: Iterable[str] | None, mod
             f"{_paths.display(root.path)} ({len(missing)} of {len(chosen)} selected parameters unmapped)"
         )
         raise UnmappedParameter(msg)
-    return Selection(frozenset(visitor.selected), key_set)
+    return Selection(frozenset(visitor.selected), history, steps)

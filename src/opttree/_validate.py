@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
+import operator
+
+import torch
+
 from opttree import _registry
-from opttree._nodes import LeafNode, Node
+from opttree._held import Held, held_optimizers
+from opttree._identity import identity_key, identity_keys
 from opttree._inspect import LeafInspector
+from opttree._nodes import LeafNode, Node, WrapperNode
 from opttree._plan import ResetPlan
+from opttree._preflight import Extents, Owner, duplicates, overlap, unique_ranges
 from opttree._problems import Problem, ProblemKind
 from opttree._runs import alike_runs, sibling_groups
-from opttree._selection import EVERYTHING, Selection
+from opttree._selection import EVERYTHING, STEP_UNITS, Selection, tree_params
 from opttree._visitor import TraverserVisitor
+
+_OPTIMIZER = operator.attrgetter("optimizer")
+
+
+def _owner_text(owner: Owner) -> str:
+    path, cls, key = owner
+    what = "a parameter" if key is None else repr(key)
+    return f"{what} of {cls} at {path}"
 
 
 class ValidateVisitor(TraverserVisitor):
@@ -18,6 +33,8 @@ class ValidateVisitor(TraverserVisitor):
     A leaf reached a second time (``shared_with``) is checked once, at its first path.
     Runs of alike sibling leaves are planned in one pooled pass where that cannot change
     the outcome (:meth:`~opttree._inspect.LeafInspector.inspect_alike`), else leaf by leaf.
+    :meth:`check` walks a tree and then runs the checks that need all of it: keys named
+    for a partial reset, optimizers hidden in wrappers, and memory shared by state.
     """
 
     def __init__(self, selection: Selection = EVERYTHING) -> None:
@@ -26,10 +43,24 @@ class ValidateVisitor(TraverserVisitor):
         self.selection = selection
         self.resettable: set[str] = set()
         self._inspectors: dict[type, LeafInspector | None] = {}
+        self._contained: list[object] = []
+        self._held: list[tuple[Node, Held]] = []
+        self._is_optimizer: dict[type, bool] = {}
+
+    def check(self, root: Node) -> None:
+        """Walk ``root`` and run the tree-wide checks."""
+        self._contained.append(root.optimizer)
+        root.accept(self)
+        self.check_keys(root)
+        self.check_held()
+        self.check_memory()
 
     def check_keys(self, root: Node) -> None:
         """Keys named for a partial reset must be history in at least one leaf."""
-        unknown = sorted((self.selection.keys or frozenset()) - self.resettable)
+        if self.selection.keys is None:
+            return
+        named = self.selection.keys | ({"step"} if self.selection.steps else set())
+        unknown = sorted(named - self.resettable)
         if unknown:
             known = ", ".join(sorted(self.resettable)) or "none"
             self.problems.append(
@@ -40,6 +71,56 @@ class ValidateVisitor(TraverserVisitor):
                     f"no optimizer in the tree has history {unknown} (resettable here: {known})",
                 )
             )
+
+    def is_optimizer(self, cls: type) -> bool:
+        found = self._is_optimizer.get(cls)
+        if found is None:
+            found = self._is_optimizer[cls] = issubclass(cls, torch.optim.Optimizer) or _registry.kind_for(cls) is not None
+        return found
+
+    def check_held(self) -> None:
+        """Every optimizer a wrapper holds must be a node of the tree: one it hides would
+        keep its state through a reset."""
+        contained = identity_keys(self._contained)
+        for node, (label, objects) in self._held:
+            hidden = identity_keys(objects) - contained
+            if not hidden:
+                continue
+            index, first = next((i, o) for i, o in enumerate(objects) if identity_key(o) in hidden)
+            where = label if len(objects) == 1 else f"{label}[{index}]"
+            message = (
+                f"holds a {type(first).__qualname__} in {where} that the tree does not contain "
+                f"({len(hidden)} such): a reset would keep its state; register the wrapper with "
+                "opttree.register_wrapper(cls, children=...) naming all its optimizers"
+            )
+            self.problems.append(Problem(ProblemKind.HIDDEN_OPTIMIZER, node.path, type(node.optimizer).__qualname__, message))
+
+    def check_memory(self) -> None:
+        """Step tensors held for several parameters are counted once, with a warning;
+        anything written that shares memory with other state or a parameter is refused."""
+        plan = self.plan
+        if not plan.fresh and plan.reused <= 1:
+            return  # one plan from the cache, checked when it was made
+        state = plan.state
+        steps = state.step_ranges
+        repeats, first = duplicates(steps)
+        if repeats and first is not None:
+            path, cls, key = steps.owner(first)
+            message = (
+                f"one step tensor counts the steps of several parameters ({repeats} repeats): each "
+                "optimizer.step() advances it once per parameter; it is reset once"
+            )
+            self.problems.append(Problem(ProblemKind.SHARED_STEP, path, cls, message, key))
+            plan.shared_steps = repeats
+            steps = unique_ranges(steps)
+        written = Extents()
+        written.extend(state.written)
+        written.extend(steps)
+        clash = overlap(written, state.kept_ranges)
+        if clash is not None:
+            (path, cls, key), other = clash
+            message = f"shares memory with {_owner_text(other)}: zeroing it would change that too"
+            self.problems.append(Problem(ProblemKind.ALIASED_STATE, path, cls, message, key))
 
     def inspector_for(self, cls: type) -> LeafInspector | None:
         if cls in self._inspectors:
@@ -52,6 +133,8 @@ class ValidateVisitor(TraverserVisitor):
         return inspector
 
     def visit_children(self, node: Node) -> None:
+        self._contained.extend(map(_OPTIMIZER, node.children))
+        self._held.extend((node, held) for held in held_optimizers(node.optimizer, self.is_optimizer))
         for siblings in sibling_groups(node):
             self.visit_siblings(siblings)
 
@@ -64,6 +147,27 @@ class ValidateVisitor(TraverserVisitor):
             if inspector is None or not inspector.inspect_alike(item):
                 for leaf in item:
                     self.visit_leaf(leaf)
+
+    def visit_wrapper(self, node: WrapperNode) -> None:
+        self.check_step_unit(node)
+        self.visit_children(node)
+
+    def check_step_unit(self, node: WrapperNode) -> None:
+        """A Megatron optimizer checkpoints one step for all its parameters
+        (``_extract_common_per_param_step``, and ``DistributedOptimizer.state_dict``
+        asserts it): a partial reset of steps must take all of them or none."""
+        chosen = self.selection.tensors
+        if chosen is None or not self.selection.steps or STEP_UNITS.lookup(type(node.optimizer)) is None:
+            return
+        params = tree_params(node)
+        taken = sum(id(p) in chosen for p in params)
+        if 0 < taken < len(params):
+            message = (
+                f"{taken} of its {len(params)} parameters are selected with 'step' in keys: Megatron saves one "
+                "step per optimizer, and a checkpoint of unequal steps fails to save; select all of them, "
+                "or leave 'step' out of keys"
+            )
+            self.problems.append(Problem(ProblemKind.PARTIAL_STEP, node.path, type(node.optimizer).__qualname__, message, "step"))
 
     def visit_leaf(self, node: LeafNode) -> None:
         if node.shared_with is not None:
