@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import opttree
+from megatron.core.transformer.module import MegatronModule
 from opttree import testing
 from tests.helpers import model, snapshot, train, unchanged
 from tests.standins import TEFusedAdam
@@ -121,6 +122,12 @@ def test_steps_of_part_of_a_megatron_optimizer_are_refused_and_megatron_shows_wh
         stack.optimizer.state_dict()  # equal steps: Megatron can save it
 
 
+def module_state(stack: testing.MegatronStack) -> dict[str, object]:
+    module = stack.model.module
+    assert isinstance(module, MegatronModule)
+    return module.sharded_state_dict()
+
+
 def test_megatron_cannot_save_unequal_steps() -> None:
     """The other side: what opttree refuses, Megatron's own checkpointing fails on."""
     stack = testing.build("fp32")
@@ -130,7 +137,7 @@ def test_megatron_cannot_save_unequal_steps() -> None:
     first["step"].zero_()  # by hand, as a per-parameter partial reset would
 
     with stack.device, pytest.raises(ValueError, match="The optimizer step differs per parameter"):
-        stack.optimizer.sharded_state_dict(stack.model.sharded_state_dict())
+        stack.optimizer.sharded_state_dict(module_state(stack))
 
 
 def test_a_parameter_no_optimizer_holds_is_an_error_and_nothing_changes() -> None:
