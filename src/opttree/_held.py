@@ -15,8 +15,9 @@ import dataclasses
 from collections.abc import Callable, Iterator
 
 IsOptimizer = Callable[[type], bool]
-Held = tuple[str, list[object]]
-"""An attribute path (``module_infos['vision'].optimizer``) and the optimizers found there."""
+Held = tuple[str, list[object], bool]
+"""An attribute path (``module_infos['vision'].optimizer``), the optimizers found there,
+and whether they are the members of a sequence at that path (``cpu_optimizers[i]``)."""
 
 
 def _is_container(cls: type) -> bool:
@@ -58,13 +59,13 @@ def held_optimizers(wrapper: object, is_optimizer: IsOptimizer, *, depth: int = 
 def _search(items: list[tuple[str, object]], is_optimizer: IsOptimizer, depth: int) -> Iterator[Held]:
     for label, value in items:
         if is_optimizer(type(value)):
-            yield label, [value]
+            yield label, [value], False
             continue
         if depth == 0 or not _is_container(type(value)):
             continue
         values = _values(value)
         classes = set(map(type, values))
-        if classes and all(map(is_optimizer, classes)):
-            yield label, values  # such as HybridDeviceOptimizer.cpu_optimizers, in one piece
+        if classes and all(map(is_optimizer, classes)) and isinstance(value, (list, tuple)):
+            yield label, values, True  # such as HybridDeviceOptimizer.cpu_optimizers, in one piece
         elif any(map(is_optimizer, classes)) or any(map(_is_container, classes)):
             yield from _search(_members(value, label), is_optimizer, depth - 1)

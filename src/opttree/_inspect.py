@@ -328,7 +328,7 @@ class LeafInspector:
 
     def unwritable(self, node: LeafNode, key: str, found: tuple[int, str], count: int) -> None:
         bad, reason = found
-        what = "its value is" if count == 1 else f"{bad} of its {count} values are; the first is"
+        what = "it is" if count == 1 else f"{bad} of its {count} tensors cannot; the first is"
         self.problem(node, ProblemKind.UNWRITABLE_STATE, f"cannot be zeroed in place: {what} {reason}", key)
 
     def plan_scales(

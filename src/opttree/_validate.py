@@ -82,12 +82,12 @@ class ValidateVisitor(TraverserVisitor):
         """Every optimizer a wrapper holds must be a node of the tree: one it hides would
         keep its state through a reset."""
         contained = identity_keys(self._contained)
-        for node, (label, objects) in self._held:
+        for node, (label, objects, indexed) in self._held:
             hidden = identity_keys(objects) - contained
             if not hidden:
                 continue
             index, first = next((i, o) for i, o in enumerate(objects) if identity_key(o) in hidden)
-            where = label if len(objects) == 1 else f"{label}[{index}]"
+            where = f"{label}[{index}]" if indexed else label
             message = (
                 f"holds a {type(first).__qualname__} in {where} that the tree does not contain "
                 f"({len(hidden)} such): a reset would keep its state; register the wrapper with "

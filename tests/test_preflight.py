@@ -1,0 +1,196 @@
+"""Everything that would make zeroing fail half-way is found before the first write:
+the reset refuses, names the leaf and key, and changes nothing; validate reports it."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import opttree
+from tests.helpers import model, snapshot, train, unchanged
+from tests.megatron_parts import chained, config, fp32
+
+N_PARAMS = 10  # 30 state tensors: the bad one is the last
+
+
+def big_adamw() -> torch.optim.AdamW:
+    params = [torch.nn.Parameter(torch.randn(4)) for _ in range(N_PARAMS)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer = torch.optim.AdamW(params)
+    optimizer.step()
+    return optimizer
+
+
+def last_entry(optimizer: torch.optim.Optimizer) -> dict[str, object]:
+    entry = list(optimizer.state.values())[-1]
+    assert isinstance(entry, dict)
+    return entry
+
+
+def inference_tensor(like: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.ones_like(like)
+
+
+def freed(like: torch.Tensor) -> torch.Tensor:
+    tensor = torch.ones_like(like)
+    tensor.untyped_storage().resize_(0)
+    return tensor
+
+
+def freed_view(like: torch.Tensor) -> torch.Tensor:
+    buffer = torch.ones(2 * like.numel())
+    view = buffer[like.numel() :]
+    buffer.untyped_storage().resize_(0)
+    return view
+
+
+class Traced(torch.Tensor):
+    """A tensor subclass with its own dispatch, which opttree cannot vouch for."""
+
+    @classmethod
+    def __torch_function__(cls, func: object, types: object, args: object = (), kwargs: object = None) -> object:
+        return super().__torch_function__(func, types, args, kwargs)  # type: ignore[misc, arg-type]
+
+
+BAD: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "inference": inference_tensor,
+    "quantized": lambda like: torch.quantize_per_tensor(torch.ones_like(like), 0.1, 0, torch.qint8),
+    "sparse": lambda like: torch.ones_like(like).to_sparse(),
+    "meta": lambda like: torch.ones_like(like, device="meta"),
+    "freed": freed,
+    "freed-view": freed_view,
+    "subclass": lambda like: torch.ones_like(like).as_subclass(Traced),
+}
+REASON = {
+    "inference": "an inference tensor",
+    "quantized": "a quantized tensor",
+    "sparse": "a sparse_coo tensor",
+    "meta": "a meta tensor",
+    "freed": "storage is freed",
+    "freed-view": "storage is freed",
+    "subclass": "a Traced",
+}
+
+
+@pytest.mark.parametrize("kind", BAD)
+def test_an_unwritable_tensor_on_the_last_parameter_is_refused_before_any_write(kind: str) -> None:
+    optimizer = big_adamw()
+    entry = last_entry(optimizer)
+    exp_avg_sq = entry["exp_avg_sq"]
+    assert isinstance(exp_avg_sq, torch.Tensor)
+    entry["exp_avg_sq"] = BAD[kind](exp_avg_sq)
+    before = [(k, v.clone()) for e in list(optimizer.state.values())[:-1] for k, v in e.items()]
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=rf"key 'exp_avg_sq': cannot be zeroed in place: .*{REASON[kind]}"):
+        opttree.reset(optimizer)
+
+    after = [(k, v) for e in list(optimizer.state.values())[:-1] for k, v in e.items()]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(after, before, strict=True))
+    (problem,) = opttree.validate(optimizer)
+    assert problem.kind is opttree.ProblemKind.UNWRITABLE_STATE and problem.key == "exp_avg_sq"
+    assert "AdamW" in opttree.describe(optimizer)
+
+
+def test_inference_state_is_reset_inside_inference_mode() -> None:
+    optimizer = big_adamw()
+    entry = last_entry(optimizer)
+    entry["exp_avg_sq"] = inference_tensor(torch.zeros(4))
+
+    with torch.inference_mode():
+        report = opttree.reset(optimizer)
+
+    assert report.tensors_zeroed == 2 * N_PARAMS and not entry["exp_avg_sq"].any()  # type: ignore[union-attr]
+
+
+def test_a_step_counter_that_cannot_be_written_is_refused() -> None:
+    optimizer = big_adamw()
+    before = snapshot(optimizer)
+    last_entry(optimizer)["step"] = torch.tensor(1.0, device="meta")
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"key 'step': cannot be zeroed in place: 1 of its 10 tensors cannot; the first is a meta tensor"):
+        opttree.reset(optimizer)
+    last_entry(optimizer)["step"] = torch.tensor(1.0)
+    assert unchanged(optimizer, before)
+
+
+# Aliasing: history that shares memory with something a reset must keep, or with other history.
+
+
+def test_history_sharing_memory_with_a_parameter_is_refused() -> None:
+    optimizer = big_adamw()
+    param = optimizer.param_groups[0]["params"][-1]
+    last_entry(optimizer)["exp_avg"] = param.detach()  # zeroing it would zero the weight
+    weight = param.detach().clone()
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"key 'exp_avg': shares memory with a parameter of AdamW"):
+        opttree.reset(optimizer)
+    assert torch.equal(param, weight)
+    assert [p.kind for p in opttree.validate(optimizer)] == [opttree.ProblemKind.ALIASED_STATE]
+
+
+def test_history_sharing_memory_with_kept_master_weights_is_refused() -> None:
+    optimizer = big_adamw()
+    entry = last_entry(optimizer)
+    master = torch.randn(8)
+    entry["master_param"] = master
+    entry["exp_avg_sq"] = master[4:]  # a view into the kept fp32 copy
+    kept = master.clone()
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"key 'exp_avg_sq': shares memory with 'master_param'"):
+        opttree.reset(optimizer)
+    assert torch.equal(master, kept)
+
+
+def test_history_shared_between_two_entries_is_refused() -> None:
+    optimizer = big_adamw()
+    entries = list(optimizer.state.values())
+    entries[-1]["exp_avg"] = entries[0]["exp_avg"]
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="shares memory with 'exp_avg'"):
+        opttree.reset(optimizer)
+
+
+def test_non_overlapping_views_of_one_buffer_are_fine() -> None:
+    optimizer = big_adamw()
+    entries = list(optimizer.state.values())
+    flat = torch.zeros(4 * len(entries))
+    for i, entry in enumerate(entries):
+        entry["exp_avg"] = flat[4 * i : 4 * (i + 1)]  # as a flat-buffer optimizer would keep it
+    flat.fill_(1.0)
+
+    opttree.reset(optimizer)
+
+    assert not flat.any()
+
+
+def test_two_parameters_sharing_one_state_entry_are_refused_without_a_half_done_drop() -> None:
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    train(net, optimizer, 0, 2)
+    params = list(optimizer.state)
+    optimizer.state[params[-1]] = optimizer.state[params[0]]  # one dict reached twice
+    buffers = [entry.get("momentum_buffer") for entry in optimizer.state.values()]
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="momentum_buffer"):
+        opttree.reset(optimizer)
+    assert [entry.get("momentum_buffer") for entry in optimizer.state.values()] == buffers  # none dropped
+
+
+@pytest.mark.usefixtures("process_group")
+def test_an_optimizer_and_its_shallow_copy_in_one_tree_are_refused_not_reset_twice() -> None:
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    train(net, optimizer, 0, 2)
+    twin = copy.copy(optimizer)  # the same state and param groups
+    shared = config()
+    root = chained([fp32(optimizer, shared), fp32(twin, shared)])
+    count = len(optimizer.state)
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"SGD at chained\[\d\]\.optimizer: key 'momentum_buffer': shares memory"):
+        opttree.reset(root)
+    assert sum("momentum_buffer" in entry for entry in optimizer.state.values()) == count

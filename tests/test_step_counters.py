@@ -1,0 +1,118 @@
+"""Every step counter a leaf holds is reset, wherever it lives, or the reset is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import opttree
+from tests.helpers import model, snapshot, train, unchanged
+
+
+class GroupClockAdamW(torch.optim.AdamW):
+    """An AdamW that also counts its steps in each param group, as TE's FusedAdam does."""
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        super().step()
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+
+
+def trained(optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW, steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    net = model()
+    optimizer = optimizer_cls(net.parameters())
+    train(net, optimizer, 0, steps)
+    return net, optimizer
+
+
+def test_a_group_clock_on_an_adamw_subclass_is_reset_and_training_matches_a_fresh_one() -> None:
+    net, optimizer = trained(GroupClockAdamW)
+    twin = model()
+    twin.load_state_dict(net.state_dict())
+    fresh = GroupClockAdamW(twin.parameters())
+
+    report = opttree.reset(optimizer)
+
+    assert optimizer.param_groups[0]["step"] == 0
+    assert report.steps == 1 + len(optimizer.state)  # the group's and each parameter's
+    train(net, optimizer, 3, 3)
+    train(twin, fresh, 3, 3)
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), twin.parameters(), strict=True))
+    assert optimizer.param_groups[0]["step"] == fresh.param_groups[0]["step"] == 3
+
+
+@pytest.mark.parametrize(
+    "counter",
+    [torch.tensor(50.0), torch.tensor([50], dtype=torch.int32), 50, 50.0],
+    ids=["float-tensor", "int32-tensor", "int", "float"],
+)
+def test_a_step_counter_placed_in_a_group_of_a_plain_adamw_is_reset(counter: object) -> None:
+    _, optimizer = trained()
+    optimizer.param_groups[0]["step"] = counter
+
+    opttree.reset(optimizer)
+
+    value = optimizer.param_groups[0]["step"]
+    if isinstance(counter, torch.Tensor):
+        assert value is counter and not counter.any()  # zeroed in place
+    else:
+        assert value == 0 and type(value) is type(counter)
+    assert opttree.validate(optimizer) == ()
+
+
+def test_a_group_step_on_a_schema_without_steps_is_reset_too() -> None:
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    train(net, optimizer, 0, 2)
+    optimizer.param_groups[0]["step"] = 7
+
+    report = opttree.reset(optimizer)
+
+    assert optimizer.param_groups[0]["step"] == 0 and report.steps == 1
+
+
+def test_a_per_parameter_step_kept_as_a_python_number_keeps_its_type() -> None:
+    _, optimizer = trained()
+    entries = list(optimizer.state.values())
+    entries[0]["step"] = 3
+    entries[1]["step"] = 3.0
+
+    opttree.reset(optimizer)
+
+    assert entries[0]["step"] == 0 and type(entries[0]["step"]) is int
+    assert entries[1]["step"] == 0.0 and type(entries[1]["step"]) is float
+    assert all(not entry["step"] for entry in entries[2:])
+
+
+@pytest.mark.parametrize("where", ["group", "state"])
+def test_a_step_counter_that_is_not_a_number_is_refused_and_nothing_changes(where: str) -> None:
+    _, optimizer = trained()
+    if where == "group":
+        optimizer.param_groups[0]["step"] = "3"
+    else:
+        next(iter(optimizer.state.values()))["step"] = [3]
+    before = snapshot(optimizer)
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"key 'step': .*step counter is a (str|list)"):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before)
+    assert [p.key for p in opttree.validate(optimizer)] == ["step"]
+
+
+def test_a_step_tensor_shared_by_several_parameters_is_counted_once_with_a_warning() -> None:
+    """Megatron's CPU load path leaves parameters on one step tensor: torch's Adam then
+    advances it once per parameter and step."""
+    _, optimizer = trained()
+    entries = list(optimizer.state.values())
+    shared = entries[0]["step"]
+    for entry in entries[1:]:
+        entry["step"] = shared
+
+    problems = opttree.validate(optimizer)
+    report = opttree.reset(optimizer)
+
+    assert [(p.kind, p.severity) for p in problems] == [(opttree.ProblemKind.SHARED_STEP, opttree.Severity.WARNING)]
+    assert f"({len(entries) - 1} repeats)" in problems[0].message
+    assert report.steps == 1 and not shared.any()
+    assert all(not entry["exp_avg"].any() for entry in entries)

@@ -1,0 +1,145 @@
+"""Wrapper kinds: only known Megatron kinds are walked; any other wrapper, and any
+optimizer a wrapper hides outside its known children, is refused, never skipped."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from megatron.core.optimizer import FP32Optimizer, MegatronOptimizer
+
+import opttree
+from tests.helpers import clone_model, model, snapshot, train, unchanged, weights_equal
+from tests.megatron_parts import chained, config, fp32
+
+pytestmark = pytest.mark.usefixtures("process_group")
+
+
+def trained_adamw(seed: int) -> tuple[torch.nn.Module, torch.optim.AdamW]:
+    net = model(seed)
+    optimizer = torch.optim.AdamW(net.parameters())
+    train(net, optimizer, 0, 3)
+    return net, optimizer
+
+
+def test_mimo_optimizer_is_a_wrapper_of_its_modules_and_is_reset_exactly() -> None:
+    mimo = pytest.importorskip("megatron.core.models.mimo.optimizer")
+    (vision_net, vision), (language_net, language) = trained_adamw(0), trained_adamw(1)
+    shared = config()
+    infos = {
+        "vision": mimo.ModuleOptimizerInfo(fp32(vision, shared), None, None, True),
+        "language": mimo.ModuleOptimizerInfo(fp32(language, shared), None, None, True),
+        "audio": mimo.ModuleOptimizerInfo(None, None, None, False),  # no part of it on this rank
+    }
+    optimizer = mimo.MimoOptimizer(infos, shared)
+    assert optimizer.optimizer is None  # what made it look like a stub
+
+    node = opttree.tree(optimizer)
+    report = opttree.reset(optimizer)
+
+    paths = [leaf.path for wrapper in node.children for leaf in wrapper.children]
+    assert paths == ["module_infos['vision'].optimizer.optimizer", "module_infos['language'].optimizer.optimizer"]
+    assert report.leaves == 2 and report.tensors_zeroed == 2 * 2 * len(vision.state)
+    assert "@ module_infos['vision'].optimizer .. module_infos['language'].optimizer" in opttree.describe(optimizer)
+    assert opttree.validate(optimizer) == ()
+    for net, leaf, seed in ((vision_net, vision, 0), (language_net, language, 1)):
+        twin = clone_model(net) if seed == 0 else _clone(net, seed)
+        fresh = torch.optim.AdamW(twin.parameters())
+        train(net, leaf, 3, 3)
+        train(twin, fresh, 3, 3)
+        assert weights_equal(net, twin)
+
+
+def _clone(net: torch.nn.Module, seed: int) -> torch.nn.Module:
+    twin = model(seed)
+    twin.load_state_dict(net.state_dict())
+    return twin
+
+
+class HomegrownMegatronOptimizer(MegatronOptimizer):
+    """A MegatronOptimizer subclass that keeps its optimizers under a name of its own."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizer = None  # type: ignore[assignment]
+        self.per_stage = optimizers
+
+
+HomegrownMegatronOptimizer.__abstractmethods__ = frozenset()  # never stepped here
+def test_a_megatron_optimizer_of_no_known_kind_is_refused_pointing_to_register_wrapper() -> None:
+    _, leaf = trained_adamw(0)
+    unknown = HomegrownMegatronOptimizer([leaf])
+    before = snapshot(leaf)
+
+    with pytest.raises(opttree.UnknownWrapper, match=r"HomegrownMegatronOptimizer at <root>: .*register_wrapper"):
+        opttree.reset(unknown)
+    assert unchanged(leaf, before)
+    assert isinstance(opttree.UnknownWrapper("x"), opttree.NotAnOptimizer)
+    kinds = [p.kind for p in opttree.validate(unknown)]
+    assert kinds[0] is opttree.ProblemKind.UNKNOWN_WRAPPER
+    assert "(refused: " in opttree.describe(unknown)
+
+
+class StagedWrapper:
+    """A wrapper registered with a children function that names only its first optimizer,
+    while it also keeps others: in a list, in a dict and in a dataclass."""
+
+    @dataclasses.dataclass
+    class Record:
+        optimizer: torch.optim.Optimizer
+        name: str
+
+    def __init__(self, first: torch.optim.Optimizer, hidden: torch.optim.Optimizer, where: str) -> None:
+        self.first = first
+        self.stages: list[object] = [first]
+        self.by_name: dict[str, object] = {}
+        self.record: object = None
+        if where == "list":
+            self.stages.append(hidden)
+        elif where == "dict":
+            self.by_name["late"] = hidden
+        elif where == "dataclass":
+            self.by_name["late"] = StagedWrapper.Record(hidden, "late")
+        else:
+            self.record = StagedWrapper.Record(hidden, "late")
+
+
+opttree.register_wrapper(StagedWrapper, children=lambda w: [("first", w.first)] if isinstance(w, StagedWrapper) else [])
+
+
+@pytest.mark.parametrize(
+    ("where", "label"),
+    [
+        ("list", "stages[1]"),
+        ("dict", "by_name['late']"),
+        ("dataclass", "by_name['late'].optimizer"),
+        ("field", "record.optimizer"),
+    ],
+)
+def test_an_optimizer_a_wrapper_holds_outside_the_tree_is_refused(where: str, label: str) -> None:
+    (_, first), (_, hidden) = trained_adamw(0), trained_adamw(1)
+    wrapper = StagedWrapper(first, hidden, where)
+    before = [snapshot(first), snapshot(hidden)]
+
+    problems = opttree.validate(wrapper)
+    with pytest.raises(opttree.HiddenOptimizer, match=r"StagedWrapper at <root>: holds a AdamW in (\S+) ") as caught:
+        opttree.reset(wrapper)
+
+    assert caught.value.problem is not None and f"in {label} that" in caught.value.problem.message
+
+    assert [p.kind for p in problems] == [opttree.ProblemKind.HIDDEN_OPTIMIZER]
+    assert unchanged(first, before[0]) and unchanged(hidden, before[1])
+
+
+def test_an_optimizer_held_twice_inside_the_tree_is_not_hidden() -> None:
+    (_, first), _ = trained_adamw(0), None
+    wrapper = StagedWrapper(first, first, "list")  # the same optimizer, which is in the tree
+    assert opttree.validate(wrapper) == ()
+    assert opttree.reset(wrapper).leaves == 1
+
+
+def test_megatrons_real_wrappers_hide_nothing() -> None:
+    shared = config()
+    root = chained([fp32(trained_adamw(0)[1], shared), fp32(None, shared)])
+    assert isinstance(root.chained_optimizers[0], FP32Optimizer)
+    assert opttree.validate(root) == ()
