@@ -19,7 +19,7 @@ class GroupClockAdamW(torch.optim.AdamW):
             group["step"] = group.get("step", 0) + 1
 
 
-def trained(optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW, steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def trained(optimizer_cls: type[torch.optim.AdamW] = torch.optim.AdamW, steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     net = model()
     optimizer = optimizer_cls(net.parameters())
     train(net, optimizer, 0, steps)
