@@ -7,11 +7,15 @@ then exists, so its module was imported by the user, never by opttree.
 
 Every class in the MRO is resolved before dispatching, so a lazily registered subclass
 is found even when its parent was resolved earlier.
+
+Threads may look classes up at once: each answer is worked out under a lock and then
+kept in a plain dict, read without the lock, which every registration empties.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -38,32 +42,45 @@ class LazyDispatch(Generic[V]):
         self._owners = functools.singledispatch(_unregistered)
         self._values: dict[type, V] = {}
         self._lazy: dict[str, V] = {}
-        self._resolved: set[type] = set()
+        self._found: dict[type, V | None] = {}
+        self._lock = threading.Lock()
 
     def register(self, cls: type, value: V) -> None:
+        with self._lock:
+            self._add(cls, value)
+            self._found.clear()
+
+    def register_lazy(self, dotted: str, value: V) -> None:
+        with self._lock:
+            self._lazy[dotted] = value
+            self._found.clear()
+
+    def is_registered(self, cls_or_dotted: type | str) -> bool:
+        with self._lock:
+            if isinstance(cls_or_dotted, str):
+                return cls_or_dotted in self._lazy or any(
+                    dotted_name(cls) == cls_or_dotted for cls in self._values
+                )
+            return cls_or_dotted in self._values or dotted_name(cls_or_dotted) in self._lazy
+
+    def lookup(self, cls: type) -> V | None:
+        try:
+            return self._found[cls]
+        except KeyError:
+            with self._lock:
+                return self._resolve(cls)
+
+    def _add(self, cls: type, value: V) -> None:
         self._values[cls] = value
         self._owners.register(cls, _owner_of(cls))
 
-    def register_lazy(self, dotted: str, value: V) -> None:
-        self._lazy[dotted] = value
-        self._resolved.clear()
-
-    def is_registered(self, cls_or_dotted: type | str) -> bool:
-        if isinstance(cls_or_dotted, str):
-            return cls_or_dotted in self._lazy or any(
-                dotted_name(cls) == cls_or_dotted for cls in self._values
-            )
-        return cls_or_dotted in self._values or dotted_name(cls_or_dotted) in self._lazy
-
-    def lookup(self, cls: type) -> V | None:
-        if cls not in self._resolved:
-            self._resolve_lazy(cls)
-        owner = self._owners.dispatch(cls)(None)
-        return None if owner is None else self._values[owner]
-
-    def _resolve_lazy(self, cls: type) -> None:
+    def _resolve(self, cls: type) -> V | None:
+        """Under the lock. A class resolved here needs no emptying of ``_found``: a class
+        found earlier that has it in its MRO would have resolved it then."""
         for klass in cls.__mro__:
             dotted = dotted_name(klass)
             if dotted in self._lazy:
-                self.register(klass, self._lazy.pop(dotted))
-        self._resolved.add(cls)
+                self._add(klass, self._lazy.pop(dotted))
+        owner = self._owners.dispatch(cls)(None)
+        found = self._found[cls] = None if owner is None else self._values[owner]
+        return found

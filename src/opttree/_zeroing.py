@@ -1,11 +1,18 @@
 """Zeroing many tensors at once: one ``torch._foreach_zero_`` per list, and on the CPU,
 where ``_foreach_zero_`` has no fused kernel and costs a dispatch per tensor, the lists
-of small tensors split across threads (the call releases the GIL)."""
+of small tensors split across threads (the call releases the GIL).
+
+Autograd's modes are per thread, so each worker enters its caller's grad and inference
+modes (inference tensors can be modified in place only in inference mode, leaves that
+require grad only with grad disabled): with or without threads, the same zeroing
+succeeds or fails alike, and fails only once every worker has finished.
+"""
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -15,27 +22,31 @@ _THREADED_MAX_AVERAGE_BYTES = 1 << 20
 """Larger tensors are zeroed by ATen's own intra-op threads already."""
 
 _pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
 def _forget_pool() -> None:
-    """A forked child has none of its parent's threads: it makes its own pool."""
-    global _pool
-    _pool = None
+    """A forked child has none of its parent's threads: it makes its own pool, and its own
+    lock, which a parent's thread may have held at the fork."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_pool)
 
 
-def _zero(tensors: list[torch.Tensor]) -> None:
-    with torch.no_grad():  # grad mode is per thread
+def _zero(tensors: list[torch.Tensor], inference: bool, grad: bool) -> None:
+    # inference_mode(False) enables grad mode, so grad mode is set inside it
+    with torch.inference_mode(inference), torch.set_grad_enabled(grad):
         torch._foreach_zero_(tensors)
 
 
 def _workers() -> ThreadPoolExecutor:
     global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()), thread_name_prefix="opttree-zero")
-    return _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()), thread_name_prefix="opttree-zero")
+        return _pool
 
 
 def zero_lists(lists: list[list[torch.Tensor]], *, total_bytes: int) -> None:
@@ -53,5 +64,13 @@ def zero_lists(lists: list[list[torch.Tensor]], *, total_bytes: int) -> None:
             continue
         size = -(-len(tensors) // threads)
         slices.extend(tensors[i : i + size] for i in range(0, len(tensors), size))
-    for done in [_workers().submit(_zero, s) for s in slices]:
+    modes = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+    pool = _workers()
+    futures: list[Future[None]] = []
+    try:
+        for tensors in slices:
+            futures.append(pool.submit(_zero, tensors, *modes))
+    finally:
+        wait(futures)  # no slice may still be zeroing once this returns or raises
+    for done in futures:
         done.result()
