@@ -113,3 +113,49 @@ def test_a_forked_child_resets_with_its_own_threads() -> None:
         child.kill()
 
     assert child.exitcode == 0
+
+
+def test_a_step_key_moving_to_the_next_entry_is_seen() -> None:
+    """A step kept as a Python number moves from the end of one entry to the start of the
+    next: the flattened keys and values stay identical, the entry sizes do not."""
+    params = many_params()
+    optimizer = torch.optim.AdamW(params)
+    step(optimizer, params, 0)
+    first, second = optimizer.state[params[0]], optimizer.state[params[1]]
+    for entry in optimizer.state.values():
+        del entry["step"]
+        entry["step"] = 0  # last, and a number, which the plan sets by entry
+    del second["step"]
+    opttree.reset(optimizer)
+    assert optimizer in _plan_cache._plans
+    moved = {"step": first.pop("step"), **second}
+    second.clear()
+    second.update(moved)
+
+    opttree.reset(optimizer)
+
+    assert "step" not in first and "step" in second
+
+
+def test_a_storage_freed_in_place_after_a_reset_is_refused_not_written() -> None:
+    params = many_params()
+    optimizer = torch.optim.AdamW(params)
+    step(optimizer, params, 0)
+    opttree.reset(optimizer)
+    assert optimizer in _plan_cache._plans
+    last = optimizer.state[params[-1]]["exp_avg_sq"]
+    last.untyped_storage().resize_(0)  # the same tensor object, its memory gone
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="storage is freed"):
+        opttree.reset(optimizer)
+
+
+def test_validate_stores_no_plan() -> None:
+    params = many_params()
+    optimizer = torch.optim.AdamW(params)
+    step(optimizer, params, 0)
+
+    assert opttree.validate(optimizer) == ()
+    assert optimizer not in _plan_cache._plans
+    opttree.reset(optimizer)
+    assert optimizer in _plan_cache._plans
