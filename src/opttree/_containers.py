@@ -52,5 +52,8 @@ def well_formed(optimizers: Sequence[torch.optim.Optimizer]) -> bool:
     states = [optimizer.state for optimizer in optimizers]
     if not all(issubclass(cls, dict) for cls in set(map(type, states))):
         return False
+    if not _tensor_classes(set(map(type, chain.from_iterable(states)))):
+        return False
     entries = set(map(type, chain.from_iterable(state.values() for state in states)))
-    return entries <= {dict} and set(map(type, (group["params"] for group in groups))) <= {list}
+    lists = [group["params"] for group in groups]
+    return entries <= {dict} and set(map(type, lists)) <= {list} and _tensor_classes(set(map(type, chain.from_iterable(lists))))

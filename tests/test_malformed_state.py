@@ -1,0 +1,112 @@
+"""validate and describe report malformed state instead of raising; reset refuses it
+with an opttree error and changes nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, MutableMapping
+
+import pytest
+import torch
+
+import opttree
+from opttree import _plan_cache
+
+
+def stepped(count: int = 4) -> torch.optim.AdamW:
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(count)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer = torch.optim.AdamW(params)
+    optimizer.step()
+    return optimizer
+
+
+def none_entry(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.state[next(iter(optimizer.state))] = None
+
+
+def tensor_entry(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.state[next(iter(optimizer.state))] = torch.ones(3)
+
+
+def group_without_params(optimizer: torch.optim.Optimizer) -> None:
+    del optimizer.param_groups[0]["params"]
+
+
+def state_not_a_mapping(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.state = [1, 2]  # type: ignore[assignment]
+
+
+def state_keyed_by_index(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.state = {0: {"exp_avg": torch.ones(3)}}  # type: ignore[assignment]
+
+
+MALFORMED: dict[str, Callable[[torch.optim.Optimizer], None]] = {
+    "none-entry": none_entry,
+    "tensor-entry": tensor_entry,
+    "group-without-params": group_without_params,
+    "state-not-a-mapping": state_not_a_mapping,
+    "state-keyed-by-index": state_keyed_by_index,
+}
+
+
+@pytest.mark.parametrize("name", MALFORMED)
+def test_malformed_state_is_reported_described_and_refused(name: str) -> None:
+    optimizer = stepped()
+    MALFORMED[name](optimizer)
+
+    problems = opttree.validate(optimizer)
+    text = opttree.describe(optimizer)
+    with pytest.raises(opttree.UnsupportedOptimizerState) as caught:
+        opttree.reset(optimizer)
+
+    assert [p.kind for p in problems] == [opttree.ProblemKind.MALFORMED_STATE]
+    assert "AdamW malformed: " in text
+    assert caught.value.problem == problems[0]
+
+
+def test_sparse_history_is_reported_and_described() -> None:
+    optimizer = stepped()
+    entry = next(iter(optimizer.state.values()))
+    entry["exp_avg"] = entry["exp_avg"].to_sparse()
+
+    (problem,) = opttree.validate(optimizer)
+
+    assert problem.kind is opttree.ProblemKind.UNWRITABLE_STATE and "sparse" in problem.message
+    assert "state=" in opttree.describe(optimizer)
+
+
+class Entry(MutableMapping[str, object]):
+    """A state entry that is a mapping but not a dict."""
+
+    def __init__(self, values: dict[str, object]) -> None:
+        self.values_ = dict(values)
+
+    def __getitem__(self, key: str) -> object:
+        return self.values_[key]
+
+    def __setitem__(self, key: str, value: object) -> None:
+        self.values_[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self.values_[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.values_)
+
+    def __len__(self) -> int:
+        return len(self.values_)
+
+
+def test_mapping_entries_that_are_not_dicts_are_reset_and_never_cached() -> None:
+    optimizer = stepped(2 * _plan_cache.MIN_ENTRIES)
+    for param in list(optimizer.state):
+        optimizer.state[param] = Entry(optimizer.state[param])
+
+    assert opttree.validate(optimizer) == ()
+    assert "AdamW params=128" in opttree.describe(optimizer)
+    for _ in range(2):
+        report = opttree.reset(optimizer)
+        assert report.tensors_zeroed == 2 * 2 * _plan_cache.MIN_ENTRIES
+    assert optimizer not in _plan_cache._plans
+    assert all(not entry["exp_avg"].any() for entry in optimizer.state.values())
