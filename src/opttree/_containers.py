@@ -20,6 +20,12 @@ def _tensor_classes(classes: set[type]) -> bool:
 def malformed(optimizer: torch.optim.Optimizer) -> str | None:
     """What is wrong with a leaf's containers, or None: ``param_groups`` a list of dicts
     each holding a ``"params"`` list of tensors, ``state`` a mapping from tensors to dicts."""
+    return malformed_outline(optimizer) or malformed_state(optimizer.state)
+
+
+def malformed_outline(optimizer: torch.optim.Optimizer) -> str | None:
+    """:func:`malformed` but for the keys and entries of ``state``, which a reused plan
+    has already seen to be the very same objects."""
     groups = getattr(optimizer, "param_groups", None)
     if not isinstance(groups, (list, tuple)):
         return f"param_groups is a {type(groups).__qualname__}, expected a list"
@@ -34,6 +40,10 @@ def malformed(optimizer: torch.optim.Optimizer) -> str | None:
     state = getattr(optimizer, "state", None)
     if not isinstance(state, Mapping):
         return f"state is a {type(state).__qualname__}, expected a mapping"
+    return None
+
+
+def malformed_state(state: Mapping[torch.Tensor, object]) -> str | None:
     if not _tensor_classes(set(map(type, state))):
         return "state is keyed by something other than tensors (a state_dict's layout?)"
     entries = set(map(type, state.values()))

@@ -21,7 +21,7 @@ and whether they are the members of a sequence at that path (``cpu_optimizers[i]
 
 
 def _is_container(cls: type) -> bool:
-    return issubclass(cls, (list, tuple, dict)) or (dataclasses.is_dataclass(cls) and isinstance(cls, type))
+    return issubclass(cls, (list, tuple, dict)) or _is_record(cls)
 
 
 def _key_label(key: object) -> str:
@@ -67,5 +67,12 @@ def _search(items: list[tuple[str, object]], is_optimizer: IsOptimizer, depth: i
         classes = set(map(type, values))
         if classes and all(map(is_optimizer, classes)) and isinstance(value, (list, tuple)):
             yield label, values, True  # such as HybridDeviceOptimizer.cpu_optimizers, in one piece
-        elif any(map(is_optimizer, classes)) or any(map(_is_container, classes)):
-            yield from _search(_members(value, label), is_optimizer, depth - 1)
+        elif any(is_optimizer(cls) or _is_record(cls) for cls in classes):
+            # Only optimizers and dataclass records are looked into: a list of param
+            # groups or a dict of per-parameter dicts holds none.
+            members = [(name, item) for name, item in _members(value, label) if is_optimizer(type(item)) or _is_record(type(item))]
+            yield from _search(members, is_optimizer, depth - 1)
+
+
+def _is_record(cls: type) -> bool:
+    return dataclasses.is_dataclass(cls) and isinstance(cls, type)

@@ -20,7 +20,7 @@ from opttree import _paths
 from opttree import _plan_cache as plan_cache
 from opttree._errors import OptTreeError
 from opttree._nodes import LeafNode
-from opttree._containers import malformed, well_formed
+from opttree._containers import malformed_outline, malformed_state, well_formed
 from opttree._plan import ResetPlan, StateEntry, StatePlan
 from opttree._preflight import ranges, writable_ranges
 from opttree._problems import Problem, ProblemKind
@@ -110,7 +110,7 @@ class LeafInspector:
 
     def inspect(self, node: LeafNode) -> None:
         optimizer = node.optimizer
-        reason = malformed(optimizer)
+        reason = malformed_outline(optimizer)
         if reason is not None:
             self.problem(node, ProblemKind.MALFORMED_STATE, reason)
             return
@@ -129,15 +129,22 @@ class LeafInspector:
                 self.plan_group_step(node, index, group, params, step)
             if step_number(step) and not any(p in state for p in params):
                 self.problem(node, ProblemKind.EMPTY_STATE, f"a group says step {step} but none of its parameters has state")
-        plan.leaves += 1
         if not state:
+            plan.leaves += 1
             return
         # Reusing a plan pays off for large states; a small one is planned faster than checked.
-        if not (self.selection.everything and len(state) >= plan_cache.MIN_ENTRIES):
+        whole = self.selection.everything and len(state) >= plan_cache.MIN_ENTRIES
+        part = plan_cache.lookup(optimizer, self.schema, in_groups) if whole else None
+        if part is None:
+            reason = malformed_state(state)
+            if reason is not None:
+                self.problem(node, ProblemKind.MALFORMED_STATE, reason)
+                return
+        plan.leaves += 1
+        if not whole:
             self.inspect_state(node, in_groups, plan.state)
             plan.fresh += 1
             return
-        part = plan_cache.lookup(optimizer, self.schema, in_groups)
         if part is None:
             problems_before = len(self.problems)
             part = StatePlan()
