@@ -48,3 +48,13 @@ def unchanged(optimizer: torch.optim.Optimizer, before: list[tuple[str, torch.Te
     return len(after) == len(before) and all(
         k1 == k2 and torch.equal(v1, v2) for (k1, v1), (k2, v2) in zip(after, before, strict=True)
     )
+
+
+def stepped_adamw(count: int, numel: int = 3) -> torch.optim.AdamW:
+    """An AdamW over ``count`` new parameters of ``numel`` elements, after one step."""
+    params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(count)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer = torch.optim.AdamW(params)
+    optimizer.step()
+    return optimizer

@@ -10,15 +10,11 @@ import torch
 
 import opttree
 from opttree import _plan_cache
+from tests.helpers import stepped_adamw
 
 
 def stepped(count: int = 4) -> torch.optim.AdamW:
-    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(count)]
-    for p in params:
-        p.grad = torch.ones_like(p)
-    optimizer = torch.optim.AdamW(params)
-    optimizer.step()
-    return optimizer
+    return stepped_adamw(count)
 
 
 def none_entry(optimizer: torch.optim.Optimizer) -> None:

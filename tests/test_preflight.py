@@ -10,19 +10,14 @@ import pytest
 import torch
 
 import opttree
-from tests.helpers import model, snapshot, train, unchanged
+from tests.helpers import model, snapshot, stepped_adamw, train, unchanged
 from tests.megatron_parts import chained, config, fp32
 
 N_PARAMS = 10  # 30 state tensors: the bad one is the last
 
 
 def big_adamw() -> torch.optim.AdamW:
-    params = [torch.nn.Parameter(torch.randn(4)) for _ in range(N_PARAMS)]
-    for p in params:
-        p.grad = torch.ones_like(p)
-    optimizer = torch.optim.AdamW(params)
-    optimizer.step()
-    return optimizer
+    return stepped_adamw(N_PARAMS, 4)
 
 
 def last_entry(optimizer: torch.optim.Optimizer) -> dict[str, object]:
