@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import opttree
-from opttree import _registry, _zeroing
+from opttree import _zeroing
 from opttree._dispatch import LazyDispatch, dotted_name
 
 T = TypeVar("T")
