@@ -1,6 +1,7 @@
 """opttree: Megatron-Core optimizer stacks as typed trees, inspectable and safely resettable."""
 
 from opttree._api import describe, reset, tree, validate
+from opttree._checkpoints import load_state_dict, sharded_state_dict
 from opttree._describe import DescribeVisitor
 from opttree._errors import (
     HiddenOptimizer,
@@ -13,6 +14,7 @@ from opttree._errors import (
     UnsupportedOptimizer,
     UnmappedParameter,
     UnknownWrapper,
+    UnsupportedCheckpoint,
     UnsupportedOptimizerState,
 )
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
@@ -48,14 +50,17 @@ __all__ = [
     "TraverserVisitor",
     "UnknownWrapper",
     "UnmappedParameter",
+    "UnsupportedCheckpoint",
     "UnsupportedOptimizer",
     "UnsupportedOptimizerState",
     "ValidateVisitor",
     "WrapperNode",
     "describe",
+    "load_state_dict",
     "register_schema",
     "register_wrapper",
     "reset",
+    "sharded_state_dict",
     "tree",
     "validate",
 ]

@@ -56,3 +56,8 @@ class UnmappedParameter(OptTreeError):
 
 class PartialResetRefused(OptTreeError):
     """A partial reset would split state that is shared, or names keys no optimizer has."""
+
+
+class UnsupportedCheckpoint(OptTreeError):
+    """A state dict is not laid out as Megatron's wrapper kinds write it, so opttree cannot
+    tell where to put back the step Megatron drops at 0."""

@@ -15,6 +15,7 @@ from opttree._errors import (
     OptTreeError,
     PartialResetRefused,
     UnknownWrapper,
+    UnsupportedCheckpoint,
     UnsupportedOptimizer,
     UnsupportedOptimizerState,
 )
@@ -55,6 +56,8 @@ class ProblemKind(enum.Enum):
     """A partial reset of step counters inside one Megatron optimizer, which checkpoints
     one step for all its parameters."""
     UNKNOWN_KEY = "unknown-key"
+    CHECKPOINT_LAYOUT = "checkpoint-layout"
+    """A state dict that is not laid out as Megatron writes it, met while saving or loading."""
 
     @property
     def severity(self) -> Severity:
@@ -77,6 +80,7 @@ _ERRORS: dict[ProblemKind, type[OptTreeError]] = {
     ProblemKind.PARTIAL_GROUP: PartialResetRefused,
     ProblemKind.PARTIAL_STEP: PartialResetRefused,
     ProblemKind.UNKNOWN_KEY: PartialResetRefused,
+    ProblemKind.CHECKPOINT_LAYOUT: UnsupportedCheckpoint,
 }
 
 
