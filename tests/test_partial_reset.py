@@ -8,6 +8,7 @@ import torch
 import opttree
 from megatron.core.transformer.module import MegatronModule
 from opttree import testing
+from tests import megatron_parts
 from tests.helpers import model, snapshot, train, unchanged
 from tests.standins import TEFusedAdam
 
@@ -110,7 +111,7 @@ def test_steps_of_part_of_a_megatron_optimizer_are_refused_and_megatron_shows_wh
     stack.train(0, K)
     before = [(k, v.clone()) for k, v in leaf_state(stack)]
 
-    with pytest.raises(opttree.PartialResetRefused, match=r"Megatron saves one step per optimizer") as caught:
+    with pytest.raises(opttree.PartialResetRefused, match=r"Megatron saves one step for all of them") as caught:
         opttree.reset(stack.optimizer, params=[up_weight(stack)], keys={"exp_avg", "step"})
     assert caught.value.problem is not None and caught.value.problem.kind is opttree.ProblemKind.PARTIAL_STEP
     assert all(torch.equal(v, old) for (_, v), (_, old) in zip(leaf_state(stack), before, strict=True))
@@ -200,3 +201,23 @@ def test_a_per_group_step_is_only_reset_with_its_whole_group() -> None:
     assert moments_only.tensors_zeroed == 2 and optimizer.param_groups[0]["step"] == 3
     whole = opttree.reset(optimizer, params=list(net.parameters()), keys=["exp_avg", "exp_avg_sq", "step"])
     assert whole.steps == 1 and optimizer.param_groups[0]["step"] == 0
+
+
+def test_per_group_steps_of_one_chained_member_are_refused_and_megatron_shows_why() -> None:
+    """``ChainedOptimizer`` saves one per-group step (TE ``FusedAdam``, here its stand-in)
+    across its members: resetting the step of one member's whole group is refused."""
+    first, second = (torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(3)))
+    leaves = [TEFusedAdam([p]) for p in (first, second)]
+    stack = megatron_parts.chained([megatron_parts.fp32(leaf) for leaf in leaves])
+    for p, leaf in zip((first, second), leaves, strict=True):
+        p.grad = torch.ones_like(p)
+        leaf.step()
+
+    with pytest.raises(opttree.PartialResetRefused, match=r"1 of the 2 parameters"):
+        opttree.reset(stack, params=[first], keys={"exp_avg", "step"})
+    assert [leaf.param_groups[0]["step"] for leaf in leaves] == [1, 1]
+
+    opttree.reset(stack, params=[first], keys={"exp_avg"})  # steps kept: nothing to refuse
+    leaves[0].param_groups[0]["step"] = 0  # by hand, as the refused reset would
+    with pytest.raises(AssertionError, match="steps"):
+        getattr(stack, "_synchronize_steps")()  # what Megatron's sharded_state_dict runs first

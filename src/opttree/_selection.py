@@ -24,6 +24,7 @@ from opttree._containers import malformed
 from opttree._dispatch import LazyDispatch
 from opttree._errors import MalformedWrapper, OptTreeError, UnmappedParameter
 from opttree._nodes import HybridNode, LeafNode, Node, WrapperNode
+from opttree._schema import StepLocation
 from opttree._visitor import TraverserVisitor
 
 InnerParams = Callable[[object, str], Iterable[tuple[torch.Tensor, Sequence[torch.Tensor]]]]
@@ -102,25 +103,34 @@ def builtin_inner_params() -> LazyDispatch[InnerParams]:
 
 INNER_PARAMS = builtin_inner_params()
 
-STEP_UNITS: LazyDispatch[bool] = LazyDispatch()
-"""Wrappers that checkpoint one step for all their parameters: Megatron's optimizers
-over torch optimizers (``MegatronOptimizer._extract_common_per_param_step``)."""
-STEP_UNITS.register_lazy("megatron.core.optimizer.optimizer.FP32Optimizer", True)
-STEP_UNITS.register_lazy("megatron.core.optimizer.optimizer.MixedPrecisionOptimizer", True)
+STEP_UNITS: LazyDispatch[frozenset[StepLocation]] = LazyDispatch()
+"""Megatron wrappers that save one step for all their leaves' parameters, with the step
+locations they unify: ``_extract_common_per_param_step`` for per-parameter steps in
+``FP32Optimizer`` and the mixed-precision wrappers; ``DistributedOptimizer.state_dict`` and
+``ChainedOptimizer._synchronize_steps`` assert one per-group step (TE and apex
+``FusedAdam``) across their groups."""
+for _dotted, _locations in {
+    "megatron.core.optimizer.optimizer.FP32Optimizer": {StepLocation.PER_PARAMETER},
+    "megatron.core.optimizer.optimizer.MixedPrecisionOptimizer": {StepLocation.PER_PARAMETER},
+    "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer": {StepLocation.PER_PARAMETER, StepLocation.PER_GROUP},
+    "megatron.core.optimizer.optimizer.ChainedOptimizer": {StepLocation.PER_GROUP},
+}.items():
+    STEP_UNITS.register_lazy(_dotted, frozenset(_locations))
 
 
 class _LeafParams(TraverserVisitor):
-    def __init__(self) -> None:
+    def __init__(self, counts: Callable[[torch.optim.Optimizer], bool]) -> None:
         self.params: list[torch.Tensor] = []
+        self.counts = counts
 
     def visit_leaf(self, node: LeafNode) -> None:
-        if node.shared_with is None and malformed(node.optimizer) is None:
+        if node.shared_with is None and malformed(node.optimizer) is None and self.counts(node.optimizer):
             self.params.extend(p for group in node.optimizer.param_groups for p in group["params"])
 
 
-def tree_params(node: Node) -> list[torch.Tensor]:
-    """The parameters of every leaf under ``node``."""
-    found = _LeafParams()
+def tree_params(node: Node, counts: Callable[[torch.optim.Optimizer], bool] = lambda _: True) -> list[torch.Tensor]:
+    """The parameters of every leaf under ``node`` that ``counts`` accepts."""
+    found = _LeafParams(counts)
     node.accept(found)
     return found.params
 

@@ -10,10 +10,11 @@ from opttree import _registry
 from opttree._held import Held, held_optimizers
 from opttree._identity import identity_key, identity_keys
 from opttree._inspect import LeafInspector
-from opttree._nodes import LeafNode, Node, WrapperNode
+from opttree._nodes import ChainedNode, LeafNode, Node, WrapperNode
 from opttree._plan import ResetPlan
 from opttree._preflight import Extents, Owner, duplicates, overlap, unique_ranges
 from opttree._problems import Problem, ProblemKind
+from opttree._schema import StepLocation
 from opttree._runs import alike_runs, sibling_groups
 from opttree._selection import EVERYTHING, STEP_UNITS, Selection, tree_params
 from opttree._visitor import TraverserVisitor
@@ -148,26 +149,35 @@ class ValidateVisitor(TraverserVisitor):
                 for leaf in item:
                     self.visit_leaf(leaf)
 
+    def visit_chained(self, node: ChainedNode) -> None:
+        self.check_step_unit(node)
+        self.visit_children(node)
+
     def visit_wrapper(self, node: WrapperNode) -> None:
         self.check_step_unit(node)
         self.visit_children(node)
 
-    def check_step_unit(self, node: WrapperNode) -> None:
-        """A Megatron optimizer checkpoints one step for all its parameters
-        (``_extract_common_per_param_step``, and ``DistributedOptimizer.state_dict``
-        asserts it): a partial reset of steps must take all of them or none."""
+    def check_step_unit(self, node: Node) -> None:
+        """A Megatron wrapper that saves one step for all its parameters (see
+        :data:`~opttree._selection.STEP_UNITS`) fails to checkpoint unequal steps: a
+        partial reset of steps must take all of its parameters that count them, or none."""
         chosen = self.selection.tensors
-        if chosen is None or not self.selection.steps or STEP_UNITS.lookup(type(node.optimizer)) is None:
+        locations = STEP_UNITS.lookup(type(node.optimizer)) if chosen is not None and self.selection.steps else None
+        if chosen is None or locations is None:
             return
-        params = tree_params(node)
+        params = tree_params(node, lambda leaf: self.step_location(type(leaf)) in locations)
         taken = sum(id(p) in chosen for p in params)
         if 0 < taken < len(params):
             message = (
-                f"{taken} of its {len(params)} parameters are selected with 'step' in keys: Megatron saves one "
-                "step per optimizer, and a checkpoint of unequal steps fails to save; select all of them, "
-                "or leave 'step' out of keys"
+                f"{taken} of the {len(params)} parameters whose steps it saves as one are selected with 'step' "
+                "in keys: Megatron saves one step for all of them, and a checkpoint of unequal steps fails "
+                "to save; select all of them, or leave 'step' out of keys"
             )
             self.problems.append(Problem(ProblemKind.PARTIAL_STEP, node.path, type(node.optimizer).__qualname__, message, "step"))
+
+    def step_location(self, cls: type) -> StepLocation | None:
+        schema = _registry.schema_for(cls)
+        return None if schema is None else schema.step
 
     def visit_leaf(self, node: LeafNode) -> None:
         if node.shared_with is not None:
