@@ -207,11 +207,11 @@ _ACCELERATOR_PATCHES: dict[str, object] = {
 
 
 class CudaOnCpu:
-    """Context manager behind :func:`cuda_on_cpu`; re-entrant across steps with the same tags."""
+    """Context manager behind :func:`cuda_on_cpu`; re-entrant, also nested, with the same tags."""
 
     def __init__(self) -> None:
         self.on_gpu: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._stack: contextlib.ExitStack | None = None
+        self._stacks: list[contextlib.ExitStack] = []  # one per enter not yet exited
 
     def mark_on_gpu(self, *tensors: torch.Tensor) -> None:
         """Treat existing tensors (a model's parameters) as if they lived on the GPU."""
@@ -227,15 +227,13 @@ class CudaOnCpu:
             if hasattr(accelerator, name):
                 stack.enter_context(mock.patch.object(accelerator, name, value))
         stack.enter_context(_CudaOnCpu(self.on_gpu))
-        self._stack = stack
+        self._stacks.append(stack)
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        stack, self._stack = self._stack, None
-        if stack is not None:
-            stack.close()
+        self._stacks.pop().close()
 
 
 def cuda_on_cpu() -> CudaOnCpu:
