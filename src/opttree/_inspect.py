@@ -154,7 +154,7 @@ class LeafInspector:
                 plan.to_store.append((optimizer, self.schema, in_groups, part))
         else:
             plan.reused += 1
-        plan.state.merge(part)
+        plan.parts.append(part)
 
     def inspect_alike(self, leaves: Sequence[LeafNode]) -> bool:
         """Plan a run of leaves of this class in one pass over their pooled state.

@@ -10,6 +10,7 @@ Execution allocates no tensors.
 from __future__ import annotations
 
 from collections.abc import MutableMapping
+from typing import Literal
 
 import torch
 from attrs import define, field
@@ -85,11 +86,15 @@ schema, its groups' parameters in order, and the plan."""
 class ResetPlan:
     """Everything a reset will do, gathered before anything is done.
 
-    ``fresh`` counts the parts planned afresh and ``reused`` those taken from the plan
-    cache, which were checked for aliasing when they were planned.
+    ``state`` gathers the plans of small leaves; each large leaf's plan is one of
+    ``parts``, kept apart rather than merged, because a part taken from the plan cache
+    would otherwise be copied on every reset. ``fresh`` counts the parts planned afresh
+    and ``reused`` those taken from the plan cache, which were checked for aliasing when
+    they were planned.
     """
 
     state: StatePlan = field(factory=StatePlan)
+    parts: list[StatePlan] = field(factory=list)
     leaves: int = 0
     shared_leaves: int = 0
     shared_steps: int = 0
@@ -97,24 +102,40 @@ class ResetPlan:
     reused: int = 0
     to_store: list[Store] = field(factory=list)
 
+    @property
+    def all_parts(self) -> list[StatePlan]:
+        return [self.state, *self.parts]
+
+    def ranges(self, name: Literal["written", "step_ranges", "kept_ranges"]) -> Extents:
+        """The ranges ``name`` of every part, in one list."""
+        merged = Extents()
+        for part in self.all_parts:
+            merged.extend(getattr(part, name))
+        return merged
+
     def execute(self) -> ResetReport:
-        state = self.state
+        parts = self.all_parts
         with torch.no_grad():
-            zero_lists(list(state.lists.values()), total_bytes=state.bytes_reset)
-            for scale in state.scales:
-                scale.fill_(1.0)
-        for entry, key in state.drop:
-            del entry[key]
-        for entry, zero in state.number_steps:
-            entry["step"] = zero
+            lists = [tensors for part in parts for tensors in part.lists.values()]
+            zero_lists(lists, total_bytes=sum(part.bytes_reset for part in parts))
+            for part in parts:
+                for scale in part.scales:
+                    scale.fill_(1.0)
+        dropped = 0
+        for part in parts:
+            for entry, key in part.drop:
+                del entry[key]
+            for entry, zero in part.number_steps:
+                entry["step"] = zero
+            dropped += len(part.drop)
         return ResetReport(
             leaves=self.leaves,
-            tensors_zeroed=state.zeroed,
-            tensors_dropped=len(state.drop),
-            bytes_reset=state.bytes_reset,
-            steps=state.steps - self.shared_steps,
-            tensors_kept=state.kept,
-            bytes_kept=state.bytes_kept,
-            kept_keys=tuple(sorted(state.kept_keys)),
+            tensors_zeroed=sum(part.zeroed for part in parts),
+            tensors_dropped=dropped,
+            bytes_reset=sum(part.bytes_reset for part in parts),
+            steps=sum(part.steps for part in parts) - self.shared_steps,
+            tensors_kept=sum(part.kept for part in parts),
+            bytes_kept=sum(part.bytes_kept for part in parts),
+            kept_keys=tuple(sorted(set().union(*(part.kept_keys for part in parts)))),
             shared_leaves=self.shared_leaves,
         )

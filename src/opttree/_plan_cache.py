@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Iterable, Iterator, MutableMapping
 from itertools import chain
 from typing import TYPE_CHECKING
 
@@ -38,16 +38,18 @@ MIN_ENTRIES = 64
 _State = MutableMapping[torch.Tensor, MutableMapping[str, object]]
 
 
-def _values(state: _State) -> list[object]:
-    return list(chain.from_iterable(map(dict.values, state.values())))  # type: ignore[arg-type]
+def _values(state: _State) -> Iterator[object]:
+    return chain.from_iterable(map(dict.values, state.values()))  # type: ignore[arg-type]
 
 
 def _keys(state: _State) -> list[str]:
     return list(chain.from_iterable(state.values()))
 
 
-def _same_objects(now: Sequence[object], then: Sequence[object]) -> bool:
-    return len(now) == len(then) and all(map(operator.is_, now, then))
+def _same_objects(now: Iterable[object], then: list[object]) -> bool:
+    """Whether ``now`` yields the very objects of ``then``, in order; ``now`` must not be
+    longer than ``then`` (the callers check lengths first, cheaply)."""
+    return all(map(operator.is_, now, then))
 
 
 def _addresses(part: StatePlan) -> list[int]:
@@ -69,10 +71,12 @@ class _Stored:
     def matches(self, state: _State, schema: StateSchema, in_groups: list[torch.Tensor]) -> bool:
         return (
             schema is self.schema
+            and len(in_groups) == len(self.in_groups)
             and _same_objects(in_groups, self.in_groups)
-            and _same_objects(list(state), self.params)
-            and _same_objects(list(state.values()), self.entries)
-            and list(map(len, state.values())) == self.sizes
+            and len(state) == len(self.params)
+            and _same_objects(state, self.params)
+            and _same_objects(state.values(), self.entries)
+            and list(map(len, state.values())) == self.sizes  # so the values are as many
             and _keys(state) == self.keys
             and _same_objects(_values(state), self.values)
             and _addresses(self.part) == self.addresses
@@ -101,7 +105,7 @@ def store(optimizer: torch.optim.Optimizer, schema: StateSchema, in_groups: list
         entries,
         list(map(len, entries)),
         _keys(state),
-        _values(state),
+        list(_values(state)),
         _addresses(part),
         part,
     )

@@ -100,11 +100,13 @@ class Extents:
         return self.owners[bisect.bisect_right(ends, index)][1]
 
 
-def ranges(tensors: Sequence[torch.Tensor]) -> Extents:
-    """The address ranges of ``tensors``; none for tensors without plain storage (a
-    sparse tensor kept or dropped, never written)."""
+def ranges(tensors: Sequence[torch.Tensor], starts: list[int] | None = None) -> Extents:
+    """The address ranges of ``tensors`` (whose data addresses are ``starts``, where the
+    caller has them already); none for tensors without plain storage (a sparse tensor
+    kept or dropped, never written)."""
     try:
-        starts = list(map(_DATA_PTR, tensors))
+        if starts is None:
+            starts = list(map(_DATA_PTR, tensors))
         sizes = list(map(_NBYTES, tensors))
     except (RuntimeError, NotImplementedError):
         return Extents()
@@ -117,34 +119,36 @@ def ranges(tensors: Sequence[torch.Tensor]) -> Extents:
 def writable_ranges(tensors: Sequence[torch.Tensor]) -> Extents | tuple[int, str]:
     """:func:`ranges` if every tensor can be zeroed in place, else how many cannot and
     why the first cannot."""
-    if not _cheaply_writable(tensors):
+    starts = _writable_starts(tensors)
+    if starts is None:
         reasons = [reason for reason in map(unwritable_reason, tensors) if reason is not None]
         if reasons:
             return len(reasons), reasons[0]
-    return ranges(tensors)
+    return ranges(tensors, starts)
 
 
-def _cheaply_writable(tensors: Sequence[torch.Tensor]) -> bool:
-    """True where every tensor is surely writable; False sends the list to the slow path.
+def _writable_starts(tensors: Sequence[torch.Tensor]) -> list[int] | None:
+    """The data addresses of ``tensors`` where every one is surely writable; None sends
+    the list to the slow path.
 
     A storage freed by ``untyped_storage().resize_(0)`` has no data pointer, so a tensor
     at offset 0 of it shows a zero address; tensors at other offsets are checked against
     their storage's size.
     """
     if not all(map(_plain_dispatch, set(map(type, tensors)))):
-        return False
+        return None
     if not _QUANTIZED.isdisjoint(map(_DTYPE, tensors)):
-        return False
+        return None
     if not torch.is_inference_mode_enabled() and any(map(torch.Tensor.is_inference, tensors)):
-        return False
+        return None
     try:
         starts = list(map(_DATA_PTR, tensors))
     except RuntimeError:  # sparse tensors have no data pointer
-        return False
+        return None
     if 0 in starts and any(start == 0 and t.numel() for start, t in zip(starts, tensors, strict=True)):
-        return False
+        return None
     offset = [t for t, o in zip(tensors, map(torch.Tensor.storage_offset, tensors), strict=True) if o]
-    return not any(map(_storage_short, offset))
+    return None if any(map(_storage_short, offset)) else starts
 
 
 def duplicates(ranges: Extents) -> tuple[int, int | None]:

@@ -12,7 +12,7 @@ from opttree._identity import identity_key, identity_keys
 from opttree._inspect import LeafInspector
 from opttree._nodes import ChainedNode, LeafNode, Node, WrapperNode
 from opttree._plan import ResetPlan
-from opttree._preflight import Extents, Owner, duplicates, overlap, unique_ranges
+from opttree._preflight import Owner, duplicates, overlap, unique_ranges
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import StepLocation
 from opttree._runs import alike_runs, sibling_groups
@@ -102,8 +102,7 @@ class ValidateVisitor(TraverserVisitor):
         plan = self.plan
         if not plan.fresh and plan.reused <= 1:
             return  # one plan from the cache, checked when it was made
-        state = plan.state
-        steps = state.step_ranges
+        steps = plan.ranges("step_ranges")
         repeats, first = duplicates(steps)
         if repeats and first is not None:
             path, cls, key = steps.owner(first)
@@ -114,10 +113,9 @@ class ValidateVisitor(TraverserVisitor):
             self.problems.append(Problem(ProblemKind.SHARED_STEP, path, cls, message, key))
             plan.shared_steps = repeats
             steps = unique_ranges(steps)
-        written = Extents()
-        written.extend(state.written)
+        written = plan.ranges("written")
         written.extend(steps)
-        clash = overlap(written, state.kept_ranges)
+        clash = overlap(written, plan.ranges("kept_ranges"))
         if clash is not None:
             (path, cls, key), other = clash
             message = f"shares memory with {_owner_text(other)}: zeroing it would change that too"

@@ -1,6 +1,9 @@
 """Zeroing many tensors at once: one ``torch._foreach_zero_`` per list, and on the CPU,
 where ``_foreach_zero_`` has no fused kernel and costs a dispatch per tensor, the lists
-of small tensors split across threads (the call releases the GIL).
+of small tensors split across threads. The call releases the GIL only once it has
+converted its list of tensors, so the lists are cut into slices of a few thousand: one
+thread's conversion overlaps another's zeroing (on two cores, 60,000 tensors of 4 KiB
+zero in about two thirds of the time that two halves take).
 
 Autograd's modes are per thread, so each worker enters its caller's grad and inference
 modes (inference tensors can be modified in place only in inference mode, leaves that
@@ -20,6 +23,8 @@ _THREADED_MIN_TENSORS = 1024
 """Below this many tensors a thread hand-off costs more than it saves."""
 _THREADED_MAX_AVERAGE_BYTES = 1 << 20
 """Larger tensors are zeroed by ATen's own intra-op threads already."""
+_SLICE_TENSORS = 4096
+"""The most tensors one slice hands to a thread."""
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -62,7 +67,7 @@ def zero_lists(lists: list[list[torch.Tensor]], *, total_bytes: int) -> None:
         if tensors[0].device.type != "cpu":
             torch._foreach_zero_(tensors)
             continue
-        size = -(-len(tensors) // threads)
+        size = min(-(-len(tensors) // threads), _SLICE_TENSORS)
         slices.extend(tensors[i : i + size] for i in range(0, len(tensors), size))
     modes = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
     pool = _workers()
