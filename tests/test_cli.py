@@ -1,10 +1,11 @@
-"""``python -m opttree describe MODULE:FACTORY``, run as users run it."""
+"""``opttree describe MODULE:FACTORY`` and ``python -m opttree``, run as users run them."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -23,9 +24,13 @@ def chained_adamw() -> object:
     return ChainedOptimizer(members)
 
 
-def run(*args: str) -> str:
+def adagrad() -> object:
+    return torch.optim.Adagrad(torch.nn.Linear(3, 2).parameters())
+
+
+def run(*args: str, factory: str = FACTORY, command: tuple[str, ...] = (sys.executable, "-m", "opttree")) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "opttree", "describe", FACTORY, *args],
+        [*command, "describe", factory, *args],
         capture_output=True,
         text=True,
         check=True,
@@ -44,8 +49,32 @@ def test_describe_prints_the_tree() -> None:
 def test_describe_json_is_machine_readable() -> None:
     payload = json.loads(run("--json"))
     root = payload["tree"]
-    assert (root["kind"], root["class"], root["path"]) == ("chained", "ChainedOptimizer", "")
+    assert (root["kind"], root["class"], root["path"]) == ("chained", "ChainedOptimizer", "<root>")
     assert [c["path"] for c in root["children"]] == ["chained[0]", "chained[1]"]
     leaf = root["children"][1]["children"][0]
     assert (leaf["kind"], leaf["path"]) == ("leaf", "chained[1].optimizer")
     assert payload["problems"] == []
+
+
+def test_describe_json_gives_problems_as_objects() -> None:
+    payload = json.loads(run("--json", factory="tests.test_cli:adagrad"))
+    (problem,) = payload["problems"]
+    assert problem == {
+        "kind": "unsupported-optimizer",
+        "severity": "error",
+        "path": "<root>",
+        "class": "Adagrad",
+        "key": None,
+        "message": "no state schema is registered for torch.optim.adagrad.Adagrad",
+        "rank": None,
+    }
+
+
+def test_the_console_script_and_the_module_print_the_version() -> None:
+    import opttree
+
+    script = Path(sys.executable).parent / "opttree"
+    for command in ((str(script),), (sys.executable, "-m", "opttree")):
+        done = subprocess.run([*command, "--version"], capture_output=True, text=True, check=True, timeout=60)
+        assert done.stdout.strip() == f"opttree {opttree.__version__}"
+    assert run(factory="tests.test_cli:adagrad", command=(str(script),)).startswith("Adagrad")

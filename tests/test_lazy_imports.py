@@ -61,3 +61,47 @@ print(json.dumps(kinds))
     assert kinds[0] == ["momentum_buffer"]
     if len(kinds) > 1:
         assert kinds[1] == ["moment2_buffer", "momentum_buffer"]
+
+
+BLOCK_MEGATRON = """
+import importlib.abc, sys
+class NoMegatron(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "megatron" or name.startswith("megatron."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return None
+sys.meta_path.insert(0, NoMegatron())
+"""
+
+
+def test_opttree_works_where_megatron_core_is_not_installed() -> None:
+    done = subprocess.run([sys.executable, "-c", BLOCK_MEGATRON + SCRIPT], capture_output=True, text=True, check=True, timeout=120)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["zeroed"] == 4 and not [m for m in result["modules"] if m.startswith("megatron")]
+
+
+def test_the_core_distribution_requires_torch_and_attrs_only() -> None:
+    from importlib.metadata import requires
+
+    core = sorted(r.split(">")[0].split("=")[0].split("<")[0].strip() for r in requires("opttree") or [] if "extra ==" not in r)
+    assert core == ["attrs", "torch"]
+    assert any(r.startswith("megatron-core") and "extra ==" in r and "megatron" in r.split("extra ==")[1] for r in requires("opttree") or [])
+
+
+def test_the_opttree_logger_prints_nothing_unless_configured() -> None:
+    # state for a tensor in no param group: the reset logs a warning
+    script = """
+import opttree, torch
+o = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])
+o.state[torch.zeros(1)] = {"exp_avg": torch.zeros(1), "exp_avg_sq": torch.zeros(1), "step": torch.tensor(1.0)}
+assert any(p.kind is opttree.ProblemKind.ORPHAN_STATE for p in opttree.validate(o))
+opttree.reset(o)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
+    assert done.stderr == "" and done.stdout == ""
+    import logging
+
+    import opttree
+
+    assert any(isinstance(h, logging.NullHandler) for h in logging.getLogger("opttree").handlers)
+    assert opttree.__version__

@@ -90,3 +90,16 @@ def test_report_reads_as_one_line_and_as_a_dict() -> None:
     values = report.to_dict()
     assert values["tensors_zeroed"] == 8 and values["steps"] == 4
     assert values["bytes_reset"] == 2 * 4 * sum(p.numel() for p in net.parameters())
+
+
+def test_report_dict_holds_numbers_only_and_the_kept_keys_stay_on_the_report() -> None:
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters())
+    train(net, optimizer, 0, 1)
+    for p in net.parameters():
+        optimizer.state[p]["master_param"] = p.detach().clone()
+
+    report = opttree.reset(optimizer)
+
+    assert all(type(value) is int for value in report.to_dict().values())
+    assert "kept_keys" not in report.to_dict() and report.kept_keys == ("master_param",)

@@ -76,7 +76,7 @@ def test_non_optimizer_input_is_refused(bad: object) -> None:
     with pytest.raises(opttree.NotAnOptimizer, match="at <root>: not an optimizer"):
         opttree.reset(bad)
     (problem,) = opttree.validate(bad)
-    assert problem.kind is opttree.ProblemKind.NOT_AN_OPTIMIZER and problem.path == ""
+    assert problem.kind is opttree.ProblemKind.NOT_AN_OPTIMIZER and problem.path == "<root>"
     assert "(refused: not an optimizer" in opttree.describe(bad)
 
 
@@ -139,3 +139,11 @@ def train_constant(net: torch.nn.Module, optimizer: torch.optim.Optimizer) -> No
     for p in net.parameters():
         p.grad = torch.ones_like(p)
     optimizer.step()
+
+
+def test_a_nodes_repr_names_its_class_and_reads_its_path_as_describe_does() -> None:
+    stack = chained([fp32(torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()), config())])
+    root = opttree.tree(stack)
+    assert repr(root) == "ChainedNode(ChainedOptimizer @ <root>, 1 children)"
+    assert repr(root.children[0].children[0]) == "LeafNode(AdamW @ chained[0].optimizer)"
+    assert opttree.describe(stack).splitlines()[0].endswith("@ <root>")

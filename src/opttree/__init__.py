@@ -1,5 +1,7 @@
 """opttree: Megatron-Core optimizer stacks as typed trees, inspectable and safely resettable."""
 
+import logging
+
 from opttree._api import describe, reset, tree, validate
 from opttree._checkpoints import load_state_dict, sharded_state_dict
 from opttree._describe import DescribeVisitor
@@ -24,7 +26,10 @@ from opttree._report import ResetReport
 from opttree._reset import ResetVisitor
 from opttree._schema import StateSchema, StepLocation
 from opttree._validate import ValidateVisitor
+from opttree._version import __version__
 from opttree._visitor import NodeVisitor, TraverserVisitor
+
+logging.getLogger("opttree").addHandler(logging.NullHandler())
 
 __all__ = [
     "ChainedNode",
@@ -55,6 +60,7 @@ __all__ = [
     "UnsupportedOptimizerState",
     "ValidateVisitor",
     "WrapperNode",
+    "__version__",
     "describe",
     "load_state_dict",
     "register_schema",

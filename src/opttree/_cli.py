@@ -1,4 +1,4 @@
-"""``python -m opttree describe MODULE:FACTORY [--json]``: print a user's optimizer tree.
+"""``opttree describe MODULE:FACTORY [--json]`` (or ``python -m opttree``): print a user's optimizer tree.
 
 ``FACTORY`` is a callable in ``MODULE`` that takes no arguments and returns an optimizer.
 """
@@ -8,12 +8,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 
 from opttree._api import describe, tree, validate
 from opttree._describe import leaf_text
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
+from opttree._version import __version__
 from opttree._visitor import NodeVisitor
 
 Json = dict[str, "str | list[Json] | None"]
@@ -47,10 +49,14 @@ class JsonVisitor(NodeVisitor[Json]):
 
 
 def load_factory(spec: str) -> Callable[[], object]:
+    """The callable ``MODULE:FACTORY`` names, with the working directory importable, as
+    ``python -m`` has it, so the console script finds the same modules."""
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name or not attribute:
         msg = f"expected MODULE:FACTORY, got {spec!r}"
         raise SystemExit(msg)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     factory: object = getattr(importlib.import_module(module_name), attribute, None)
     if not callable(factory):
         msg = f"{spec} is not a callable in {module_name}"
@@ -59,7 +65,8 @@ def load_factory(spec: str) -> Callable[[], object]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m opttree", description=__doc__)
+    parser = argparse.ArgumentParser(prog="opttree", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"opttree {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     describe_cmd = commands.add_parser("describe", help="print the optimizer tree a factory returns")
     describe_cmd.add_argument("factory", help="MODULE:FACTORY, a callable returning an optimizer")
@@ -70,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     root = tree(optimizer)
     problems = validate(root)
     if args.json:
-        payload = {"tree": root.accept(JsonVisitor()), "problems": [str(p) for p in problems]}
+        payload = {"tree": root.accept(JsonVisitor()), "problems": [p.to_dict() for p in problems]}
         json.dump(payload, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:

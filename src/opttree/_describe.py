@@ -17,7 +17,6 @@ from typing import cast
 import torch
 from attrs import evolve, field, frozen
 
-from opttree import _paths
 from opttree._containers import malformed, well_formed
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._inspect import step_number
@@ -159,7 +158,7 @@ class DescribeVisitor(NodeVisitor[Summary]):
 
     def visit_leaf(self, node: LeafNode) -> Summary:
         if node.shared_with is not None:
-            text = f"{type(node.optimizer).__qualname__} (shared with {_paths.display(node.shared_with)})"
+            text = f"{type(node.optimizer).__qualname__} (shared with {node.shared_with})"
         else:
             text = leaf_text(node.optimizer)
         return Summary(text, (), node.path)
@@ -182,9 +181,9 @@ def _collapsed(summaries: list[Summary]) -> tuple[Summary, ...]:
 
 def _lines(summary: Summary, *, depth: int) -> Iterator[str]:
     indent = "  " * depth
-    where = _paths.display(summary.path)
+    where = summary.path
     if summary.count > 1:
-        yield f"{indent}{summary.count} x {summary.text}  @ {where} .. {_paths.display(summary.last_path)}"
+        yield f"{indent}{summary.count} x {summary.text}  @ {where} .. {summary.last_path}"
     else:
         yield f"{indent}{summary.text}  @ {where}"
     for child in summary.children:

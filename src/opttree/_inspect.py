@@ -16,7 +16,6 @@ from itertools import chain
 
 import torch
 
-from opttree import _paths
 from opttree import _plan_cache as plan_cache
 from opttree._errors import OptTreeError
 from opttree._nodes import LeafNode
@@ -185,7 +184,7 @@ class LeafInspector:
             return False
         problems_before = len(self.problems)
         part = StatePlan()
-        owner = (f"{_paths.display(leaves[0].path)} .. {_paths.display(leaves[-1].path)}", type(optimizers[0]).__qualname__)
+        owner = (f"{leaves[0].path} .. {leaves[-1].path}", type(optimizers[0]).__qualname__)
         self.plan_entries(leaves[0], owner, held, [entry for state in states for entry in state.values()], _placement(params), part)
         part.kept_ranges.extend(ranges(params).owned((*owner, None)))
         if len(self.problems) > problems_before:

@@ -19,11 +19,16 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-@frozen
+@frozen(repr=False)
 class Node(ABC):
-    """Base of the four node kinds."""
+    """Base of the four node kinds. Its repr names the class of the object it stands for
+    and its path, as ``describe`` does: ``LeafNode(AdamW @ chained[0].optimizer)``."""
 
     path: str
+
+    def __repr__(self) -> str:
+        children = f", {len(self.children)} children" if self.children else ""
+        return f"{type(self).__name__}({type(self.optimizer).__qualname__} @ {self.path}{children})"
 
     @property
     @abstractmethod
@@ -40,7 +45,7 @@ class Node(ABC):
         """Call the ``visit_*`` method of ``visitor`` that matches this node's kind."""
 
 
-@frozen
+@frozen(repr=False)
 class ChainedNode(Node):
     """A ``ChainedOptimizer`` (or ``LayerWiseDistributedOptimizer``): members stepped in turn."""
 
@@ -55,7 +60,7 @@ class ChainedNode(Node):
         return visitor.visit_chained(self)
 
 
-@frozen
+@frozen(repr=False)
 class HybridNode(Node):
     """A ``HybridDeviceOptimizer``: CPU sub-optimizers and at most one GPU sub-optimizer.
 
@@ -75,7 +80,7 @@ class HybridNode(Node):
         return visitor.visit_hybrid(self)
 
 
-@frozen
+@frozen(repr=False)
 class WrapperNode(Node):
     """A wrapper that holds inner optimizers, such as Megatron's ``.optimizer`` wrappers.
 
@@ -98,7 +103,7 @@ class WrapperNode(Node):
         return visitor.visit_wrapper(self)
 
 
-@frozen
+@frozen(repr=False)
 class LeafNode(Node):
     """A ``torch.optim.Optimizer`` that holds state.
 

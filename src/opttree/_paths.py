@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-ROOT = ""
+ROOT = "<root>"
+"""The root's path: it is reached through no label of its own."""
 
 
 def child(parent: str, label: str) -> str:
@@ -18,8 +19,3 @@ def items(sequence: str, count: int) -> list[str]:
 def key(mapping: str, name: object) -> str:
     """The path of the value stored under ``name`` in the mapping at path ``mapping``."""
     return f"{mapping}[{name!r}]"
-
-
-def display(path: str) -> str:
-    """A path as printed in messages: the root has no label of its own."""
-    return path or "<root>"

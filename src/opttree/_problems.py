@@ -6,7 +6,6 @@ import enum
 
 from attrs import evolve, field, frozen
 
-from opttree import _paths
 from opttree._errors import (
     HiddenOptimizer,
     MalformedWrapper,
@@ -103,7 +102,19 @@ class Problem:
     def __str__(self) -> str:
         key = "" if self.key is None else f" key {self.key!r}:"
         rank = "" if self.rank is None else f"rank {self.rank}: "
-        return f"{rank}{self.severity.value}: {self.cls} at {_paths.display(self.path)}:{key} {self.message}"
+        return f"{rank}{self.severity.value}: {self.cls} at {self.path}:{key} {self.message}"
+
+    def to_dict(self) -> dict[str, str | int | None]:
+        """The problem as plain JSON values."""
+        return {
+            "kind": self.kind.value,
+            "severity": self.severity.value,
+            "path": self.path,
+            "class": self.cls,
+            "key": self.key,
+            "message": self.message,
+            "rank": self.rank,
+        }
 
     def on_rank(self, rank: int) -> Problem:
         return evolve(self, rank=rank)

@@ -47,7 +47,7 @@ class ResetReport:
             f"{self.steps} step counters{kept}"
         )
 
-    def to_dict(self) -> dict[str, int | list[str]]:
-        values = asdict(self)
-        values["kept_keys"] = list(self.kept_keys)
-        return values
+    def to_dict(self) -> dict[str, int]:
+        """The counts, numbers only, ready for ``wandb.log`` or ``add_scalars``; the kept
+        keys are :attr:`kept_keys`."""
+        return {name: value for name, value in asdict(self).items() if isinstance(value, int)}

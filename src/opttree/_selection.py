@@ -18,7 +18,6 @@ from typing import cast
 import torch
 from attrs import frozen
 
-from opttree import _paths
 from opttree._adapter import mapping_attribute, sequence_attribute
 from opttree._containers import malformed
 from opttree._dispatch import LazyDispatch
@@ -56,11 +55,11 @@ EVERYTHING = Selection()
 def _pairs(wrapper: object, path: str, outer: str, inner: str) -> Iterable[tuple[torch.Tensor, Sequence[torch.Tensor]]]:
     outer_groups, inner_groups = sequence_attribute(wrapper, outer, path), sequence_attribute(wrapper, inner, path)
     if len(outer_groups) != len(inner_groups):
-        msg = f"{type(wrapper).__qualname__} at {_paths.display(path)}: {outer} and {inner} differ in length"
+        msg = f"{type(wrapper).__qualname__} at {path}: {outer} and {inner} differ in length"
         raise MalformedWrapper(msg)
     for outer_group, inner_group in zip(outer_groups, inner_groups):
         if not (isinstance(outer_group, list) and isinstance(inner_group, list) and len(outer_group) == len(inner_group)):
-            msg = f"{type(wrapper).__qualname__} at {_paths.display(path)}: {outer} does not pair with {inner}"
+            msg = f"{type(wrapper).__qualname__} at {path}: {outer} does not pair with {inner}"
             raise MalformedWrapper(msg)
         for o, i in zip(outer_group, inner_group):
             yield o, (i,)
@@ -226,7 +225,7 @@ def select(root: Node, params: ParamsArg | None, keys: Iterable[str] | None, mod
         label = names.get(id(first), f"of shape {tuple(first.shape)}")
         msg = (
             f"parameter {label} is held by no optimizer under {type(root.optimizer).__qualname__} at "
-            f"{_paths.display(root.path)} ({len(missing)} of {len(chosen)} selected parameters unmapped)"
+            f"{root.path} ({len(missing)} of {len(chosen)} selected parameters unmapped)"
         )
         raise UnmappedParameter(msg)
     return Selection(frozenset(visitor.selected), history, steps)
