@@ -17,8 +17,10 @@ K = 3
 EXPECTED_SHAPES = {
     "fp32": "ChainedOptimizer[FP32Optimizer[AdamW]]",
     "bf16": "ChainedOptimizer[Float16OptimizerWithFloat16Params[AdamW]]",
+    "fp16": "ChainedOptimizer[Float16OptimizerWithFloat16Params[AdamW]]",
     "dist_fp32": "ChainedOptimizer[DistributedOptimizer[AdamW]]",
     "dist_bf16": "ChainedOptimizer[DistributedOptimizer[AdamW]]",
+    "dist_fp16": "ChainedOptimizer[DistributedOptimizer[AdamW]]",
     "offload_0.75": "ChainedOptimizer[DistributedOptimizer[HybridDeviceOptimizer(cpu=2,gpu=1)[AdamW,AdamW,AdamW]]]",
     "offload_1.0": "ChainedOptimizer[DistributedOptimizer[HybridDeviceOptimizer(cpu=4,gpu=0)[AdamW,AdamW,AdamW,AdamW]]]",
     "sgd": "ChainedOptimizer[FP32Optimizer[SGD]]",

@@ -66,6 +66,7 @@ def reset(
     params: Iterable[torch.Tensor] | Callable[[str], bool] | None = None,
     keys: Iterable[str] | None = None,
     model: torch.nn.Module | None = None,
+    keep_loss_scale: bool = False,
 ) -> ResetReport:
     """Reset optimizer history so the next step equals a fresh optimizer's.
 
@@ -78,10 +79,13 @@ def reset(
     parameters whose names the predicate accepts), mapped through the wrappers to the
     tensors the leaves hold state for; ``keys`` resets only those history keys (``"step"``
     names the step counter). A per-group step is only reset with its whole group.
+
+    An fp16 wrapper's loss scaler is reset with its steps to the initial scale of its
+    ``OptimizerConfig``, as a fresh optimizer's starts, unless ``keep_loss_scale``.
     """
     root = tree(optimizer)
     selection = EVERYTHING if params is None and keys is None else select(root, params, keys, model)
-    return ResetVisitor(selection).reset(root)
+    return ResetVisitor(selection, keep_loss_scale=keep_loss_scale).reset(root)
 
 
 def describe(optimizer: object, *, group: dist.ProcessGroup | None = None) -> str:

@@ -21,6 +21,7 @@ from opttree._containers import malformed, well_formed
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._inspect import step_number
 from opttree._report import format_bytes
+from opttree._scalers import scaler_text
 from opttree._runs import alike_runs, sibling_groups
 from opttree._visitor import NodeVisitor
 
@@ -154,7 +155,7 @@ class DescribeVisitor(NodeVisitor[Summary]):
         if refused is not None:
             return Summary(f"{type(node.optimizer).__qualname__} (refused: {refused})", (), node.path)
         stub = " (stub: no optimizer on this rank)" if node.is_stub else ""
-        return self.summarise(node, f"{type(node.optimizer).__qualname__}{stub}")
+        return self.summarise(node, f"{type(node.optimizer).__qualname__}{scaler_text(node.optimizer)}{stub}")
 
     def visit_leaf(self, node: LeafNode) -> Summary:
         if node.shared_with is not None:

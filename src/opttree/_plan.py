@@ -17,6 +17,7 @@ from attrs import define, field
 
 from opttree._preflight import Extents
 from opttree._report import ResetReport
+from opttree._scalers import ScalerReset
 from opttree._schema import StateSchema
 from opttree._zeroing import zero_lists
 
@@ -101,6 +102,8 @@ class ResetPlan:
     fresh: int = 0
     reused: int = 0
     to_store: list[Store] = field(factory=list)
+    scalers: list[ScalerReset] = field(factory=list)
+    scalers_kept: int = 0
 
     @property
     def all_parts(self) -> list[StatePlan]:
@@ -121,6 +124,8 @@ class ResetPlan:
             for part in parts:
                 for scale in part.scales:
                     scale.fill_(1.0)
+            for scaler in self.scalers:
+                scaler.apply()
         dropped = 0
         for part in parts:
             for entry, key in part.drop:
@@ -138,4 +143,6 @@ class ResetPlan:
             bytes_kept=sum(part.bytes_kept for part in parts),
             kept_keys=tuple(sorted(set().union(*(part.kept_keys for part in parts)))),
             shared_leaves=self.shared_leaves,
+            loss_scales_reset=len(self.scalers),
+            loss_scales_kept=self.scalers_kept,
         )

@@ -21,7 +21,9 @@ class ResetReport:
     """What a reset changed and what it kept.
 
     ``steps`` counts step counters set to zero (per-parameter tensors and per-group
-    values); ``tensors_zeroed`` and ``tensors_dropped`` count history tensors only.
+    values); ``tensors_zeroed`` and ``tensors_dropped`` count history tensors only;
+    ``loss_scales_reset`` and ``loss_scales_kept`` count fp16 loss scalers put back to
+    their initial scale or kept as they were.
     """
 
     leaves: int
@@ -33,6 +35,8 @@ class ResetReport:
     bytes_kept: int
     kept_keys: tuple[str, ...]
     shared_leaves: int = 0
+    loss_scales_reset: int = 0
+    loss_scales_kept: int = 0
 
     def __str__(self) -> str:
         kept = (
@@ -41,10 +45,15 @@ class ResetReport:
             if self.tensors_kept
             else ""
         )
+        scales = "".join(
+            f"; {count} loss scale{'s' if count > 1 else ''} {what}"
+            for count, what in ((self.loss_scales_reset, "reset"), (self.loss_scales_kept, "kept"))
+            if count
+        )
         return (
             f"reset {self.leaves} optimizers: {self.tensors_zeroed} tensors zeroed, "
             f"{self.tensors_dropped} dropped ({format_bytes(self.bytes_reset)}), "
-            f"{self.steps} step counters{kept}"
+            f"{self.steps} step counters{kept}{scales}"
         )
 
     def to_dict(self) -> dict[str, int]:

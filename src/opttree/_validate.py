@@ -14,6 +14,7 @@ from opttree._nodes import ChainedNode, LeafNode, Node, WrapperNode
 from opttree._plan import ResetPlan
 from opttree._preflight import Owner, duplicates, overlap, unique_ranges
 from opttree._problems import Problem, ProblemKind
+from opttree._scalers import loss_scaler, plan_scaler
 from opttree._schema import StepLocation
 from opttree._runs import alike_runs, sibling_groups
 from opttree._selection import EVERYTHING, STEP_UNITS, Selection, tree_params
@@ -38,7 +39,8 @@ class ValidateVisitor(TraverserVisitor):
     for a partial reset, optimizers hidden in wrappers, and memory shared by state.
     """
 
-    def __init__(self, selection: Selection = EVERYTHING) -> None:
+    def __init__(self, selection: Selection = EVERYTHING, *, keep_loss_scale: bool = False) -> None:
+        self.keep_loss_scale = keep_loss_scale
         self.problems: list[Problem] = []
         self.plan = ResetPlan()
         self.selection = selection
@@ -153,7 +155,26 @@ class ValidateVisitor(TraverserVisitor):
 
     def visit_wrapper(self, node: WrapperNode) -> None:
         self.check_step_unit(node)
+        self.check_loss_scale(node)
         self.visit_children(node)
+
+    def check_loss_scale(self, node: WrapperNode) -> None:
+        """An fp16 wrapper's loss scaler is reset with its steps: all of them, as the step
+        unit check requires, so with none of its parameters selected it is left alone."""
+        if loss_scaler(node.optimizer) is None or not self.selection.steps:
+            return
+        chosen = self.selection.tensors
+        if chosen is not None and not any(id(p) in chosen for p in tree_params(node)):
+            return
+        if self.keep_loss_scale:
+            self.plan.scalers_kept += 1
+            return
+        planned = plan_scaler(node.optimizer)
+        if isinstance(planned, str):
+            problem = Problem(ProblemKind.UNSUPPORTED_STATE, node.path, type(node.optimizer).__qualname__, planned, "grad_scaler")
+            self.problems.append(problem)
+        elif planned is not None:
+            self.plan.scalers.append(planned)
 
     def check_step_unit(self, node: Node) -> None:
         """A Megatron wrapper that saves one step for all its parameters (see

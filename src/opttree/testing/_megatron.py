@@ -38,6 +38,7 @@ class Recipe:
     name: str
     optimizer: str
     bf16: bool = False
+    fp16: bool = False
     distributed: bool = False
     offload_fraction: float | None = None
     layer_wise: bool = False
@@ -51,8 +52,21 @@ RECIPES: dict[str, Recipe] = {
     for r in (
         Recipe("fp32", "adam", description="FP32Optimizer over AdamW"),
         Recipe("bf16", "adam", bf16=True, description="Float16OptimizerWithFloat16Params over AdamW"),
+        Recipe(
+            "fp16",
+            "adam",
+            fp16=True,
+            description="Float16OptimizerWithFloat16Params over AdamW, fp16 with a DynamicGradScaler",
+        ),
         Recipe("dist_fp32", "adam", distributed=True, description="DistributedOptimizer, fp32"),
         Recipe("dist_bf16", "adam", bf16=True, distributed=True, description="DistributedOptimizer, bf16"),
+        Recipe(
+            "dist_fp16",
+            "adam",
+            fp16=True,
+            distributed=True,
+            description="DistributedOptimizer, fp16 with a DynamicGradScaler",
+        ),
         Recipe(
             "offload_0.75",
             "adam",
@@ -235,9 +249,9 @@ def build(name: str, *, seed: int = 0, lr: float = 1e-2) -> MegatronStack:
         raise RuntimeError(msg)
     ensure_process_group()
     device = cuda_on_cpu()
-    dtype = torch.bfloat16 if recipe.bf16 else torch.float32
+    dtype = torch.bfloat16 if recipe.bf16 else torch.float16 if recipe.fp16 else torch.float32
     config = TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=1, bf16=recipe.bf16, params_dtype=dtype
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=1, bf16=recipe.bf16, fp16=recipe.fp16, params_dtype=dtype
     )
     torch.manual_seed(seed)
     model = _tiny_mlp(config, experts=recipe.experts)
@@ -249,6 +263,11 @@ def build(name: str, *, seed: int = 0, lr: float = 1e-2) -> MegatronStack:
             lr=lr,
             weight_decay=0.01,
             bf16=recipe.bf16,
+            fp16=recipe.fp16,
+            # fp16: a scale that both backs off (the first steps overflow) and grows within
+            # a few steps, so that a scaler kept by a reset shows in the next steps
+            initial_loss_scale=2.0**20,
+            loss_scale_window=2,
             use_distributed_optimizer=recipe.distributed,
             optimizer_cpu_offload=offload,
             optimizer_offload_fraction=recipe.offload_fraction or 0.0,

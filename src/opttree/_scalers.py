@@ -1,0 +1,118 @@
+"""Loss scalers held by Megatron's mixed-precision wrappers, and what a reset does to them.
+
+An fp16 ``Float16OptimizerWithFloat16Params`` or ``DistributedOptimizer`` holds a
+``DynamicGradScaler`` (``grad_scaler``) whose scale backs off after overflows and grows
+after ``loss_scale_window`` clean steps. A fresh optimizer's scaler starts at its
+``OptimizerConfig.initial_loss_scale`` with both trackers at rest, so a reset that kept a
+warmed-up scale would not train as a fresh optimizer does: a reset of the wrapper's steps
+puts the scaler back to that start (``keep_loss_scale=True`` keeps it). Scalers are known
+by class: a ``ConstantGradScaler`` has nothing to reset, and any other class is refused.
+A ``DynamicGradScaler`` is reset only where it was built as Megatron's factory builds it,
+from the wrapper's config: otherwise the scale it started from is not known.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from attrs import frozen
+
+from opttree._dispatch import LazyDispatch
+from opttree._preflight import writable_ranges
+
+
+@frozen(eq=False)
+class ScalerReset:
+    """Puts one ``DynamicGradScaler`` back to its start: the scale tensor in place."""
+
+    scaler: object
+    scale: torch.Tensor
+    initial: float
+    hysteresis: int
+
+    def apply(self) -> None:
+        self.scale.fill_(self.initial)
+        setattr(self.scaler, "_growth_tracker", 0)
+        setattr(self.scaler, "_hysteresis_tracker", self.hysteresis)
+
+
+Planned = ScalerReset | str | None
+"""A scaler's reset, the reason it cannot be reset, or None where there is nothing to reset."""
+
+
+def _attributes(obj: object) -> dict[str, object]:
+    attributes = getattr(obj, "__dict__", None)
+    return attributes if isinstance(attributes, dict) else {}
+
+
+def _nothing(scaler: object, config: object) -> Planned:
+    return None
+
+
+def _dynamic(scaler: object, config: object) -> Planned:
+    mine, theirs = _attributes(scaler), _attributes(config)
+    scale, min_scale = mine.get("_scale"), mine.get("min_scale")
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or not scale.is_floating_point():
+        return f"its scale is {type(scale).__qualname__}, expected a one-element float tensor"
+    if isinstance(writable_ranges([scale]), tuple):
+        return "its scale tensor cannot be written in place"
+    initial = theirs.get("initial_loss_scale")
+    if not isinstance(initial, (int, float)) or isinstance(initial, bool) or initial <= 0:
+        return "the wrapper's config has no positive initial_loss_scale to start from"
+    pairs = {
+        "hysteresis": (mine.get("hysteresis"), theirs.get("hysteresis")),
+        "growth_interval": (mine.get("growth_interval"), theirs.get("loss_scale_window")),
+        "min_scale": (
+            float(min_scale) if isinstance(min_scale, torch.Tensor) and min_scale.numel() == 1 else min_scale,
+            theirs.get("min_loss_scale"),
+        ),
+    }
+    for name, (value, configured) in pairs.items():
+        if value != configured:
+            return (
+                f"its {name} is {value!r} and the wrapper's config says {configured!r}: it was not built "
+                "from the config, so the scale it started from is not known"
+            )
+    hysteresis = mine["hysteresis"]
+    if not isinstance(hysteresis, int) or theirs.get("loss_scale"):
+        return "the wrapper's config asks for a constant loss scale"
+    return ScalerReset(scaler, scale, float(initial), hysteresis)
+
+
+_SCALERS: LazyDispatch[Callable[[object, object], Planned]] = LazyDispatch()
+_SCALERS.register_lazy("megatron.core.optimizer.grad_scaler.ConstantGradScaler", _nothing)
+_SCALERS.register_lazy("megatron.core.optimizer.grad_scaler.DynamicGradScaler", _dynamic)
+
+_HOLDERS: LazyDispatch[bool] = LazyDispatch()
+_HOLDERS.register_lazy("megatron.core.optimizer.optimizer.MixedPrecisionOptimizer", True)
+"""Wrapper kinds that keep a loss scaler in ``grad_scaler`` (``None`` where bf16 runs without one)."""
+
+
+def loss_scaler(wrapper: object) -> object | None:
+    """The loss scaler a wrapper holds, or None."""
+    if _HOLDERS.lookup(type(wrapper)) is None:
+        return None
+    return _attributes(wrapper).get("grad_scaler")
+
+
+def plan_scaler(wrapper: object) -> Planned:
+    """What a reset does to ``wrapper``'s loss scaler (see :data:`Planned`)."""
+    scaler = loss_scaler(wrapper)
+    if scaler is None:
+        return None
+    planner = _SCALERS.lookup(type(scaler))
+    if planner is None:
+        cls = type(scaler)
+        return f"its loss scaler is a {cls.__module__}.{cls.__qualname__}: only DynamicGradScaler and ConstantGradScaler are known"
+    return planner(scaler, _attributes(wrapper).get("config"))
+
+
+def scaler_text(wrapper: object) -> str:
+    """`` loss_scale=... (Class)`` for ``describe``, or nothing; never raises."""
+    scaler = loss_scaler(wrapper)
+    if scaler is None:
+        return ""
+    scale = _attributes(scaler).get("_scale")
+    value = f"{float(scale):.8g}" if isinstance(scale, torch.Tensor) and scale.numel() == 1 and not scale.is_meta else "?"
+    return f" loss_scale={value} ({type(scaler).__name__})"

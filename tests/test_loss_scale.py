@@ -1,0 +1,107 @@
+"""fp16 loss scalers: a reset puts a DynamicGradScaler back to its config's start, as a
+fresh optimizer's, or keeps it on request; scalers it does not know are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+
+import opttree
+from opttree import testing
+
+K = 6  # the first step grows the scale already (loss_scale_window=2 in the recipe)
+
+
+def trained() -> tuple[testing.MegatronStack, DynamicGradScaler]:
+    stack = testing.build("fp16")
+    stack.train(0, K)
+    (wrapper,) = getattr(stack.optimizer, "chained_optimizers")
+    scaler = wrapper.grad_scaler
+    assert isinstance(scaler, DynamicGradScaler)
+    return stack, scaler
+
+
+def fresh_like(stack: testing.MegatronStack) -> testing.MegatronStack:
+    fresh = testing.build(stack.name)
+    fresh.copy_weights_from(stack)
+    return fresh
+
+
+def same_weights(a: testing.MegatronStack, b: testing.MegatronStack) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.main_params(), b.main_params(), strict=True))
+
+
+def scaler_state(scaler: DynamicGradScaler) -> tuple[float, int, int]:
+    return float(scaler.scale), scaler._growth_tracker, scaler._hysteresis_tracker
+
+
+def test_reset_trains_like_a_fresh_optimizer_and_keeping_the_scale_does_not() -> None:
+    stack, scaler = trained()
+    grown = scaler_state(scaler)
+    assert grown[0] > 2.0**20  # the recipe's initial_loss_scale
+
+    report = opttree.reset(stack.optimizer)
+
+    assert report.loss_scales_reset == 1 and "1 loss scale reset" in str(report)
+    fresh = fresh_like(stack)
+    (fresh_wrapper,) = getattr(fresh.optimizer, "chained_optimizers")
+    assert scaler_state(scaler) == scaler_state(fresh_wrapper.grad_scaler)
+    stack.train(K, 4)
+    fresh.train(K, 4)
+    assert same_weights(stack, fresh)
+
+    kept, kept_scaler = trained()
+    report = opttree.reset(kept.optimizer, keep_loss_scale=True)
+    assert report.loss_scales_kept == 1 and report.loss_scales_reset == 0
+    assert scaler_state(kept_scaler) == grown
+    fresh = fresh_like(kept)
+    kept.train(K, 4)
+    fresh.train(K, 4)
+    assert not same_weights(kept, fresh)  # why the default resets it
+
+
+def test_the_scale_tensor_is_reset_in_place_and_describe_shows_it() -> None:
+    stack, scaler = trained()
+    scale = scaler.scale
+    assert f"loss_scale={float(scale):.8g} (DynamicGradScaler)" in opttree.describe(stack.optimizer)
+
+    opttree.reset(stack.optimizer)
+
+    assert scaler.scale is scale and float(scale) == 2.0**20
+    assert "loss_scale=1048576 (DynamicGradScaler)" in opttree.describe(stack.optimizer)
+
+
+def test_a_partial_reset_of_history_keeps_the_scaler() -> None:
+    stack, scaler = trained()
+    before = scaler_state(scaler)
+    report = opttree.reset(stack.optimizer, keys=["exp_avg"])
+    assert report.loss_scales_reset == 0 and scaler_state(scaler) == before
+
+
+def test_a_scaler_not_built_from_the_config_is_refused_with_nothing_changed() -> None:
+    stack, scaler = trained()
+    scaler.hysteresis = 5
+    before = [v.clone() for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values()]
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"key 'grad_scaler': its hysteresis is 5 and the wrapper's config says 2"):
+        opttree.reset(stack.optimizer)
+
+    after = [v for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values()]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    (problem,) = opttree.validate(stack.optimizer)
+    assert problem.key == "grad_scaler" and problem.cls == "Float16OptimizerWithFloat16Params"
+
+
+def test_a_scaler_of_unknown_class_is_refused() -> None:
+    class HomegrownScaler:
+        def __init__(self) -> None:
+            self._scale = torch.ones(1)
+
+    stack, _ = trained()
+    (wrapper,) = getattr(stack.optimizer, "chained_optimizers")
+    wrapper.grad_scaler = HomegrownScaler()
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="HomegrownScaler: only DynamicGradScaler and ConstantGradScaler"):
+        opttree.reset(stack.optimizer)
+    assert "loss_scale=1 (HomegrownScaler)" in opttree.describe(stack.optimizer)
