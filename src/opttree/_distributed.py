@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from attrs import frozen
 
+from opttree import _paths
 from opttree._containers import malformed
 from opttree._describe import nbytes
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
@@ -96,7 +97,7 @@ def shape_problems(summaries: list[RankSummary]) -> list[Problem]:
     return [
         Problem(
             ProblemKind.SHAPE_MISMATCH,
-            "",
+            _paths.ROOT,
             s.shape.split("[", 1)[0],
             f"tree shape {s.shape} differs from rank {reference.rank}'s {reference.shape}",
             rank=s.rank,
