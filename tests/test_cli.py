@@ -24,8 +24,15 @@ def chained_adamw() -> object:
     return ChainedOptimizer(members)
 
 
-def adagrad() -> object:
-    return torch.optim.Adagrad(torch.nn.Linear(3, 2).parameters())
+class Homegrown(torch.optim.Optimizer):
+    """An optimizer no schema describes."""
+
+    def __init__(self, params: object) -> None:
+        super().__init__(params, {"lr": 0.1})  # type: ignore[arg-type]
+
+
+def homegrown() -> object:
+    return Homegrown(torch.nn.Linear(3, 2).parameters())
 
 
 def run(*args: str, factory: str = FACTORY, command: tuple[str, ...] = (sys.executable, "-m", "opttree")) -> str:
@@ -57,15 +64,15 @@ def test_describe_json_is_machine_readable() -> None:
 
 
 def test_describe_json_gives_problems_as_objects() -> None:
-    payload = json.loads(run("--json", factory="tests.test_cli:adagrad"))
+    payload = json.loads(run("--json", factory="tests.test_cli:homegrown"))
     (problem,) = payload["problems"]
     assert problem == {
         "kind": "unsupported-optimizer",
         "severity": "error",
         "path": "<root>",
-        "class": "Adagrad",
+        "class": "Homegrown",
         "key": None,
-        "message": "no state schema is registered for torch.optim.adagrad.Adagrad",
+        "message": "no state schema is registered for tests.test_cli.Homegrown",
         "rank": None,
     }
 
@@ -77,4 +84,4 @@ def test_the_console_script_and_the_module_print_the_version() -> None:
     for command in ((str(script),), (sys.executable, "-m", "opttree")):
         done = subprocess.run([*command, "--version"], capture_output=True, text=True, check=True, timeout=60)
         assert done.stdout.strip() == f"opttree {opttree.__version__}"
-    assert run(factory="tests.test_cli:adagrad", command=(str(script),)).startswith("Adagrad")
+    assert run(factory="tests.test_cli:homegrown", command=(str(script),)).startswith("Homegrown")

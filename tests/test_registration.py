@@ -160,3 +160,30 @@ def test_a_partial_reset_follows_a_registered_wrappers_inner_params() -> None:
     assert report.tensors_zeroed == 2 and report.steps == 1
     assert not wrapper.optimizer.state[wrapper.copies[0]]["exp_avg"].any()
     assert wrapper.optimizer.state[wrapper.copies[1]]["exp_avg"].any()
+
+
+def test_a_fill_must_be_a_number_or_a_function_and_not_also_a_zero() -> None:
+    with pytest.raises(opttree.RegistrationError, match="the fill of 'sum' is a str"):
+        opttree.StateSchema(fill={"sum": "0.1"})  # type: ignore[dict-item]
+    with pytest.raises(opttree.RegistrationError, match="named in both 'zero' and 'fill'"):
+        opttree.StateSchema(zero={"sum"}, fill={"sum": 0.1})
+
+
+def test_a_users_fill_follows_the_group() -> None:
+    class Accumulates(torch.optim.Adagrad):
+        pass
+
+    opttree.register_schema(
+        Accumulates,
+        opttree.StateSchema(fill={"sum": lambda group, defaults: float(str(group["start"]))}, step=opttree.StepLocation.PER_PARAMETER),
+    )
+    first, second = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    optimizer = Accumulates([{"params": [first], "start": 0.5}, {"params": [second], "start": 2.0}])
+    for p in (first, second):
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+
+    report = opttree.reset(optimizer)
+
+    assert report.tensors_filled == 2
+    assert optimizer.state[first]["sum"].tolist() == [0.5, 0.5] and optimizer.state[second]["sum"].tolist() == [2.0] * 3

@@ -14,6 +14,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from itertools import chain
 
+from typing import cast
+
 import torch
 
 from opttree import _plan_cache as plan_cache
@@ -159,14 +161,14 @@ class LeafInspector:
         """Plan a run of leaves of this class in one pass over their pooled state.
 
         Pooling applies where it cannot change the outcome: plain containers, small states
-        (large ones reuse their own plans), no per-group steps, no scales, every parameter
+        (large ones reuse their own plans), no per-group steps, no scales or fills, every parameter
         of one dtype and device, and each leaf's state held for its own parameters. Where
         it does not apply, or the pass finds a problem, this changes nothing and returns
         False: the caller then inspects the leaves one by one, which names the leaf of
         each problem.
         """
-        if self.schema.scale_of is not None:
-            return False
+        if self.schema.scale_of is not None or self.schema.fill:
+            return False  # scales and fills are looked up leaf by leaf
         optimizers = [leaf.optimizer for leaf in leaves]
         if not well_formed(optimizers):
             return False
@@ -280,12 +282,12 @@ class LeafInspector:
                 self.plan_steps(node, owner, key, having, tensors, placement, into)
                 into.steps += count
                 continue
-            if len(tensors) < count:
+            if len(tensors) < count and action is not KeyAction.DROP:
                 wrong = next(value for value in values if not isinstance(value, torch.Tensor))
                 message = f"history is a {type(wrong).__qualname__}, expected a tensor"
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
                 continue
-            checked = writable_ranges(tensors) if action is KeyAction.ZERO else ranges(tensors)
+            checked = ranges(tensors) if action is KeyAction.DROP else writable_ranges(tensors)
             if isinstance(checked, tuple):
                 self.unwritable(node, key, checked, count)
                 continue
@@ -294,11 +296,42 @@ class LeafInspector:
             if action is KeyAction.DROP:
                 into.drop.extend((entry, key) for entry in having)
                 continue
+            if action is KeyAction.FILL:
+                self.plan_fills(node, key, held, entries, placement, into)
+                continue
             into.zero_list((key, *placement)).extend(tensors)
             into.zeroed += count
             scale_of = self.schema.scale_of
             if scale_of is not None:
                 self.plan_scales(node, owner, scale_of, held, entries, key, into)
+
+    def plan_fills(
+        self,
+        node: LeafNode,
+        key: str,
+        held: list[torch.Tensor],
+        entries: list[StateEntry],
+        placement: Placement,
+        into: StatePlan,
+    ) -> None:
+        """History that starts at a value of its group's: listed by that value."""
+        optimizer = node.optimizer
+        group_of = {id(param): group for group in optimizer.param_groups for param in group["params"]}
+        for param, entry in zip(held, entries, strict=True):
+            if key not in entry:
+                continue
+            group = group_of.get(id(param))
+            if group is None:
+                self.problem(node, ProblemKind.UNSUPPORTED_STATE, "held for a tensor in no param group, whose start is not known", key)
+                return
+            try:
+                value = self.schema.fill_value(key, group, optimizer.defaults)
+            except (KeyError, TypeError, ValueError) as error:
+                message = f"its starting value cannot be worked out: {type(error).__name__}: {error}"
+                self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
+                return
+            into.fill_list((key, *placement), value).append(cast(torch.Tensor, entry[key]))
+            into.filled += 1
 
     def plan_steps(
         self,

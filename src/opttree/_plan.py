@@ -36,10 +36,12 @@ class StatePlan:
     """
 
     lists: dict[ListKey, list[torch.Tensor]] = field(factory=dict)
+    fills: dict[tuple[ListKey, float], list[torch.Tensor]] = field(factory=dict)
     number_steps: list[tuple[StateEntry, int | float]] = field(factory=list)
     drop: list[tuple[StateEntry, str]] = field(factory=list)
     scales: list[torch.Tensor] = field(factory=list)
     zeroed: int = 0
+    filled: int = 0
     steps: int = 0
     kept: int = 0
     bytes_reset: int = 0
@@ -51,9 +53,10 @@ class StatePlan:
 
     @property
     def reusable(self) -> bool:
-        """Whether the same state will still be there after this reset: nothing dropped,
-        and no scales, which TE may rebuild."""
-        return not self.drop and not self.scales
+        """Whether the same state will still be there after this reset, and the same plan
+        right for it: nothing dropped, no scales, which TE may rebuild, and no fills, whose
+        values follow the groups' (an ``lr`` a scheduler changes)."""
+        return not self.drop and not self.scales and not self.fills
 
     def zero_list(self, key: ListKey) -> list[torch.Tensor]:
         found = self.lists.get(key)
@@ -61,13 +64,22 @@ class StatePlan:
             found = self.lists[key] = []
         return found
 
+    def fill_list(self, key: ListKey, value: float) -> list[torch.Tensor]:
+        found = self.fills.get((key, value))
+        if found is None:
+            found = self.fills[(key, value)] = []
+        return found
+
     def merge(self, other: StatePlan) -> None:
         for key, tensors in other.lists.items():
             self.zero_list(key).extend(tensors)
+        for (key, value), tensors in other.fills.items():
+            self.fill_list(key, value).extend(tensors)
         self.number_steps.extend(other.number_steps)
         self.drop.extend(other.drop)
         self.scales.extend(other.scales)
         self.zeroed += other.zeroed
+        self.filled += other.filled
         self.steps += other.steps
         self.kept += other.kept
         self.bytes_reset += other.bytes_reset
@@ -122,6 +134,9 @@ class ResetPlan:
             lists = [tensors for part in parts for tensors in part.lists.values()]
             zero_lists(lists, total_bytes=sum(part.bytes_reset for part in parts))
             for part in parts:
+                for (_, value), tensors in part.fills.items():
+                    for tensor in tensors:  # as full_like makes it: complex history is (v, v)
+                        tensor.fill_(complex(value, value) if tensor.is_complex() else value)
                 for scale in part.scales:
                     scale.fill_(1.0)
             for scaler in self.scalers:
@@ -136,6 +151,7 @@ class ResetPlan:
         return ResetReport(
             leaves=self.leaves,
             tensors_zeroed=sum(part.zeroed for part in parts),
+            tensors_filled=sum(part.filled for part in parts),
             tensors_dropped=dropped,
             bytes_reset=sum(part.bytes_reset for part in parts),
             steps=sum(part.steps for part in parts) - self.shared_steps,

@@ -7,7 +7,7 @@ from typing import cast
 from opttree._adapter import ChildrenFn, Expander, builtin_kinds, children_expander
 from opttree._dispatch import LazyDispatch, dotted_name
 from opttree._errors import RegistrationError
-from opttree._leaf_schemas import builtin_schemas
+from opttree._schemas import builtin_schemas
 from opttree._schema import StateSchema
 from opttree._selection import INNER_PARAMS, InnerParams
 

@@ -21,7 +21,9 @@ class ResetReport:
     """What a reset changed and what it kept.
 
     ``steps`` counts step counters set to zero (per-parameter tensors and per-group
-    values); ``tensors_zeroed`` and ``tensors_dropped`` count history tensors only;
+    values); ``tensors_zeroed``, ``tensors_filled`` (set to a starting value other than
+    zero, such as Adagrad's ``initial_accumulator_value``) and ``tensors_dropped`` count
+    history tensors only;
     ``loss_scales_reset`` and ``loss_scales_kept`` count fp16 loss scalers put back to
     their initial scale or kept as they were.
     """
@@ -35,6 +37,7 @@ class ResetReport:
     bytes_kept: int
     kept_keys: tuple[str, ...]
     shared_leaves: int = 0
+    tensors_filled: int = 0
     loss_scales_reset: int = 0
     loss_scales_kept: int = 0
 
@@ -52,6 +55,7 @@ class ResetReport:
         )
         return (
             f"reset {self.leaves} optimizers: {self.tensors_zeroed} tensors zeroed, "
+            f"{f'{self.tensors_filled} filled with their starting values, ' if self.tensors_filled else ''}"
             f"{self.tensors_dropped} dropped ({format_bytes(self.bytes_reset)}), "
             f"{self.steps} step counters{kept}{scales}"
         )

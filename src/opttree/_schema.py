@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from attrs import field, frozen
@@ -20,6 +20,7 @@ class KeyAction(enum.Enum):
     """What a reset does with one state key; derived from a schema."""
 
     ZERO = "zero"
+    FILL = "fill"
     DROP = "drop"
     KEEP = "keep"
     STEP = "step"
@@ -36,6 +37,17 @@ class StepLocation(enum.Enum):
     """No step counter (SGD, Muon)."""
 
 
+Fill = float | Callable[[Mapping[str, object], Mapping[str, object]], float]
+"""What a history tensor starts as: a number, or ``(param_group, defaults) -> number``
+for one that depends on its group (Rprop's ``step_size`` starts at the group's ``lr``).
+Complex tensors start at ``complex(v, v)``, as torch's optimizers fill them."""
+
+
+def _fills(value: Mapping[str, Fill] | tuple[tuple[str, Fill], ...]) -> tuple[tuple[str, Fill], ...]:
+    items = value.items() if isinstance(value, Mapping) else value
+    return tuple(sorted(items, key=lambda item: item[0]))
+
+
 def _frozen_keys(keys: frozenset[str] | set[str] | tuple[str, ...] | list[str]) -> frozenset[str]:
     return frozenset(keys)
 
@@ -48,6 +60,12 @@ class StateSchema:
     ``drop``: history the optimizer creates lazily from the first gradient (torch SGD's
     ``momentum_buffer`` is a copy of it); reset deletes the key, as a fresh optimizer has none.
     ``keep``: state that is not history (master weights); reset leaves it untouched.
+    ``fill``: history the optimizer creates filled with another value (Adagrad's ``sum``
+    starts at ``initial_accumulator_value``, NAdam's ``mu_product`` at 1); reset fills it
+    in place with that value again.
+
+    Dropped keys may hold anything (LBFGS keeps lists and numbers); zeroed and filled ones
+    must be tensors that can be written in place.
     """
 
     zero: frozenset[str] = field(converter=_frozen_keys, factory=frozenset)
@@ -55,14 +73,23 @@ class StateSchema:
     keep: frozenset[str] = field(converter=_frozen_keys, factory=frozenset)
     step: StepLocation = StepLocation.NONE
     scale_of: ScaleLookup | None = field(default=None, kw_only=True)
+    fill: tuple[tuple[str, Fill], ...] = field(converter=_fills, factory=tuple, kw_only=True)
+
+    @property
+    def filled(self) -> frozenset[str]:
+        return frozenset(key for key, _ in self.fill)
 
     def __attrs_post_init__(self) -> None:
-        for first, second in (("zero", "drop"), ("zero", "keep"), ("drop", "keep")):
+        for first, second in (("zero", "drop"), ("zero", "keep"), ("drop", "keep"), ("zero", "filled"), ("drop", "filled"), ("keep", "filled")):
             both = getattr(self, first) & getattr(self, second)
             if both:
-                msg = f"state keys {sorted(both)} are named in both {first!r} and {second!r}"
+                msg = f"state keys {sorted(both)} are named in both {first!r} and {second.removesuffix('ed')!r}"
                 raise RegistrationError(msg)
-        if "step" in self.zero | self.drop | self.keep:
+        for key, value in self.fill:
+            if not callable(value) and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+                msg = f"the fill of {key!r} is a {type(value).__qualname__}: expected a number or (group, defaults) -> number"
+                raise RegistrationError(msg)
+        if "step" in self.zero | self.drop | self.keep | self.filled:
             msg = "'step' is described by StateSchema.step, not by a key set"
             raise RegistrationError(msg)
 
@@ -72,6 +99,7 @@ class StateSchema:
         actions = {key: KeyAction.ZERO for key in self.zero}
         actions.update({key: KeyAction.DROP for key in self.drop})
         actions.update({key: KeyAction.KEEP for key in self.keep})
+        actions.update({key: KeyAction.FILL for key in self.filled})
         if self.step is StepLocation.PER_PARAMETER:
             actions["step"] = KeyAction.STEP
         return actions
@@ -79,8 +107,13 @@ class StateSchema:
     @property
     def resettable(self) -> frozenset[str]:
         """The keys a partial reset may name: history, and ``step`` where there is one."""
-        keys = self.zero | self.drop
+        keys = self.zero | self.drop | self.filled
         return keys if self.step is StepLocation.NONE else keys | {"step"}
+
+    def fill_value(self, key: str, group: Mapping[str, object], defaults: Mapping[str, object]) -> float:
+        """The value ``key`` starts as in ``group``."""
+        value = dict(self.fill)[key]
+        return float(value(group, defaults) if callable(value) else value)
 
     def actions_for(self, resets: Callable[[str], bool]) -> dict[str, KeyAction]:
         """:attr:`actions` for a partial reset of the keys ``resets`` accepts (``"step"``

@@ -1,0 +1,64 @@
+"""torch.optim, registered by class: each schema follows how the class creates its state.
+
+Derived from torch's sources (``_init_group`` or ``__init__``): history created by
+``zeros_like`` is zeroed; Adagrad's ``sum`` (``full_like`` of ``initial_accumulator_value``,
+read from the defaults), Rprop's ``step_size`` (the group's ``lr``), ASGD's ``eta`` (the
+group's ``lr``) and ``mu``, and NAdam's ``mu_product`` (1) are filled with their starting
+values; SGD's ``momentum_buffer`` (a copy of the first gradient) and everything LBFGS keeps
+(lists, numbers and tensors it builds on its first step) are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from opttree._schema import Fill, StateSchema, StepLocation
+from opttree._schemas._keys import MASTER_PARAM
+
+
+def _lr(group: Mapping[str, object], defaults: Mapping[str, object]) -> float:
+    lr = group["lr"]
+    return float(lr) if isinstance(lr, (int, float, torch.Tensor)) else float("nan")
+
+
+def _initial_accumulator(group: Mapping[str, object], defaults: Mapping[str, object]) -> float:
+    value = defaults["initial_accumulator_value"]
+    return float(value) if isinstance(value, (int, float)) else float("nan")
+
+
+def _per_step(*zero: str, fill: Mapping[str, Fill] | None = None) -> StateSchema:
+    return StateSchema(zero=set(zero), keep={MASTER_PARAM}, step=StepLocation.PER_PARAMETER, fill=dict(fill or {}))
+
+
+ADAM = _per_step("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+SGD = StateSchema(drop={"momentum_buffer"}, keep={MASTER_PARAM})
+LBFGS = StateSchema(
+    drop={"func_evals", "n_iter", "d", "t", "old_dirs", "old_stps", "ro", "H_diag", "prev_flat_grad", "prev_loss", "al"}
+)
+
+SCHEMAS: dict[str, StateSchema] = {
+    "Adam": ADAM,
+    "AdamW": ADAM,
+    "Adamax": _per_step("exp_avg", "exp_inf"),
+    "NAdam": _per_step("exp_avg", "exp_avg_sq", fill={"mu_product": 1.0}),
+    "RAdam": _per_step("exp_avg", "exp_avg_sq"),
+    "Adagrad": _per_step(fill={"sum": _initial_accumulator}),
+    "Adadelta": _per_step("square_avg", "acc_delta"),
+    "RMSprop": _per_step("square_avg", "momentum_buffer", "grad_avg"),
+    "Rprop": _per_step("prev", fill={"step_size": _lr}),
+    "ASGD": _per_step("ax", fill={"eta": _lr, "mu": 1.0}),
+    "SGD": SGD,
+    "LBFGS": LBFGS,
+    "SparseAdam": _per_step("exp_avg", "exp_avg_sq"),
+    "Adafactor": _per_step("row_var", "col_var", "variance"),
+    "Muon": StateSchema(zero={"momentum_buffer"}, keep={MASTER_PARAM}),
+}
+"""By class name in ``torch.optim``; a class this torch lacks (Muon, Adafactor before
+2.5) is skipped."""
+
+
+def torch_classes() -> list[tuple[type, StateSchema]]:
+    found = [(getattr(torch.optim, name, None), schema) for name, schema in SCHEMAS.items()]
+    return [(cls, schema) for cls, schema in found if isinstance(cls, type)]
