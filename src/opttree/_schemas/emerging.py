@@ -1,14 +1,36 @@
-"""emerging_optimizers, by dotted path, so that opttree never imports it."""
+"""emerging_optimizers, by dotted path, so that opttree never imports it.
+
+Derived from emerging-optimizers 0.3.0's sources: every class below creates its whole
+state at once, on its first step (``len(state) == 0``), as zeros; LaProp and ObliqueAdam
+count steps per parameter in a Python int. ``MuonHyperball``'s ``hyperball_R`` is written
+on every step before it is read, so it is kept. Not supported: SOAP and REKLS, whose
+``Q_L``/``Q_R`` start as identity matrices (no fill of a number makes them), and PSGDPro,
+which keeps lists of preconditioner factors; they are refused.
+"""
 
 from __future__ import annotations
 
-from opttree._schema import StateSchema
+from opttree._schema import StateSchema, StepLocation
 from opttree._schemas._keys import MASTER_PARAM
 
 MUON = StateSchema(zero={"momentum_buffer"}, keep={MASTER_PARAM})
 ADAPTIVE_MUON = StateSchema(zero={"momentum_buffer", "moment2_buffer"}, keep={MASTER_PARAM})
+_ADAM_LIKE = StateSchema(zero={"exp_avg", "exp_avg_sq"}, keep={MASTER_PARAM}, step=StepLocation.PER_PARAMETER)
 
+_ORTHOGONALIZED = "emerging_optimizers.orthogonalized_optimizers."
 LAZY: dict[str, StateSchema] = {
-    "emerging_optimizers.orthogonalized_optimizers.muon.Muon": MUON,
-    "emerging_optimizers.orthogonalized_optimizers.adaptive_muon.AdaptiveMuon": ADAPTIVE_MUON,
+    _ORTHOGONALIZED + "muon.Muon": MUON,
+    _ORTHOGONALIZED + "adaptive_muon.AdaptiveMuon": ADAPTIVE_MUON,
+    _ORTHOGONALIZED + "mop.MOP": MUON,
+    _ORTHOGONALIZED + "polargrad.PolarGrad": MUON,
+    _ORTHOGONALIZED + "scion.Scion": MUON,
+    _ORTHOGONALIZED + "spel.Spel": MUON,
+    _ORTHOGONALIZED + "sinkhorn_muon.SinkhornMuon": MUON,
+    _ORTHOGONALIZED + "muon_hyperball.MuonHyperball": StateSchema(
+        zero={"momentum_buffer"}, keep={MASTER_PARAM, "hyperball_R"}
+    ),
+    "emerging_optimizers.scalar_optimizers.lion.Lion": StateSchema(zero={"exp_avg"}, keep={MASTER_PARAM}),
+    "emerging_optimizers.scalar_optimizers.laprop.LaProp": _ADAM_LIKE,
+    "emerging_optimizers.riemannian_optimizers.normalized_optimizer.ObliqueSGD": MUON,
+    "emerging_optimizers.riemannian_optimizers.normalized_optimizer.ObliqueAdam": _ADAM_LIKE,
 }
