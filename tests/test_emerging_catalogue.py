@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Callable
+import json
+import os
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
 import opttree
+from tests.test_torch_catalogue import lane
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("emerging_optimizers") is None, reason="no emerging-optimizers in this lane")
 
@@ -75,12 +78,28 @@ def train(optimizer: torch.optim.Optimizer, ps: Params, steps: range) -> None:
         optimizer.step()
 
 
+Record = Callable[[str, str], None]
+
+
+@pytest.fixture(scope="module")
+def record() -> Iterator[Record]:
+    """With ``OPTTREE_CONFORMANCE=file``, one JSON line per case, as in test_torch_catalogue."""
+    path = os.environ.get("OPTTREE_CONFORMANCE")
+    lines: list[str] = []
+    yield lambda name, result: lines.append(
+        json.dumps({"class": f"emerging_optimizers {name}", "flags": {}, "lane": lane(), "result": result})
+    )
+    if path:
+        with open(path, "a", encoding="utf-8") as out:
+            out.writelines(line + "\n" for line in lines)
+
+
 def test_every_registry_name_is_reset_exactly_or_refused_for_a_stated_reason() -> None:
     assert set(_registry()) <= set(BUILD) | set(REFUSED), "a new emerging optimizer: give it a schema or a refusal"
 
 
 @pytest.mark.parametrize("name", sorted(BUILD))
-def test_reset_then_train_equals_a_fresh_optimizer(name: str) -> None:
+def test_reset_then_train_equals_a_fresh_optimizer(name: str, record: Record) -> None:
     cls = _registry().get(name)
     if cls is None:
         pytest.skip(f"{name} is not registered in this environment")
@@ -100,12 +119,15 @@ def test_reset_then_train_equals_a_fresh_optimizer(name: str) -> None:
     train(control, kept, range(6))
     train(optimizer, ps, range(3, 6))
     train(fresh, twin, range(3, 6))
-    assert all(torch.equal(a, b) for a, b in zip(ps, twin, strict=True))
-    assert not all(torch.equal(a, b) for a, b in zip(kept, twin, strict=True))
+    same = all(torch.equal(a, b) for a, b in zip(ps, twin, strict=True))
+    kept_same = all(torch.equal(a, b) for a, b in zip(kept, twin, strict=True))
+    record(name, "exact" if same and not kept_same else "NOT EXACT")
+    assert same
+    assert not kept_same
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
-def test_the_unsupported_ones_are_refused_with_nothing_changed(name: str) -> None:
+def test_the_unsupported_ones_are_refused_with_nothing_changed(name: str, record: Record) -> None:
     cls = _registry().get(name)
     if cls is None:
         pytest.skip(f"{name} is not registered in this environment")
@@ -117,3 +139,4 @@ def test_the_unsupported_ones_are_refused_with_nothing_changed(name: str) -> Non
         opttree.reset(optimizer)
     after = {k: v for entry in optimizer.state.values() for k, v in entry.items() if isinstance(v, torch.Tensor)}
     assert all(torch.equal(after[k], v) for k, v in before.items())
+    record(name, f"refused: {REFUSED[name]}")
