@@ -2,7 +2,7 @@
 
 import logging
 
-from opttree._api import describe, reset, tree, validate
+from opttree._api import describe, reset, sync_masters, tree, validate
 from opttree._checkpoints import load_state_dict, sharded_state_dict
 from opttree._describe import DescribeVisitor
 from opttree._errors import (
@@ -13,12 +13,14 @@ from opttree._errors import (
     OptTreeError,
     PartialResetRefused,
     RegistrationError,
+    StaleMaster,
     UnsupportedOptimizer,
     UnmappedParameter,
     UnknownWrapper,
     UnsupportedCheckpoint,
     UnsupportedOptimizerState,
 )
+from opttree._masters import SyncReport
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._problems import Problem, ProblemKind, Severity
 from opttree._registry import register_schema, register_wrapper
@@ -50,8 +52,10 @@ __all__ = [
     "ResetReport",
     "ResetVisitor",
     "Severity",
+    "StaleMaster",
     "StateSchema",
     "StepLocation",
+    "SyncReport",
     "TraverserVisitor",
     "UnknownWrapper",
     "UnmappedParameter",
@@ -67,6 +71,7 @@ __all__ = [
     "register_wrapper",
     "reset",
     "sharded_state_dict",
+    "sync_masters",
     "tree",
     "validate",
 ]

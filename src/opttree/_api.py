@@ -10,6 +10,8 @@ import torch.distributed as dist
 from opttree import _distributed, _paths, _registry
 from opttree._adapter import TreeBuilder
 from opttree._describe import DescribeVisitor
+from opttree._masters import SyncReport, check_masters
+from opttree._masters import sync_masters as _sync_masters
 from opttree._nodes import Node
 from opttree._problems import Problem
 from opttree._report import ResetReport
@@ -40,8 +42,14 @@ def lenient_tree(optimizer: object) -> tuple[Node, list[Problem]]:
     return TreeBuilder(_registry.kind_for, problems).build(optimizer, _paths.ROOT), problems
 
 
-def validate(optimizer: object, *, group: dist.ProcessGroup | None = None) -> tuple[Problem, ...]:
+def validate(
+    optimizer: object, *, group: dist.ProcessGroup | None = None, model: torch.nn.Module | None = None
+) -> tuple[Problem, ...]:
     """Every problem in the tree, errors and warnings, without raising for them.
+
+    With ``model``, every master copy the stack steps is also compared with the model
+    parameter it stands for: a copy that does not round to it is a ``stale-master`` error
+    naming the parameter (see :func:`sync_masters`).
 
     With a process group (collective: call it on every rank of ``group``), rank 0 of the
     group returns every rank's problems, each with its ``rank``, plus a warning for each
@@ -50,7 +58,8 @@ def validate(optimizer: object, *, group: dist.ProcessGroup | None = None) -> tu
     root, refused = lenient_tree(optimizer)
     visitor = ValidateVisitor()
     visitor.check(root)
-    problems = (*refused, *visitor.problems)
+    masters = check_masters(root, model).problems if model is not None else ()
+    problems = (*refused, *visitor.problems, *masters)
     if group is None:
         return problems
     summaries = _distributed.gather(_distributed.summarise(root, problems), group)
@@ -86,6 +95,19 @@ def reset(
     root = tree(optimizer)
     selection = EVERYTHING if params is None and keys is None else select(root, params, keys, model)
     return ResetVisitor(selection, keep_loss_scale=keep_loss_scale).reset(root)
+
+
+def sync_masters(optimizer: object, *, model: torch.nn.Module | None = None) -> SyncReport:
+    """Make every master copy the stack steps equal to the model's weights again, after
+    weights were written into the model out of band.
+
+    Megatron's own ``reload_model_params()`` does it where the stack has it; the copies
+    are then compared again, and any still stale (or, without a reload, every stale one)
+    are written by opttree and named in the report. ``model`` only names parameters.
+    Raises :class:`~opttree.StaleMaster`, having written nothing, where a copy's part of
+    its parameter is not known.
+    """
+    return _sync_masters(tree(optimizer), model)
 
 
 def describe(optimizer: object, *, group: dist.ProcessGroup | None = None) -> str:

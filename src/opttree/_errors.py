@@ -61,3 +61,7 @@ class PartialResetRefused(OptTreeError):
 class UnsupportedCheckpoint(OptTreeError):
     """A state dict is not laid out as Megatron's wrapper kinds write it, so opttree cannot
     tell where to put back the step Megatron drops at 0."""
+
+
+class StaleMaster(OptTreeError):
+    """A master copy does not stand for the model's weights, or cannot be told to."""

@@ -13,6 +13,7 @@ from opttree._errors import (
     OptimizerCycle,
     OptTreeError,
     PartialResetRefused,
+    StaleMaster,
     UnknownWrapper,
     UnsupportedCheckpoint,
     UnsupportedOptimizer,
@@ -55,6 +56,10 @@ class ProblemKind(enum.Enum):
     """A partial reset of step counters inside one Megatron optimizer, which checkpoints
     one step for all its parameters."""
     UNKNOWN_KEY = "unknown-key"
+    STALE_MASTER = "stale-master"
+    """A master copy a wrapper steps differs from the model parameter it stands for."""
+    UNCHECKED_MASTER = "unchecked-master"
+    """A master copy whose part of its model parameter is not known."""
     CHECKPOINT_LAYOUT = "checkpoint-layout"
     """A state dict that is not laid out as Megatron writes it, met while saving or loading."""
 
@@ -68,7 +73,9 @@ class ProblemKind(enum.Enum):
         return _ERRORS.get(self, UnsupportedOptimizerState)
 
 
-_WARNINGS = frozenset({ProblemKind.EMPTY_STATE, ProblemKind.ORPHAN_STATE, ProblemKind.SHAPE_MISMATCH, ProblemKind.SHARED_STEP})
+_WARNINGS = frozenset(
+    {ProblemKind.EMPTY_STATE, ProblemKind.ORPHAN_STATE, ProblemKind.SHAPE_MISMATCH, ProblemKind.SHARED_STEP, ProblemKind.UNCHECKED_MASTER}
+)
 _ERRORS: dict[ProblemKind, type[OptTreeError]] = {
     ProblemKind.NOT_AN_OPTIMIZER: NotAnOptimizer,
     ProblemKind.UNKNOWN_WRAPPER: UnknownWrapper,
@@ -80,6 +87,8 @@ _ERRORS: dict[ProblemKind, type[OptTreeError]] = {
     ProblemKind.PARTIAL_STEP: PartialResetRefused,
     ProblemKind.UNKNOWN_KEY: PartialResetRefused,
     ProblemKind.CHECKPOINT_LAYOUT: UnsupportedCheckpoint,
+    ProblemKind.STALE_MASTER: StaleMaster,
+    ProblemKind.UNCHECKED_MASTER: StaleMaster,
 }
 
 

@@ -1,0 +1,131 @@
+"""Master copies that no longer stand for the model's weights, found and synced.
+
+When weights are written into the model out of band (a checkpoint loaded without its
+optimizer, LoRA adapters restored, a weight sync in RL), the copies a wrapper steps
+(``Float16OptimizerWithFloat16Params``' fp32 mains, ``DistributedOptimizer``'s main
+shards, ``HybridDeviceOptimizer``'s fp32 or CPU copies) keep the old values, and the next
+step writes them back over the new weights. A copy is stale when it does not round to the
+model parameter it stands for: the same comparison Megatron's copy from main to model
+makes true after every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from attrs import frozen
+
+from opttree._errors import OptTreeError
+from opttree._nodes import Node
+from opttree._problems import Problem, ProblemKind
+from opttree._selection import INNER_PARAMS
+
+
+def _walk(node: Node) -> Iterator[Node]:
+    yield node
+    for child in node.children:
+        yield from _walk(child)
+
+
+def _model_slice(wrapper: object, param: torch.Tensor, copy: torch.Tensor) -> torch.Tensor | None:
+    """The part of ``param`` that ``copy`` stands for: all of it, or, for a shard, the
+    range ``DistributedOptimizer`` keeps on this rank; None where that is not known."""
+    if copy.numel() == param.numel():
+        return param.detach().reshape(copy.shape)
+    range_map = getattr(wrapper, "_get_model_param_range_map", None)
+    if range_map is None:
+        return None
+    try:
+        span = range_map(param)["param"]
+    except (KeyError, TypeError):
+        return None
+    start, end = getattr(span, "start", None), getattr(span, "end", None)
+    if not isinstance(start, int) or not isinstance(end, int) or end - start != copy.numel():
+        return None
+    return param.detach().view(-1)[start:end].reshape(copy.shape)
+
+
+@frozen(eq=False)
+class MasterCheck:
+    """What :func:`check_masters` compared, and what it found; ``stale`` pairs each stale
+    copy with the part of the model parameter it stands for."""
+
+    copies: int
+    problems: tuple[Problem, ...]
+    stale: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+
+@frozen
+class SyncReport:
+    """What :func:`opttree.sync_masters` did: ``copies`` compared, ``stale`` found stale,
+    ``reloaded`` whether Megatron's ``reload_model_params()`` ran, and ``written`` the
+    copies opttree wrote itself (where there is no reload, or it left them stale)."""
+
+    copies: int
+    stale: int
+    reloaded: bool
+    written: tuple[str, ...]
+
+
+def check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
+    """Compare every master copy in the tree with the model parameter it stands for."""
+    names: dict[int, str] = {} if model is None else {id(p): name for name, p in model.named_parameters()}
+    problems: list[Problem] = []
+    stale: list[tuple[torch.Tensor, torch.Tensor]] = []
+    copies = 0
+    for node in _walk(root):
+        inner_params = INNER_PARAMS.lookup(type(node.optimizer))
+        if inner_params is None:
+            continue
+        cls = type(node.optimizer).__qualname__
+        try:
+            pairs = list(inner_params(node.optimizer, node.path))
+        except OptTreeError as error:
+            problems.append(Problem(ProblemKind.MALFORMED_WRAPPER, node.path, cls, str(error)))
+            continue
+        for param, inner in pairs:
+            name = names.get(id(param), f"a parameter of shape {tuple(param.shape)}")
+            for copy in inner:
+                if not isinstance(copy, torch.Tensor) or copy is param:
+                    continue  # precision-aware shards have no separate main copy
+                names.setdefault(id(copy), name)  # a copy's own copies, further in, stand for it too
+                part = _model_slice(node.optimizer, param, copy)
+                if part is None:
+                    message = f"cannot tell which part of {name} its copy of {copy.numel()} elements stands for"
+                    problems.append(Problem(ProblemKind.UNCHECKED_MASTER, node.path, cls, message))
+                    continue
+                copies += 1
+                with torch.no_grad():
+                    rounded = copy.detach().to(device=part.device, dtype=part.dtype)
+                    differ = int((rounded != part).sum())
+                if differ:
+                    message = (
+                        f"its copy of {name} differs from the model's weights in {differ} of {copy.numel()} "
+                        "elements: the next step writes the copy back over them (opttree.sync_masters)"
+                    )
+                    problems.append(Problem(ProblemKind.STALE_MASTER, node.path, cls, message))
+                    stale.append((copy, part))
+    return MasterCheck(copies, tuple(problems), tuple(stale))
+
+
+def sync_masters(root: Node, model: torch.nn.Module | None) -> SyncReport:
+    """Make every master copy equal to the model's weights: Megatron's own
+    ``reload_model_params()`` where the stack has it, then opttree's own copy for what is
+    still stale, named in the report. Unknown layouts are refused before anything is
+    written."""
+    before = check_masters(root, model)
+    unchecked = [p for p in before.problems if p.kind is not ProblemKind.STALE_MASTER]
+    if unchecked:
+        raise unchecked[0].to_error(others=len(unchecked) - 1)
+    reload = getattr(root.optimizer, "reload_model_params", None)
+    reloaded = False
+    if before.stale and callable(reload):
+        reload()
+        reloaded = True
+    after = check_masters(root, model) if reloaded else before
+    with torch.no_grad():
+        for copy, part in after.stale:
+            copy.copy_(part)
+    return SyncReport(before.copies, len(before.stale), reloaded, tuple(str(p) for p in after.problems))
+

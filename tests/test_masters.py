@@ -1,0 +1,68 @@
+"""Stale master copies: weights written into the model out of band leave the copies a
+wrapper steps behind; ``validate(model=...)`` names each one, ``sync_masters`` makes them
+equal again (through Megatron's ``reload_model_params()`` where the stack has it), and then
+a reset trains like a stack freshly built over the new weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import opttree
+from opttree import testing
+from tests import megatron_parts
+
+K = 3
+
+
+def write_new_weights(module: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.25)
+
+
+@pytest.mark.parametrize("name", ["bf16", "dist_bf16", "offload_0.75"])
+def test_stale_masters_are_named_synced_and_then_reset_trains_like_a_fresh_stack(name: str) -> None:
+    stack = testing.build(name)
+    stack.train(0, K)
+    assert opttree.validate(stack.optimizer, model=stack.model) == ()
+
+    write_new_weights(stack.model)
+
+    stale = opttree.validate(stack.optimizer, model=stack.model)
+    assert stale and all(p.kind is opttree.ProblemKind.STALE_MASTER for p in stale)
+    names = {n for n, _ in stack.model.named_parameters()}
+    assert all(any(n in p.message for n in names) for p in stale)
+    assert opttree.validate(stack.optimizer) == ()  # without the model, nothing to compare
+
+    with stack.device:
+        report = opttree.sync_masters(stack.optimizer, model=stack.model)
+
+    assert report.stale == len(stale) and report.reloaded and report.written == ()
+    assert opttree.validate(stack.optimizer, model=stack.model) == ()
+    opttree.reset(stack.optimizer)
+    fresh = testing.build(name)
+    with torch.no_grad():
+        for a, b in zip(fresh.model.parameters(), stack.model.parameters(), strict=True):
+            a.copy_(b)
+    with fresh.device:
+        fresh.optimizer.reload_model_params()
+    stack.train(K, K)
+    fresh.train(K, K)
+    assert all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))
+
+
+def test_without_a_reload_opttree_writes_the_copies_and_says_which() -> None:
+    """A bare HybridDeviceOptimizer has no reload_model_params(): opttree copies its CPU
+    copies from the parameters itself."""
+    optimizer, params, device = megatron_parts.hybrid([8, 5])
+    megatron_parts.train_hybrid((optimizer, params, device), 0, 2)
+    with torch.no_grad():
+        for p in params:
+            p.mul_(2.0)
+    assert len(opttree.validate(optimizer, model=torch.nn.ParameterList(params))) == 2
+
+    report = opttree.sync_masters(optimizer, model=torch.nn.ParameterList(params))
+
+    assert not report.reloaded and len(report.written) == 2 and "differs from the model's weights" in report.written[0]
+    assert opttree.validate(optimizer, model=torch.nn.ParameterList(params)) == ()
