@@ -4,6 +4,7 @@ import logging
 
 from opttree._api import describe, reset, sync_masters, tree, validate
 from opttree._checkpoints import load_state_dict, sharded_state_dict
+from opttree._history import prune, scale
 from opttree._describe import DescribeVisitor
 from opttree._errors import (
     HiddenOptimizer,
@@ -67,9 +68,11 @@ __all__ = [
     "__version__",
     "describe",
     "load_state_dict",
+    "prune",
     "register_schema",
     "register_wrapper",
     "reset",
+    "scale",
     "sharded_state_dict",
     "sync_masters",
     "tree",

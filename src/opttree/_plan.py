@@ -141,18 +141,21 @@ class ResetPlan:
                     scale.fill_(1.0)
             for scaler in self.scalers:
                 scaler.apply()
-        dropped = 0
         for part in parts:
             for entry, key in part.drop:
                 del entry[key]
             for entry, zero in part.number_steps:
                 entry["step"] = zero
-            dropped += len(part.drop)
+        return self.report()
+
+    def report(self) -> ResetReport:
+        """What executing this plan changes."""
+        parts = self.all_parts
         return ResetReport(
             leaves=self.leaves,
             tensors_zeroed=sum(part.zeroed for part in parts),
             tensors_filled=sum(part.filled for part in parts),
-            tensors_dropped=dropped,
+            tensors_dropped=sum(len(part.drop) for part in parts),
             bytes_reset=sum(part.bytes_reset for part in parts),
             steps=sum(part.steps for part in parts) - self.shared_steps,
             tensors_kept=sum(part.kept for part in parts),

@@ -1,0 +1,108 @@
+"""Pruning and scaling history in place, through the same selection, mapping through the
+wrappers and validation as a partial reset; step counters and loss scalers are kept.
+
+ReLoRA prunes optimizer state at each merge: in each history tensor the elements smallest
+in magnitude (or a random share of them) are set to zero; SPAM-style recipes scale moments.
+"Each tensor" is each tensor a leaf holds: on a ``DistributedOptimizer`` that is this
+rank's shard, so a magnitude threshold is this shard's, not the whole parameter's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Literal
+
+import torch
+
+from opttree._api import tree
+from opttree._errors import PartialResetRefused
+from opttree._plan import ResetPlan
+from opttree._problems import Severity
+from opttree._report import ResetReport
+from opttree._selection import ParamsArg, Selection, select
+from opttree._validate import ValidateVisitor
+
+
+def _plan(
+    optimizer: object, params: ParamsArg | None, keys: Iterable[str] | None, model: torch.nn.Module | None, what: str
+) -> ResetPlan:
+    key_list = None if keys is None else [keys] if isinstance(keys, str) else list(keys)
+    if key_list is not None and "step" in key_list:
+        raise PartialResetRefused(f"{what} keeps step counters: leave 'step' out of keys")
+    root = tree(optimizer)
+    chosen = select(root, params, key_list, model)
+    visitor = ValidateVisitor(Selection(chosen.tensors, chosen.keys, False))
+    visitor.check(root)
+    errors = [p for p in visitor.problems if p.severity is Severity.ERROR]
+    if errors:
+        raise errors[0].to_error(others=len(errors) - 1)
+    plan = visitor.plan
+    for part in plan.all_parts:
+        changed_otherwise = [key for _, key in part.drop] + [key for (key, _, _), _ in part.fills]
+        if changed_otherwise or part.scales:
+            name = changed_otherwise[0] if changed_otherwise else "a scaled moment (TE)"
+            msg = f"{what} changes history in place, and {name!r} is not zero at the start (its schema drops, fills or scales it): leave it out of keys"
+            raise PartialResetRefused(msg)
+    return plan
+
+
+def _tensors(plan: ResetPlan) -> list[torch.Tensor]:
+    return [t for part in plan.all_parts for tensors in part.lists.values() for t in tensors]
+
+
+def _threshold(magnitude: torch.Tensor, fraction: float) -> torch.Tensor:
+    """``torch.quantile(magnitude, fraction)`` (linear), without quantile's size limit."""
+    ordered = magnitude.flatten().float().sort().values
+    position = fraction * (ordered.numel() - 1)
+    low, high = int(position), min(int(position) + 1, ordered.numel() - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def prune(
+    optimizer: object,
+    fraction: float,
+    *,
+    by: Literal["magnitude", "random"] = "magnitude",
+    generator: torch.Generator | None = None,
+    params: ParamsArg | None = None,
+    keys: Iterable[str] | None = None,
+    model: torch.nn.Module | None = None,
+) -> ResetReport:
+    """Set ``fraction`` of each selected history tensor's elements to zero: those smallest in
+    magnitude (below the tensor's ``fraction`` quantile, as ReLoRA computes it) or a random
+    share, drawn from ``generator`` tensor by tensor, key by key and then in the leaf's
+    parameter order. ``fraction=1.0`` zeroes them, as a reset of those keys does; step
+    counters are kept. Raises as ``reset`` does, having changed nothing."""
+    if not 0.0 <= fraction <= 1.0:
+        raise PartialResetRefused(f"fraction must be between 0 and 1, got {fraction}")
+    if by not in ("magnitude", "random"):
+        raise PartialResetRefused(f"by must be 'magnitude' or 'random', got {by!r}")
+    plan = _plan(optimizer, params, keys, model, "prune")
+    keep: Callable[[torch.Tensor], torch.Tensor]
+    if by == "magnitude":
+        keep = lambda t: t.abs() > _threshold(t.abs(), fraction).to(t.dtype)  # noqa: E731
+    else:
+        keep = lambda t: torch.rand(t.shape, generator=generator, device=t.device) > fraction  # noqa: E731
+    with torch.no_grad():
+        for tensor in _tensors(plan):
+            if tensor.numel():
+                tensor.mul_(keep(tensor).to(tensor.dtype))
+    return plan.report()
+
+
+def scale(
+    optimizer: object,
+    factor: float,
+    *,
+    params: ParamsArg | None = None,
+    keys: Iterable[str] | None = None,
+    model: torch.nn.Module | None = None,
+) -> ResetReport:
+    """Multiply each selected history tensor by ``factor`` in place (a run that halved its
+    first moment after a spike: ``keys=["exp_avg"], factor=0.5``); step counters are kept."""
+    plan = _plan(optimizer, params, keys, model, "scale")
+    tensors = _tensors(plan)
+    with torch.no_grad():
+        if tensors:
+            torch._foreach_mul_(tensors, factor)
+    return plan.report()

@@ -1,0 +1,130 @@
+"""prune and scale: history changed in place through the reset's selection and checks,
+step counters kept; checked against a straightforward reference (ReLoRA's per-tensor
+quantile) on torch leaves and a Megatron recipe."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import opttree
+from opttree import testing
+from tests.helpers import model, train
+
+HISTORY = ("exp_avg", "exp_avg_sq")
+
+
+def trained() -> tuple[torch.nn.Module, torch.optim.AdamW]:
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    train(net, optimizer, 0, 3)
+    return net, optimizer
+
+
+def history(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [entry[key].clone() for entry in optimizer.state.values() for key in HISTORY]
+
+
+def steps(optimizer: torch.optim.Optimizer) -> list[float]:
+    return [float(entry["step"]) for entry in optimizer.state.values()]
+
+
+def relora_magnitude(tensor: torch.Tensor, fraction: float) -> torch.Tensor:
+    magnitude = tensor.abs()
+    threshold = torch.quantile(magnitude.flatten().to(torch.float32), fraction).to(tensor.dtype)
+    return tensor * (magnitude > threshold).to(tensor.dtype)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 0.9, 0.99])
+def test_magnitude_pruning_matches_the_per_tensor_quantile_and_keeps_steps(fraction: float) -> None:
+    _, optimizer = trained()
+    expected = [relora_magnitude(t, fraction) for t in history(optimizer)]
+    before_steps = steps(optimizer)
+
+    opttree.prune(optimizer, fraction)
+
+    assert all(torch.equal(a, b) for a, b in zip(history(optimizer), expected, strict=True))
+    assert steps(optimizer) == before_steps == [3.0] * len(before_steps)
+
+
+def test_pruning_everything_equals_a_reset_of_the_history_keys() -> None:
+    _, pruned = trained()
+    _, reset = trained()
+    opttree.prune(pruned, 1.0)
+    opttree.reset(reset, keys=list(HISTORY))
+    assert all(torch.equal(a, b) for a, b in zip(history(pruned), history(reset), strict=True))
+    assert not any(t.any() for t in history(pruned))
+
+
+def test_random_pruning_is_reproducible_with_a_generator_and_matches_its_reference() -> None:
+    _, optimizer = trained()
+    generator = torch.Generator().manual_seed(7)
+    reference = torch.Generator().manual_seed(7)
+    by_key = [entry[key].clone() for key in HISTORY for entry in optimizer.state.values()]  # the draw order
+    expected = [t * (torch.rand(t.shape, generator=reference) > 0.9).to(t.dtype) for t in by_key]
+
+    opttree.prune(optimizer, 0.9, by="random", generator=generator)
+
+    after = [entry[key] for key in HISTORY for entry in optimizer.state.values()]
+    assert all(torch.equal(a, b) for a, b in zip(after, expected, strict=True))
+
+
+def test_scale_halves_the_first_moment_only() -> None:
+    _, optimizer = trained()
+    before = history(optimizer)
+    opttree.scale(optimizer, 0.5, keys=["exp_avg"])
+    after = history(optimizer)
+    assert all(torch.equal(a, b * 0.5) for a, b in zip(after[0::2], before[0::2], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(after[1::2], before[1::2], strict=True))
+    assert steps(optimizer) == [3.0] * len(steps(optimizer))
+
+
+def test_prune_through_megatron_wrappers_by_parameter_name_keeps_a_checkpointable_state() -> None:
+    stack = testing.build("bf16")
+    stack.train(0, 3)
+    (leaf,) = stack.leaves()
+    before = [(entry["exp_avg"].clone(), float(entry["step"])) for entry in leaf.state.values()]
+
+    report = opttree.prune(stack.optimizer, 0.5, params=lambda name: "up" in name, model=stack.model)
+
+    after = [(entry["exp_avg"], float(entry["step"])) for entry in leaf.state.values()]
+    changed = [not torch.equal(a, b) for (a, _), (b, _) in zip(after, before, strict=True)]
+    assert sum(changed) == 2 and report.tensors_zeroed == 4  # up.weight and up.bias, two keys each
+    assert [s for _, s in after] == [s for _, s in before]
+    assert opttree.validate(stack.optimizer) == ()
+    with stack.device:
+        stack.optimizer.state_dict()
+
+
+def test_what_prune_cannot_change_in_place_is_refused_with_nothing_changed() -> None:
+    _, optimizer = trained()
+    with pytest.raises(opttree.PartialResetRefused, match="keeps step counters"):
+        opttree.prune(optimizer, 0.5, keys=["exp_avg", "step"])
+    net = model()
+    sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    train(net, sgd, 0, 2)
+    buffers = [entry["momentum_buffer"].clone() for entry in sgd.state.values()]
+    with pytest.raises(opttree.PartialResetRefused, match="'momentum_buffer' is not zero at the start"):
+        opttree.prune(sgd, 0.5)
+    assert all(torch.equal(entry["momentum_buffer"], b) for entry, b in zip(sgd.state.values(), buffers, strict=True))
+    with pytest.raises(opttree.PartialResetRefused, match="fraction must be between 0 and 1"):
+        opttree.prune(optimizer, 1.5)
+
+
+def pruned_shard_matches_its_own_quantile() -> tuple[int, int, bool]:
+    """On each rank of a DistributedOptimizer: the threshold is this rank's shard's."""
+    stack = testing.build("dist_fp32")
+    stack.train(0, 3)
+    (leaf,) = stack.leaves()
+    expected = [relora_magnitude(entry["exp_avg"], 0.5) for entry in leaf.state.values()]
+    opttree.prune(stack.optimizer, 0.5, keys=["exp_avg"])
+    after = [entry["exp_avg"] for entry in leaf.state.values()]
+    shard = sum(t.numel() for t in after)
+    return dist.get_rank(), shard, all(torch.equal(a, b) for a, b in zip(after, expected, strict=True))
+
+
+def test_on_two_ranks_each_shard_is_pruned_by_its_own_threshold() -> None:
+    results = testing.run_ranks(pruned_shard_matches_its_own_quantile, 2)
+    assert [rank for rank, _, _ in results] == [0, 1]
+    assert all(shard > 0 for _, shard, _ in results) and all(ok for _, _, ok in results)
