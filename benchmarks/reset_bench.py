@@ -148,15 +148,18 @@ def hybrid(n_params: int, repeats: int) -> None:
             p.grad = torch.ones_like(p)
         optimizer.step()
     text = opttree.describe(optimizer)
-    describe, validate, reset = best_of(
+    model = torch.nn.ParameterList(params)
+    describe, validate, masters, reset = best_of(
         lambda: opttree.describe(optimizer),
         lambda: opttree.validate(optimizer),
+        lambda: opttree.validate(optimizer, model=model),
         lambda: opttree.reset(optimizer),
         repeats=repeats,
     )
     print(f"HybridDeviceOptimizer with {len(optimizer.cpu_optimizers):,} CPU sub-optimizers of 7 sizes:")
     print(f"  describe {describe * 1e3:7.1f} ms, {len(text.splitlines())} lines (targets < 100 ms, <= 60 lines)")
     print(f"  tree + validate {validate * 1e3:7.1f} ms (target < 100 ms)")
+    print(f"  tree + validate with the stale-master check of {len(params):,} copies {masters * 1e3:7.1f} ms")
     print(f"  reset {reset * 1e3:7.1f} ms (tree, validation and zeroing)")
 
 

@@ -94,15 +94,20 @@ def record() -> Iterator[Record]:
             out.writelines(line + "\n" for line in lines)
 
 
+def registered(name: str) -> type:
+    cls = _registry().get(name)
+    if cls is None:
+        pytest.skip(f"{name} is not registered in this environment")
+    return cls
+
+
 def test_every_registry_name_is_reset_exactly_or_refused_for_a_stated_reason() -> None:
     assert set(_registry()) <= set(BUILD) | set(REFUSED), "a new emerging optimizer: give it a schema or a refusal"
 
 
 @pytest.mark.parametrize("name", sorted(BUILD))
 def test_reset_then_train_equals_a_fresh_optimizer(name: str, record: Record) -> None:
-    cls = _registry().get(name)
-    if cls is None:
-        pytest.skip(f"{name} is not registered in this environment")
+    cls = registered(name)
     ps = params()
     optimizer = BUILD[name](cls, ps)
     train(optimizer, ps, range(3))
@@ -128,9 +133,7 @@ def test_reset_then_train_equals_a_fresh_optimizer(name: str, record: Record) ->
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_the_unsupported_ones_are_refused_with_nothing_changed(name: str, record: Record) -> None:
-    cls = _registry().get(name)
-    if cls is None:
-        pytest.skip(f"{name} is not registered in this environment")
+    cls = registered(name)
     ps = params()
     optimizer = cls(ps, lr=1e-2)
     train(optimizer, ps, range(2))

@@ -66,3 +66,21 @@ def test_without_a_reload_opttree_writes_the_copies_and_says_which() -> None:
 
     assert not report.reloaded and len(report.written) == 2 and "differs from the model's weights" in report.written[0]
     assert opttree.validate(optimizer, model=torch.nn.ParameterList(params)) == ()
+
+
+def test_a_hybrid_sub_optimizers_master_param_is_checked_too() -> None:
+    """With param_update_in_fp32, HybridDeviceOptimizer keeps three copies per parameter:
+    param_to_fp32_param, the sub-optimizer's parameter, and its state's master_param."""
+    stack = testing.build("offload_0.75")
+    stack.train(0, K)
+    masters = [entry["master_param"] for leaf in stack.leaves() for entry in leaf.state.values() if "master_param" in entry]
+    assert masters
+    with torch.no_grad():
+        masters[0].add_(1.0)
+
+    (problem,) = opttree.validate(stack.optimizer, model=stack.model)
+
+    assert problem.kind is opttree.ProblemKind.STALE_MASTER and problem.cls == "HybridDeviceOptimizer"
+    with stack.device:
+        report = opttree.sync_masters(stack.optimizer, model=stack.model)
+    assert report.stale == 1 and opttree.validate(stack.optimizer, model=stack.model) == ()

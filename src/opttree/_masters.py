@@ -11,7 +11,7 @@ makes true after every step.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from attrs import frozen
@@ -19,13 +19,49 @@ from attrs import frozen
 from opttree._errors import OptTreeError
 from opttree._nodes import Node
 from opttree._problems import Problem, ProblemKind
-from opttree._selection import INNER_PARAMS
+from opttree._dispatch import LazyDispatch
+from opttree._selection import INNER_PARAMS, InnerParams
 
 
 def _walk(node: Node) -> Iterator[Node]:
     yield node
     for child in node.children:
         yield from _walk(child)
+
+
+def _hybrid_copies(hybrid: object, path: str) -> Iterator[tuple[torch.Tensor, Sequence[torch.Tensor]]]:
+    """Besides the copies its sub-optimizers step, a ``HybridDeviceOptimizer`` updating in
+    fp32 keeps ``param_to_fp32_param`` and, in its sub-optimizers' state, ``master_param``."""
+    attributes = getattr(hybrid, "__dict__", {})
+    fp32 = attributes.get("param_to_fp32_param")
+    inner = attributes.get("param_to_inner_param")
+    subs = [*attributes.get("cpu_optimizers", ()), attributes.get("gpu_optimizer")]
+    if not isinstance(inner, dict):
+        return
+    masters = {
+        id(held): entry["master_param"]
+        for sub in subs
+        if sub is not None
+        for held, entry in getattr(sub, "state", {}).items()
+        if isinstance(entry, dict) and "master_param" in entry
+    }
+    for param, held in inner.items():
+        copies = [fp32[param]] if isinstance(fp32, dict) and param in fp32 else []
+        if id(held) in masters:
+            copies.append(masters[id(held)])
+        yield param, copies
+
+
+EXTRA_COPIES: LazyDispatch[InnerParams] = LazyDispatch()
+EXTRA_COPIES.register_lazy("megatron.core.optimizer.cpu_offloading.hybrid_optimizer.HybridDeviceOptimizer", _hybrid_copies)
+
+
+def _pairs(node: Node) -> Iterator[tuple[torch.Tensor, Sequence[torch.Tensor]]]:
+    cls = type(node.optimizer)
+    for table in (INNER_PARAMS, EXTRA_COPIES):
+        found = table.lookup(cls)
+        if found is not None:
+            yield from found(node.optimizer, node.path)
 
 
 def _model_slice(wrapper: object, param: torch.Tensor, copy: torch.Tensor) -> torch.Tensor | None:
@@ -68,45 +104,74 @@ class SyncReport:
     written: tuple[str, ...]
 
 
+@frozen(eq=False)
+class _Pair:
+    path: str
+    cls: str
+    name: str
+    copy: torch.Tensor
+    part: torch.Tensor
+
+
+def _differing(pair: _Pair) -> int:
+    rounded = pair.copy.detach().to(device=pair.part.device, dtype=pair.part.dtype)
+    return int((rounded != pair.part).sum())
+
+
+def _stale_pairs(pairs: list[_Pair]) -> Iterator[tuple[_Pair, int]]:
+    """The stale pairs with how many elements differ: one comparison per group of copies
+    alike in dtype and device, and tensor by tensor only in a group that differs."""
+    groups: dict[tuple[torch.dtype, torch.device, torch.dtype, torch.device], list[_Pair]] = {}
+    for pair in pairs:
+        key = (pair.copy.dtype, pair.copy.device, pair.part.dtype, pair.part.device)
+        groups.setdefault(key, []).append(pair)
+    with torch.no_grad():
+        for (_, _, dtype, device), group in groups.items():
+            copies = torch.cat([pair.copy.detach().reshape(-1) for pair in group]).to(device=device, dtype=dtype)
+            parts = torch.cat([pair.part.reshape(-1) for pair in group])
+            if torch.equal(copies, parts):
+                continue
+            for pair in group:
+                differ = _differing(pair)
+                if differ:
+                    yield pair, differ
+
+
 def check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
     """Compare every master copy in the tree with the model parameter it stands for."""
     names: dict[int, str] = {} if model is None else {id(p): name for name, p in model.named_parameters()}
     problems: list[Problem] = []
-    stale: list[tuple[torch.Tensor, torch.Tensor]] = []
-    copies = 0
+    seen: set[int] = set()  # a copy reached twice (a GPU sub-optimizer's fp32 copy) is compared once
+    compared: list[_Pair] = []
     for node in _walk(root):
-        inner_params = INNER_PARAMS.lookup(type(node.optimizer))
-        if inner_params is None:
-            continue
         cls = type(node.optimizer).__qualname__
         try:
-            pairs = list(inner_params(node.optimizer, node.path))
+            pairs = list(_pairs(node))
         except OptTreeError as error:
             problems.append(Problem(ProblemKind.MALFORMED_WRAPPER, node.path, cls, str(error)))
             continue
         for param, inner in pairs:
             name = names.get(id(param), f"a parameter of shape {tuple(param.shape)}")
             for copy in inner:
-                if not isinstance(copy, torch.Tensor) or copy is param:
+                if not isinstance(copy, torch.Tensor) or copy is param or id(copy) in seen:
                     continue  # precision-aware shards have no separate main copy
+                seen.add(id(copy))
                 names.setdefault(id(copy), name)  # a copy's own copies, further in, stand for it too
                 part = _model_slice(node.optimizer, param, copy)
                 if part is None:
                     message = f"cannot tell which part of {name} its copy of {copy.numel()} elements stands for"
                     problems.append(Problem(ProblemKind.UNCHECKED_MASTER, node.path, cls, message))
                     continue
-                copies += 1
-                with torch.no_grad():
-                    rounded = copy.detach().to(device=part.device, dtype=part.dtype)
-                    differ = int((rounded != part).sum())
-                if differ:
-                    message = (
-                        f"its copy of {name} differs from the model's weights in {differ} of {copy.numel()} "
-                        "elements: the next step writes the copy back over them (opttree.sync_masters)"
-                    )
-                    problems.append(Problem(ProblemKind.STALE_MASTER, node.path, cls, message))
-                    stale.append((copy, part))
-    return MasterCheck(copies, tuple(problems), tuple(stale))
+                compared.append(_Pair(node.path, cls, name, copy, part))
+    stale: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for pair, differ in _stale_pairs(compared):
+        message = (
+            f"its copy of {pair.name} differs from the model's weights in {differ} of {pair.copy.numel()} "
+            "elements: the next step writes the copy back over them (opttree.sync_masters)"
+        )
+        problems.append(Problem(ProblemKind.STALE_MASTER, pair.path, pair.cls, message))
+        stale.append((pair.copy, pair.part))
+    return MasterCheck(len(compared), tuple(problems), tuple(stale))
 
 
 def sync_masters(root: Node, model: torch.nn.Module | None) -> SyncReport:
