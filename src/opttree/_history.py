@@ -72,7 +72,12 @@ def prune(
     magnitude (below the tensor's ``fraction`` quantile, as ReLoRA computes it) or a random
     share, drawn from ``generator`` tensor by tensor, key by key and then in the leaf's
     parameter order. ``fraction=1.0`` zeroes them, as a reset of those keys does; step
-    counters are kept. Raises as ``reset`` does, having changed nothing."""
+    counters are kept. Raises as ``reset`` does, having changed nothing.
+
+    "Each tensor" is each tensor a leaf holds. Under a ``DistributedOptimizer`` that is this
+    rank's shard of a parameter's history, so the magnitude threshold is the shard's own
+    quantile, not the whole parameter's: ranks prune their shards independently, without
+    communicating."""
     if not 0.0 <= fraction <= 1.0:
         raise PartialResetRefused(f"fraction must be between 0 and 1, got {fraction}")
     if by not in ("magnitude", "random"):
