@@ -73,8 +73,7 @@ def _walk(node: Node, state: object) -> StateDicts:
 
 def _counts_per_parameter(node: Node) -> bool:
     if isinstance(node, LeafNode):
-        schema = _registry.schema_for(type(node.optimizer))
-        return schema is not None and schema.step is StepLocation.PER_PARAMETER
+        return _registry.step_location(type(node.optimizer)) is StepLocation.PER_PARAMETER
     return any(map(_counts_per_parameter, node.children))
 
 

@@ -9,7 +9,7 @@ rank's shard, so a magnitude threshold is this shard's, not the whole parameter'
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Literal
 
 import torch
@@ -83,11 +83,15 @@ def prune(
     if by not in ("magnitude", "random"):
         raise PartialResetRefused(f"by must be 'magnitude' or 'random', got {by!r}")
     plan = _plan(optimizer, params, keys, model, "prune")
-    keep: Callable[[torch.Tensor], torch.Tensor]
-    if by == "magnitude":
-        keep = lambda t: t.abs() > _threshold(t.abs(), fraction).to(t.dtype)  # noqa: E731
-    else:
-        keep = lambda t: torch.rand(t.shape, generator=generator, device=t.device) > fraction  # noqa: E731
+
+    def by_magnitude(t: torch.Tensor) -> torch.Tensor:
+        magnitude = t.abs()
+        return magnitude > _threshold(magnitude, fraction).to(t.dtype)
+
+    def at_random(t: torch.Tensor) -> torch.Tensor:
+        return torch.rand(t.shape, generator=generator, device=t.device) > fraction
+
+    keep = by_magnitude if by == "magnitude" else at_random
     with torch.no_grad():
         for tensor in _tensors(plan):
             if tensor.numel():

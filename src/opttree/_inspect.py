@@ -13,7 +13,6 @@ import operator
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from itertools import chain
-
 from typing import cast
 
 import torch
@@ -326,7 +325,7 @@ class LeafInspector:
                 return
             try:
                 value = self.schema.fill_value(key, group, optimizer.defaults)
-            except (KeyError, TypeError, ValueError) as error:
+            except (KeyError, TypeError, ValueError, RuntimeError) as error:  # RuntimeError: a tensor of several values
                 message = f"its starting value cannot be worked out: {type(error).__name__}: {error}"
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
                 return

@@ -12,14 +12,15 @@ makes true after every step.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 import torch
 from attrs import frozen
 
+from opttree._dispatch import LazyDispatch
 from opttree._errors import OptTreeError
 from opttree._nodes import Node
 from opttree._problems import Problem, ProblemKind
-from opttree._dispatch import LazyDispatch
 from opttree._selection import INNER_PARAMS, InnerParams
 
 
@@ -152,9 +153,13 @@ def check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
             continue
         for param, inner in pairs:
             name = names.get(id(param), f"a parameter of shape {tuple(param.shape)}")
-            for copy in inner:
-                if not isinstance(copy, torch.Tensor) or copy is param or id(copy) in seen:
+            for copy in cast(Sequence[object], inner):  # what a wrapper holds, checked here
+                if copy is None or copy is param or id(copy) in seen:
                     continue  # precision-aware shards have no separate main copy
+                if not isinstance(copy, torch.Tensor):
+                    message = f"its copy of {name} is a {type(copy).__qualname__}, expected a tensor"
+                    problems.append(Problem(ProblemKind.UNCHECKED_MASTER, node.path, cls, message))
+                    continue
                 seen.add(id(copy))
                 names.setdefault(id(copy), name)  # a copy's own copies, further in, stand for it too
                 part = _model_slice(node.optimizer, param, copy)

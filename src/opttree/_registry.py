@@ -8,7 +8,7 @@ from opttree._adapter import ChildrenFn, Expander, builtin_kinds, children_expan
 from opttree._dispatch import LazyDispatch, dotted_name
 from opttree._errors import RegistrationError
 from opttree._schemas import builtin_schemas
-from opttree._schema import StateSchema
+from opttree._schema import StateSchema, StepLocation
 from opttree._selection import INNER_PARAMS, InnerParams
 
 _builtin_schemas = builtin_schemas()
@@ -21,6 +21,12 @@ def schema_for(cls: type) -> StateSchema | None:
     """The schema of a leaf class: a user's registration wins over a built-in one."""
     schema = _user_schemas.lookup(cls)
     return _builtin_schemas.lookup(cls) if schema is None else schema
+
+
+def step_location(cls: type) -> StepLocation | None:
+    """Where a leaf class counts its steps, or None for a class without a schema."""
+    schema = schema_for(cls)
+    return None if schema is None else schema.step
 
 
 def kind_for(cls: type) -> Expander | None:

@@ -48,14 +48,14 @@ class ResetReport:
             if self.tensors_kept
             else ""
         )
+        filled = f"{self.tensors_filled} filled with their starting values, " if self.tensors_filled else ""
         scales = "".join(
             f"; {count} loss scale{'s' if count > 1 else ''} {what}"
             for count, what in ((self.loss_scales_reset, "reset"), (self.loss_scales_kept, "kept"))
             if count
         )
         return (
-            f"reset {self.leaves} optimizers: {self.tensors_zeroed} tensors zeroed, "
-            f"{f'{self.tensors_filled} filled with their starting values, ' if self.tensors_filled else ''}"
+            f"reset {self.leaves} optimizers: {self.tensors_zeroed} tensors zeroed, {filled}"
             f"{self.tensors_dropped} dropped ({format_bytes(self.bytes_reset)}), "
             f"{self.steps} step counters{kept}{scales}"
         )

@@ -112,8 +112,12 @@ class StateSchema:
 
     def fill_value(self, key: str, group: Mapping[str, object], defaults: Mapping[str, object]) -> float:
         """The value ``key`` starts as in ``group``."""
-        value = dict(self.fill)[key]
+        value = self._fill_by_key[key]
         return float(value(group, defaults) if callable(value) else value)
+
+    @functools.cached_property
+    def _fill_by_key(self) -> dict[str, Fill]:
+        return dict(self.fill)
 
     def actions_for(self, resets: Callable[[str], bool]) -> dict[str, KeyAction]:
         """:attr:`actions` for a partial reset of the keys ``resets`` accepts (``"step"``

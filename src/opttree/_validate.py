@@ -15,7 +15,6 @@ from opttree._plan import ResetPlan
 from opttree._preflight import Owner, duplicates, overlap, unique_ranges
 from opttree._problems import Problem, ProblemKind
 from opttree._scalers import loss_scaler, plan_scaler
-from opttree._schema import StepLocation
 from opttree._runs import alike_runs, sibling_groups
 from opttree._selection import EVERYTHING, STEP_UNITS, Selection, tree_params
 from opttree._visitor import TraverserVisitor
@@ -184,7 +183,7 @@ class ValidateVisitor(TraverserVisitor):
         locations = STEP_UNITS.lookup(type(node.optimizer)) if chosen is not None and self.selection.steps else None
         if chosen is None or locations is None:
             return
-        params = tree_params(node, lambda leaf: self.step_location(type(leaf)) in locations)
+        params = tree_params(node, lambda leaf: _registry.step_location(type(leaf)) in locations)
         taken = sum(id(p) in chosen for p in params)
         if 0 < taken < len(params):
             message = (
@@ -193,10 +192,6 @@ class ValidateVisitor(TraverserVisitor):
                 "to save; select all of them, or leave 'step' out of keys"
             )
             self.problems.append(Problem(ProblemKind.PARTIAL_STEP, node.path, type(node.optimizer).__qualname__, message, "step"))
-
-    def step_location(self, cls: type) -> StepLocation | None:
-        schema = _registry.schema_for(cls)
-        return None if schema is None else schema.step
 
     def visit_leaf(self, node: LeafNode) -> None:
         if node.shared_with is not None:

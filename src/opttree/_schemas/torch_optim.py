@@ -18,14 +18,18 @@ from opttree._schema import Fill, StateSchema, StepLocation
 from opttree._schemas._keys import MASTER_PARAM
 
 
+def _number(value: object, what: str) -> float:
+    if not isinstance(value, (int, float, torch.Tensor)):
+        raise TypeError(f"{what} is a {type(value).__qualname__}, expected a number")
+    return float(value)
+
+
 def _lr(group: Mapping[str, object], defaults: Mapping[str, object]) -> float:
-    lr = group["lr"]
-    return float(lr) if isinstance(lr, (int, float, torch.Tensor)) else float("nan")
+    return _number(group["lr"], "the group's lr")
 
 
 def _initial_accumulator(group: Mapping[str, object], defaults: Mapping[str, object]) -> float:
-    value = defaults["initial_accumulator_value"]
-    return float(value) if isinstance(value, (int, float)) else float("nan")
+    return _number(defaults["initial_accumulator_value"], "initial_accumulator_value")
 
 
 def _per_step(*zero: str, fill: Mapping[str, Fill] | None = None) -> StateSchema:
