@@ -1,6 +1,5 @@
 """Every name in the emerging-optimizers registry that megatron-core's factory offers, listed
-from the registry at test time: a new one fails here until it is reset exactly or its
-refusal is stated. Each class is built directly over small parameters, stepped 3 times,
+from the registry at test time: a new one fails here until it is reset exactly. Each class is built directly over small parameters, stepped 3 times,
 reset, and then 3 steps equal a fresh optimizer's bitwise, while the same optimizer not
 reset differs. (Built directly because megatron-core 0.19.2's factory passes ``betas`` to
 mop, muon_hyperball, polargrad, scion, sinkhorn_muon, spel, psgd_pro and oblique_sgd,
@@ -57,11 +56,9 @@ BUILD: dict[str, Callable[[type, Params], torch.optim.Optimizer]] = {
     "laprop": lambda cls, p: cls(p, lr=1e-2),
     "oblique_sgd": lambda cls, p: cls(p, lr=1e-2),
     "oblique_adam": lambda cls, p: cls(p, lr=1e-2),
-}
-REFUSED = {
-    "soap": "Q_L and Q_R start as identity matrices",
-    "rekls": "Q_L and Q_R start as identity matrices",
-    "psgd_pro": "keeps lists of preconditioner factors",
+    "soap": lambda cls, p: cls(p, lr=1e-2),
+    "rekls": lambda cls, p: cls(p, lr=1e-2),
+    "psgd_pro": lambda cls, p: cls(p, lr=1e-2),
 }
 
 
@@ -71,7 +68,10 @@ def params() -> Params:
 
 
 def train(optimizer: torch.optim.Optimizer, ps: Params, steps: range) -> None:
+    """Step ``k`` sees the same gradients, and the same global random numbers (PSGDPro
+    dampens its momentum with ``torch.randn_like``), in every run."""
     for k in steps:
+        torch.manual_seed(2000 + k)
         generator = torch.Generator().manual_seed(1000 + k)
         for p in ps:
             p.grad = torch.randn(p.shape, generator=generator)
@@ -101,8 +101,8 @@ def registered(name: str) -> type:
     return cls
 
 
-def test_every_registry_name_is_reset_exactly_or_refused_for_a_stated_reason() -> None:
-    assert set(_registry()) <= set(BUILD) | set(REFUSED), "a new emerging optimizer: give it a schema or a refusal"
+def test_every_registry_name_is_reset_exactly() -> None:
+    assert set(_registry()) <= set(BUILD), "a new emerging optimizer: give it a schema, or refuse it here for a stated reason"
 
 
 @pytest.mark.parametrize("name", sorted(BUILD))
@@ -129,17 +129,3 @@ def test_reset_then_train_equals_a_fresh_optimizer(name: str, record: Record) ->
     record(name, "exact" if same and not kept_same else "NOT EXACT")
     assert same
     assert not kept_same
-
-
-@pytest.mark.parametrize("name", sorted(REFUSED))
-def test_the_unsupported_ones_are_refused_with_nothing_changed(name: str, record: Record) -> None:
-    cls = registered(name)
-    ps = params()
-    optimizer = cls(ps, lr=1e-2)
-    train(optimizer, ps, range(2))
-    before = {k: v.clone() for entry in optimizer.state.values() for k, v in entry.items() if isinstance(v, torch.Tensor)}
-    with pytest.raises(opttree.UnsupportedOptimizer):
-        opttree.reset(optimizer)
-    after = {k: v for entry in optimizer.state.values() for k, v in entry.items() if isinstance(v, torch.Tensor)}
-    assert all(torch.equal(after[k], v) for k, v in before.items())
-    record(name, f"refused: {REFUSED[name]}")

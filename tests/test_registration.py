@@ -187,3 +187,75 @@ def test_a_users_fill_follows_the_group() -> None:
 
     assert report.tensors_filled == 2
     assert optimizer.state[first]["sum"].tolist() == [0.5, 0.5] and optimizer.state[second]["sum"].tolist() == [2.0] * 3
+
+
+class Eigenbasis(torch.optim.Optimizer):
+    """A home-made SOAP-like optimizer: a rotation ``Q`` per parameter that starts as the
+    identity (of the parameter's first dimension), and a moment, both created on the first
+    step; the rotation is then changed in place."""
+
+    def __init__(self, params: object, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})  # type: ignore[arg-type]
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["Q"] = torch.eye(p.shape[0])
+                    state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg"].lerp_(p.grad, 0.1)
+                state["Q"].mul_(0.9).add_(torch.outer(p.grad[:, 0], p.grad[:, 0]), alpha=0.1)
+                p.sub_(state["Q"] @ state["exp_avg"], alpha=group["lr"])
+
+
+opttree.register_schema(Eigenbasis, opttree.StateSchema(zero={"exp_avg"}, identity={"Q"}))
+
+
+def stepped_eigenbasis(shape: tuple[int, ...]) -> tuple[Eigenbasis, torch.nn.Parameter]:
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.rand(shape))
+    optimizer = Eigenbasis([param])
+    for _ in range(2):
+        param.grad = torch.randn(shape)
+        optimizer.step()
+    return optimizer, param
+
+
+def test_history_that_starts_as_the_identity_is_reset_to_it_exactly() -> None:
+    optimizer, param = stepped_eigenbasis((3, 2))
+    twin = torch.nn.Parameter(param.detach().clone())
+    fresh = Eigenbasis([twin])
+
+    report = opttree.reset(optimizer)
+
+    assert report.tensors_zeroed == 1 and report.tensors_filled == 1
+    assert torch.equal(optimizer.state[param]["Q"], torch.eye(3))
+    for k in range(3):
+        grad = torch.randn((3, 2), generator=torch.Generator().manual_seed(k))
+        for p, opt in ((param, optimizer), (twin, fresh)):
+            p.grad = grad.clone()
+            opt.step()
+    assert torch.equal(param, twin)
+
+
+def test_identity_history_that_is_not_square_is_refused_with_nothing_changed() -> None:
+    optimizer, param = stepped_eigenbasis((3, 2))
+    optimizer.state[param]["Q"] = optimizer.state[param]["Q"][:, :2].clone()
+    before = {k: v.clone() for k, v in optimizer.state[param].items()}
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"identity matrix, but one is of shape \(3, 2\)") as raised:
+        opttree.reset(optimizer)
+
+    assert raised.value.problem is not None and raised.value.problem.key == "Q"
+    assert all(torch.equal(optimizer.state[param][k], v) for k, v in before.items())
+    assert [p.key for p in opttree.validate(optimizer)] == ["Q"]
+
+
+def test_prune_refuses_identity_history_and_a_schema_names_a_key_once() -> None:
+    optimizer, _ = stepped_eigenbasis((3, 2))
+    with pytest.raises(opttree.PartialResetRefused, match="'Q' is not zero at the start"):
+        opttree.prune(optimizer, 0.5, keys=["Q"])
+    with pytest.raises(opttree.RegistrationError, match="named in both 'zero' and 'identity'"):
+        opttree.StateSchema(zero={"Q"}, identity={"Q"})

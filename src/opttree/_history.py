@@ -38,10 +38,10 @@ def _plan(
         raise errors[0].to_error(others=len(errors) - 1)
     plan = visitor.plan
     for part in plan.all_parts:
-        changed_otherwise = [key for _, key in part.drop] + [key for (key, _, _), _ in part.fills]
+        changed_otherwise = [key for _, key in part.drop] + [key for (key, _, _), _ in part.fills] + [key for key, _ in part.identities]
         if changed_otherwise or part.scales:
             name = changed_otherwise[0] if changed_otherwise else "a scaled moment (TE)"
-            msg = f"{what} changes history in place, and {name!r} is not zero at the start (its schema drops, fills or scales it): leave it out of keys"
+            msg = f"{what} changes history in place, and {name!r} is not zero at the start (its schema drops, fills, scales or starts it as an identity): leave it out of keys"
             raise PartialResetRefused(msg)
     return plan
 

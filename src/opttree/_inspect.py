@@ -298,6 +298,9 @@ class LeafInspector:
             if action is KeyAction.FILL:
                 self.plan_fills(node, key, held, entries, placement, into)
                 continue
+            if action is KeyAction.IDENTITY:
+                self.plan_identities(node, key, tensors, placement, into)
+                continue
             into.zero_list((key, *placement)).extend(tensors)
             into.zeroed += count
             scale_of = self.schema.scale_of
@@ -331,6 +334,19 @@ class LeafInspector:
                 return
             into.fill_list((key, *placement), value).append(cast(torch.Tensor, entry[key]))
             into.filled += 1
+
+    def plan_identities(
+        self, node: LeafNode, key: str, tensors: list[torch.Tensor], placement: Placement, into: StatePlan
+    ) -> None:
+        """History that starts as ``torch.eye``: zeroed with the rest, then its diagonal set."""
+        wrong = next((t for t in tensors if t.dim() != 2 or t.shape[0] != t.shape[1]), None)
+        if wrong is not None:
+            message = f"starts as an identity matrix, but one is of shape {tuple(wrong.shape)}, not square"
+            self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
+            return
+        into.zero_list((key, *placement)).extend(tensors)
+        into.identities.extend((key, tensor) for tensor in tensors)
+        into.filled += len(tensors)
 
     def plan_steps(
         self,

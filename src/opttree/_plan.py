@@ -37,6 +37,8 @@ class StatePlan:
 
     lists: dict[ListKey, list[torch.Tensor]] = field(factory=dict)
     fills: dict[tuple[ListKey, float], list[torch.Tensor]] = field(factory=dict)
+    identities: list[tuple[str, torch.Tensor]] = field(factory=list)
+    """Square history by key, also in ``lists``, whose diagonal is set to one once zeroed."""
     number_steps: list[tuple[StateEntry, int | float]] = field(factory=list)
     drop: list[tuple[StateEntry, str]] = field(factory=list)
     scales: list[torch.Tensor] = field(factory=list)
@@ -75,6 +77,7 @@ class StatePlan:
             self.zero_list(key).extend(tensors)
         for (key, value), tensors in other.fills.items():
             self.fill_list(key, value).extend(tensors)
+        self.identities.extend(other.identities)
         self.number_steps.extend(other.number_steps)
         self.drop.extend(other.drop)
         self.scales.extend(other.scales)
@@ -137,6 +140,8 @@ class ResetPlan:
                 for (_, value), tensors in part.fills.items():
                     for tensor in tensors:  # as full_like makes it: complex history is (v, v)
                         tensor.fill_(complex(value, value) if tensor.is_complex() else value)
+                for _, matrix in part.identities:
+                    matrix.diagonal().fill_(1.0)
                 for scale in part.scales:
                     scale.fill_(1.0)
             for scaler in self.scalers:

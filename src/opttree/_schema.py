@@ -21,6 +21,7 @@ class KeyAction(enum.Enum):
 
     ZERO = "zero"
     FILL = "fill"
+    IDENTITY = "identity"
     DROP = "drop"
     KEEP = "keep"
     STEP = "step"
@@ -63,6 +64,8 @@ class StateSchema:
     ``fill``: history the optimizer creates filled with another value (Adagrad's ``sum``
     starts at ``initial_accumulator_value``, NAdam's ``mu_product`` at 1); reset fills it
     in place with that value again.
+    ``identity``: history the optimizer creates as an identity matrix (SOAP's eigenbases
+    ``Q_L``/``Q_R`` start as ``torch.eye``); reset writes the identity in place.
 
     Dropped keys may hold anything (LBFGS keeps lists and numbers); zeroed and filled ones
     must be tensors that can be written in place.
@@ -74,23 +77,29 @@ class StateSchema:
     step: StepLocation = StepLocation.NONE
     scale_of: ScaleLookup | None = field(default=None, kw_only=True)
     fill: tuple[tuple[str, Fill], ...] = field(converter=_fills, factory=tuple, kw_only=True)
+    identity: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
 
     @property
     def filled(self) -> frozenset[str]:
         return frozenset(key for key, _ in self.fill)
 
     def __attrs_post_init__(self) -> None:
-        for first, second in (("zero", "drop"), ("zero", "keep"), ("drop", "keep"), ("zero", "filled"), ("drop", "filled"), ("keep", "filled")):
-            both = getattr(self, first) & getattr(self, second)
-            if both:
-                msg = f"state keys {sorted(both)} are named in both {first!r} and {second.removesuffix('ed')!r}"
-                raise RegistrationError(msg)
+        names = ("zero", "drop", "keep", "filled", "identity")
+        for i, first in enumerate(names):
+            for second in names[i + 1 :]:
+                self._check_disjoint(first, second)
         for key, value in self.fill:
             if not callable(value) and (not isinstance(value, (int, float)) or isinstance(value, bool)):
                 msg = f"the fill of {key!r} is a {type(value).__qualname__}: expected a number or (group, defaults) -> number"
                 raise RegistrationError(msg)
-        if "step" in self.zero | self.drop | self.keep | self.filled:
+        if "step" in self.zero | self.drop | self.keep | self.filled | self.identity:
             msg = "'step' is described by StateSchema.step, not by a key set"
+            raise RegistrationError(msg)
+
+    def _check_disjoint(self, first: str, second: str) -> None:
+        both = getattr(self, first) & getattr(self, second)
+        if both:
+            msg = f"state keys {sorted(both)} are named in both {first.removesuffix('ed')!r} and {second.removesuffix('ed')!r}"
             raise RegistrationError(msg)
 
     @functools.cached_property
@@ -100,6 +109,7 @@ class StateSchema:
         actions.update({key: KeyAction.DROP for key in self.drop})
         actions.update({key: KeyAction.KEEP for key in self.keep})
         actions.update({key: KeyAction.FILL for key in self.filled})
+        actions.update({key: KeyAction.IDENTITY for key in self.identity})
         if self.step is StepLocation.PER_PARAMETER:
             actions["step"] = KeyAction.STEP
         return actions
@@ -107,7 +117,7 @@ class StateSchema:
     @property
     def resettable(self) -> frozenset[str]:
         """The keys a partial reset may name: history, and ``step`` where there is one."""
-        keys = self.zero | self.drop | self.filled
+        keys = self.zero | self.drop | self.filled | self.identity
         return keys if self.step is StepLocation.NONE else keys | {"step"}
 
     def fill_value(self, key: str, group: Mapping[str, object], defaults: Mapping[str, object]) -> float:

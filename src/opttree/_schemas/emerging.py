@@ -1,11 +1,13 @@
 """emerging_optimizers, by dotted path, so that opttree never imports it.
 
-Derived from emerging-optimizers 0.3.0's sources: every class below creates its whole
-state at once, on its first step (``len(state) == 0``), as zeros; LaProp and ObliqueAdam
-count steps per parameter in a Python int. ``MuonHyperball``'s ``hyperball_R`` is written
-on every step before it is read, so it is kept. Not supported: SOAP and REKLS, whose
-``Q_L``/``Q_R`` start as identity matrices (no fill of a number makes them), and PSGDPro,
-which keeps lists of preconditioner factors; they are refused.
+Derived from emerging-optimizers 0.3.0's sources. The orthogonalized and scalar
+optimizers, and SOAP, create their whole state at once, on their first step
+(``len(state) == 0``), as zeros, except SOAP's eigenbases ``Q_L``/``Q_R``, which start
+as ``torch.eye``; LaProp, ObliqueAdam and SOAP count steps per parameter in a Python
+int, and SOAP's decides when it takes a full eigendecomposition (at step 0).
+``MuonHyperball``'s ``hyperball_R`` is written on every step before it is read, so it is
+kept. PSGDPro creates each key on its own when it is missing: its lists of Kronecker
+factors ``Q`` and Lipschitz constants ``L`` are dropped and rebuilt on the next step.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from opttree._schemas._keys import MASTER_PARAM
 MUON = StateSchema(zero={"momentum_buffer"}, keep={MASTER_PARAM})
 ADAPTIVE_MUON = StateSchema(zero={"momentum_buffer", "moment2_buffer"}, keep={MASTER_PARAM})
 _ADAM_LIKE = StateSchema(zero={"exp_avg", "exp_avg_sq"}, keep={MASTER_PARAM}, step=StepLocation.PER_PARAMETER)
+SOAP = StateSchema(
+    zero={"exp_avg", "exp_avg_sq", "L", "R"}, keep={MASTER_PARAM}, step=StepLocation.PER_PARAMETER, identity={"Q_L", "Q_R"}
+)
 
 _ORTHOGONALIZED = "emerging_optimizers.orthogonalized_optimizers."
 LAZY: dict[str, StateSchema] = {
@@ -33,4 +38,9 @@ LAZY: dict[str, StateSchema] = {
     "emerging_optimizers.scalar_optimizers.laprop.LaProp": _ADAM_LIKE,
     "emerging_optimizers.riemannian_optimizers.normalized_optimizer.ObliqueSGD": MUON,
     "emerging_optimizers.riemannian_optimizers.normalized_optimizer.ObliqueAdam": _ADAM_LIKE,
+    "emerging_optimizers.soap.soap.SOAP": SOAP,
+    "emerging_optimizers.soap.rekls.REKLS": SOAP,
+    "emerging_optimizers.psgd.psgd.PSGDPro": StateSchema(
+        zero={"exp_avg"}, drop={"Q", "L"}, keep={MASTER_PARAM}, step=StepLocation.PER_PARAMETER
+    ),
 }
