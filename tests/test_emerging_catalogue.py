@@ -1,7 +1,7 @@
 """Every name in the emerging-optimizers registry that megatron-core's factory offers, listed
 from the registry at test time: a new one fails here until it is reset exactly. Each class is built directly over small parameters, stepped 3 times,
-reset, and then 3 steps equal a fresh optimizer's bitwise, while the same optimizer not
-reset differs. (Built directly because megatron-core 0.19.2's factory passes ``betas`` to
+reset (or released: its state deleted, to be built again), and then 3 steps equal a fresh
+optimizer's bitwise, while the same optimizer not reset differs. (Built directly because megatron-core 0.19.2's factory passes ``betas`` to
 mop, muon_hyperball, polargrad, scion, sinkhorn_muon, spel, psgd_pro and oblique_sgd,
 which take none, and registers psgd_pro and the oblique optimizers only where their
 modules were imported first.)"""
@@ -78,7 +78,7 @@ def train(optimizer: torch.optim.Optimizer, ps: Params, steps: range) -> None:
         optimizer.step()
 
 
-Record = Callable[[str, str], None]
+Record = Callable[[str, str, str], None]
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +86,8 @@ def record() -> Iterator[Record]:
     """With ``OPTTREE_CONFORMANCE=file``, one JSON line per case, as in test_torch_catalogue."""
     path = os.environ.get("OPTTREE_CONFORMANCE")
     lines: list[str] = []
-    yield lambda name, result: lines.append(
-        json.dumps({"class": f"emerging_optimizers {name}", "flags": {}, "lane": lane(), "result": result})
+    yield lambda name, result, mode: lines.append(
+        json.dumps({"class": f"emerging_optimizers {name}", "flags": {}, "lane": lane(), "mode": mode, "result": result})
     )
     if path:
         with open(path, "a", encoding="utf-8") as out:
@@ -105,8 +105,9 @@ def test_every_registry_name_is_reset_exactly() -> None:
     assert set(_registry()) <= set(BUILD), "a new emerging optimizer: give it a schema, or refuse it here for a stated reason"
 
 
+@pytest.mark.parametrize("release", [False, True], ids=["reset", "release"])
 @pytest.mark.parametrize("name", sorted(BUILD))
-def test_reset_then_train_equals_a_fresh_optimizer(name: str, record: Record) -> None:
+def test_reset_then_train_equals_a_fresh_optimizer(name: str, release: bool, record: Record) -> None:
     cls = registered(name)
     ps = params()
     optimizer = BUILD[name](cls, ps)
@@ -117,7 +118,8 @@ def test_reset_then_train_equals_a_fresh_optimizer(name: str, record: Record) ->
         for a, b in zip(twin, ps, strict=True):
             a.copy_(b)
 
-    opttree.reset(optimizer)
+    report = opttree.reset(optimizer, release=release)
+    assert report.entries_released == (len(ps) if release else 0) and (not optimizer.state) == release
 
     kept = [torch.nn.Parameter(p.detach().clone()) for p in params()]
     control = BUILD[name](cls, kept)
@@ -126,6 +128,6 @@ def test_reset_then_train_equals_a_fresh_optimizer(name: str, record: Record) ->
     train(fresh, twin, range(3, 6))
     same = all(torch.equal(a, b) for a, b in zip(ps, twin, strict=True))
     kept_same = all(torch.equal(a, b) for a, b in zip(kept, twin, strict=True))
-    record(name, "exact" if same and not kept_same else "NOT EXACT")
+    record(name, "exact" if same and not kept_same else "NOT EXACT", "release" if release else "reset")
     assert same
     assert not kept_same

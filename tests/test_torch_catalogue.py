@@ -1,6 +1,8 @@
 """Every torch.optim class, with the flags that change how it keeps or steps its state:
 after ``opttree.reset``, 3 steps train bitwise like a fresh optimizer's 3 steps, while the
-same optimizer not reset trains differently (so the reset is what makes them equal).
+same optimizer not reset trains differently (so the reset is what makes them equal). The
+same holds after ``reset(..., release=True)``, which deletes the state instead, for every
+class but Adagrad, which builds its state in ``__init__`` and is refused.
 
 With ``OPTTREE_CONFORMANCE=file`` each case appends a JSON line (class, flags, lane,
 result) to ``file``; ``scripts/conformance`` runs this in both lanes and prints the
@@ -62,6 +64,7 @@ CASES: list[tuple[str, Flags]] = [
 ]
 
 LR = {"Adagrad": 0.1, "LBFGS": 0.1, "Adadelta": 1.0}
+NOT_RELEASABLE = {"Adagrad"}
 
 
 def lane() -> str:
@@ -102,11 +105,19 @@ def build(name: str, flags: Flags) -> Callable[[torch.nn.Module], torch.optim.Op
     return lambda net: cls(net.parameters(), lr=LR.get(name, 0.01), **flags)
 
 
+Record = Callable[..., None]
+
+
 @pytest.fixture(scope="module")
-def record() -> Iterator[Callable[[str, Flags, str], None]]:
+def record() -> Iterator[Record]:
+    """``record(name, flags, result, mode="reset" | "release")``."""
     path = os.environ.get("OPTTREE_CONFORMANCE")
     lines: list[str] = []
-    yield lambda name, flags, result: lines.append(json.dumps({"class": name, "flags": flags, "lane": lane(), "result": result}))
+
+    def add(name: str, flags: Flags, result: str, mode: str = "reset") -> None:
+        lines.append(json.dumps({"class": name, "flags": flags, "lane": lane(), "mode": mode, "result": result}))
+
+    yield add
     if path:
         with open(path, "a", encoding="utf-8") as out:
             out.writelines(line + "\n" for line in lines)
@@ -117,11 +128,13 @@ def case_id(case: tuple[str, Flags]) -> str:
     return "-".join([name, *(f"{k}={v}" for k, v in flags.items())])
 
 
+@pytest.mark.parametrize("release", [False, True], ids=["reset", "release"])
 @pytest.mark.parametrize("case", CASES, ids=list(map(case_id, CASES)))
-def test_reset_then_train_equals_a_fresh_optimizer(case: tuple[str, Flags], record: Callable[[str, Flags, str], None]) -> None:
+def test_reset_then_train_equals_a_fresh_optimizer(case: tuple[str, Flags], release: bool, record: Record) -> None:
     name, flags = case
+    mode = "release" if release else "reset"
     if not hasattr(torch.optim, name):
-        record(name, flags, "not in this torch")
+        record(name, flags, "not in this torch", mode)
         pytest.skip(f"torch {torch.__version__} has no torch.optim.{name}")
     make = build(name, flags)
     net = model(name)
@@ -129,12 +142,23 @@ def test_reset_then_train_equals_a_fresh_optimizer(case: tuple[str, Flags], reco
         optimizer = make(net)
         train(name, net, optimizer, 0, 3)
     except (AssertionError, RuntimeError, ValueError) as error:  # torch asserts capturable devices
-        record(name, flags, f"not run: torch refuses it on the CPU ({type(error).__name__})")
+        record(name, flags, f"not run: torch refuses it on the CPU ({type(error).__name__})", mode)
         pytest.skip(f"torch cannot run it here: {error}")
     twin = copy.deepcopy(net)
     fresh = make(twin)
 
-    report = opttree.reset(optimizer)
+    if release and name in NOT_RELEASABLE:
+        before = copy.deepcopy(optimizer.state_dict())
+        with pytest.raises(opttree.ReleaseRefused, match="builds its state in __init__"):
+            opttree.reset(optimizer, release=True)
+        after = optimizer.state_dict()
+        assert all(torch.equal(v, after["state"][p][k]) for p, e in before["state"].items() for k, v in e.items())
+        record(name, flags, "refused: it builds its state in __init__, not again on a step", mode)
+        return
+    entries = len(optimizer.state)
+    report = opttree.reset(optimizer, release=release)
+    if release:
+        assert not optimizer.state and report.entries_released == entries
 
     train(name, net, optimizer, 3, 3)
     train(name, twin, fresh, 3, 3)
@@ -142,6 +166,6 @@ def test_reset_then_train_equals_a_fresh_optimizer(case: tuple[str, Flags], reco
     train(name, kept_net, make(kept_net), 0, 6)
     same = all(torch.equal(a, b) for a, b in zip(net.parameters(), twin.parameters(), strict=True))
     kept_same = all(torch.equal(a, b) for a, b in zip(kept_net.parameters(), twin.parameters(), strict=True))
-    record(name, flags, "exact" if same and not kept_same else "NOT EXACT")
+    record(name, flags, "exact" if same and not kept_same else "NOT EXACT", mode)
     assert same, report
     assert not kept_same  # the state the reset cleared did matter

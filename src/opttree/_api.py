@@ -6,10 +6,12 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from attrs import evolve
 
 from opttree import _distributed, _paths, _registry
 from opttree._adapter import TreeBuilder
 from opttree._describe import DescribeVisitor
+from opttree._errors import ReleaseRefused
 from opttree._masters import SyncReport, check_masters
 from opttree._masters import sync_masters as _sync_masters
 from opttree._nodes import Node
@@ -76,6 +78,7 @@ def reset(
     keys: Iterable[str] | None = None,
     model: torch.nn.Module | None = None,
     keep_loss_scale: bool = False,
+    release: bool = False,
 ) -> ResetReport:
     """Reset optimizer history so the next step equals a fresh optimizer's.
 
@@ -91,9 +94,22 @@ def reset(
 
     An fp16 wrapper's loss scaler is reset with its steps to the initial scale of its
     ``OptimizerConfig``, as a fresh optimizer's starts, unless ``keep_loss_scale``.
+
+    ``release=True`` deletes the state entries of the selected parameters instead, freeing
+    their memory until the next step builds them again, as a fresh optimizer builds its
+    own: for optimizers whose schema says they do (``rebuilds_missing``), with no kept
+    state in those entries, not capturable, and under no Megatron wrapper, whose
+    checkpoints of an emptied state fail; otherwise it raises
+    :class:`~opttree.ReleaseRefused` and changes nothing. ``keys`` cannot be combined
+    with it: an entry is deleted whole, or the optimizer would not rebuild it.
     """
+    if release and keys is not None:
+        msg = "release=True deletes whole state entries, which their optimizer builds again: leave keys out"
+        raise ReleaseRefused(msg)
     root = tree(optimizer)
     selection = EVERYTHING if params is None and keys is None else select(root, params, keys, model)
+    if release:
+        selection = evolve(selection, release=True)
     return ResetVisitor(selection, keep_loss_scale=keep_loss_scale).reset(root)
 
 

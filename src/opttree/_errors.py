@@ -42,6 +42,10 @@ class UnsupportedOptimizerState(OptTreeError):
     """A leaf holds state that its schema does not describe, or that cannot be reset in place."""
 
 
+class ReleaseRefused(OptTreeError):
+    """``reset(..., release=True)`` cannot delete this state and stay exact and checkpointable."""
+
+
 class RegistrationError(OptTreeError):
     """A schema or wrapper registration is contradictory or repeated."""
 

@@ -132,6 +132,15 @@ class LeafInspector:
         if not state:
             plan.leaves += 1
             return
+        if self.selection.release:
+            reason = malformed_state(state)
+            if reason is not None:
+                self.problem(node, ProblemKind.MALFORMED_STATE, reason)
+                return
+            plan.leaves += 1
+            plan.fresh += 1
+            self.plan_release(node, plan.state)
+            return
         # Reusing a plan pays off for large states; a small one is planned faster than checked.
         whole = self.selection.everything and len(state) >= plan_cache.MIN_ENTRIES
         part = plan_cache.lookup(optimizer, self.schema, in_groups) if whole else None
@@ -166,8 +175,8 @@ class LeafInspector:
         False: the caller then inspects the leaves one by one, which names the leaf of
         each problem.
         """
-        if self.schema.scale_of is not None or self.schema.fill:
-            return False  # scales and fills are looked up leaf by leaf
+        if self.schema.scale_of is not None or self.schema.fill or self.selection.release:
+            return False  # scales and fills are looked up, and releases planned, leaf by leaf
         optimizers = [leaf.optimizer for leaf in leaves]
         if not well_formed(optimizers):
             return False
@@ -264,8 +273,7 @@ class LeafInspector:
         for key, count in Counter(chain.from_iterable(entries)).items():
             action = self.actions.get(key)
             if action is None:
-                known = ", ".join(sorted(self.actions)) or "no keys"
-                self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"not in the schema ({known})", str(key))
+                self.unknown_key(node, key)
                 continue
             having = entries if count == len(entries) else [entry for entry in entries if key in entry]
             values = list(map(operator.itemgetter(key), having))
@@ -306,6 +314,45 @@ class LeafInspector:
             scale_of = self.schema.scale_of
             if scale_of is not None:
                 self.plan_scales(node, owner, scale_of, held, entries, key, into)
+
+    def unknown_key(self, node: LeafNode, key: object) -> None:
+        known = ", ".join(sorted(self.actions)) or "no keys"
+        self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"not in the schema ({known})", str(key))
+
+    def plan_release(self, node: LeafNode, into: StatePlan) -> None:
+        """Delete the selected entries, which the optimizer builds again on its next step as
+        a fresh one builds them; refused where it would not, or where an entry keeps state."""
+        optimizer = node.optimizer
+        if not self.schema.rebuilds_missing:
+            message = (
+                "its schema does not say that it builds a missing state entry again on its next step "
+                "(torch's Adagrad builds its state in __init__): reset it without release"
+            )
+            self.problem(node, ProblemKind.UNRELEASABLE_STATE, message)
+            return
+        if any(group.get("capturable") for group in optimizer.param_groups):
+            message = "it is capturable: a captured CUDA graph may hold its state's addresses, which must not move"
+            self.problem(node, ProblemKind.UNRELEASABLE_STATE, message)
+            return
+        state = optimizer.state
+        chosen = self.selection.tensors
+        held = [param for param in state if chosen is None or id(param) in chosen]
+        entries = [state[param] for param in held]
+        problems_before = len(self.problems)
+        actions = self.schema.actions  # what a full reset does: kept there is lost here
+        for key in dict.fromkeys(chain.from_iterable(entries)):
+            action = actions.get(key)
+            if action is None:
+                self.unknown_key(node, key)
+            elif action is KeyAction.KEEP:
+                message = "is kept by a reset (not history): deleting its entry would lose it, so it cannot be released"
+                self.problem(node, ProblemKind.UNRELEASABLE_STATE, message, str(key))
+        if len(self.problems) > problems_before or not held:
+            return
+        into.release.append((state, held))
+        into.released += len(held)
+        tensors = [value for entry in entries for value in entry.values() if isinstance(value, torch.Tensor)]
+        into.bytes_released += ranges(tensors).nbytes
 
     def plan_fills(
         self,

@@ -40,12 +40,16 @@ class StatePlan:
     identities: list[tuple[str, torch.Tensor]] = field(factory=list)
     """Square history by key, also in ``lists``, whose diagonal is set to one once zeroed."""
     number_steps: list[tuple[StateEntry, int | float]] = field(factory=list)
+    release: list[tuple[MutableMapping[torch.Tensor, StateEntry], list[torch.Tensor]]] = field(factory=list)
+    """State mappings, each with the parameters whose entries a release deletes."""
     drop: list[tuple[StateEntry, str]] = field(factory=list)
     scales: list[torch.Tensor] = field(factory=list)
     zeroed: int = 0
     filled: int = 0
     steps: int = 0
     kept: int = 0
+    released: int = 0
+    bytes_released: int = 0
     bytes_reset: int = 0
     bytes_kept: int = 0
     kept_keys: set[str] = field(factory=set)
@@ -56,9 +60,9 @@ class StatePlan:
     @property
     def reusable(self) -> bool:
         """Whether the same state will still be there after this reset, and the same plan
-        right for it: nothing dropped, no scales, which TE may rebuild, and no fills, whose
+        right for it: nothing dropped or released, no scales, which TE may rebuild, and no fills, whose
         values follow the groups' (an ``lr`` a scheduler changes)."""
-        return not self.drop and not self.scales and not self.fills
+        return not self.drop and not self.scales and not self.fills and not self.release
 
     def zero_list(self, key: ListKey) -> list[torch.Tensor]:
         found = self.lists.get(key)
@@ -79,6 +83,9 @@ class StatePlan:
             self.fill_list(key, value).extend(tensors)
         self.identities.extend(other.identities)
         self.number_steps.extend(other.number_steps)
+        self.release.extend(other.release)
+        self.released += other.released
+        self.bytes_released += other.bytes_released
         self.drop.extend(other.drop)
         self.scales.extend(other.scales)
         self.zeroed += other.zeroed
@@ -151,6 +158,9 @@ class ResetPlan:
                 del entry[key]
             for entry, zero in part.number_steps:
                 entry["step"] = zero
+            for state, held in part.release:
+                for param in held:
+                    del state[param]
         return self.report()
 
     def report(self) -> ResetReport:
@@ -169,4 +179,6 @@ class ResetPlan:
             shared_leaves=self.shared_leaves,
             loss_scales_reset=len(self.scalers),
             loss_scales_kept=self.scalers_kept,
+            entries_released=sum(part.released for part in parts),
+            bytes_released=sum(part.bytes_released for part in parts),
         )

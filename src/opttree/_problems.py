@@ -13,6 +13,7 @@ from opttree._errors import (
     OptimizerCycle,
     OptTreeError,
     PartialResetRefused,
+    ReleaseRefused,
     StaleMaster,
     UnknownWrapper,
     UnsupportedCheckpoint,
@@ -60,6 +61,9 @@ class ProblemKind(enum.Enum):
     """A master copy a wrapper steps differs from the model parameter it stands for."""
     UNCHECKED_MASTER = "unchecked-master"
     """A master copy whose part of its model parameter is not known."""
+    UNRELEASABLE_STATE = "unreleasable-state"
+    """State that ``reset(..., release=True)`` cannot delete: not rebuilt by its optimizer,
+    kept state in its entries, captured addresses, or a Megatron wrapper above it."""
     CHECKPOINT_LAYOUT = "checkpoint-layout"
     """A state dict that is not laid out as Megatron writes it, met while saving or loading."""
 
@@ -87,6 +91,7 @@ _ERRORS: dict[ProblemKind, type[OptTreeError]] = {
     ProblemKind.PARTIAL_STEP: PartialResetRefused,
     ProblemKind.UNKNOWN_KEY: PartialResetRefused,
     ProblemKind.CHECKPOINT_LAYOUT: UnsupportedCheckpoint,
+    ProblemKind.UNRELEASABLE_STATE: ReleaseRefused,
     ProblemKind.STALE_MASTER: StaleMaster,
     ProblemKind.UNCHECKED_MASTER: StaleMaster,
 }

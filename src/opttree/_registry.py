@@ -34,6 +34,12 @@ def kind_for(cls: type) -> Expander | None:
     return _builtin_kinds.lookup(cls) if expand is None else expand
 
 
+def is_users_kind(cls: type) -> bool:
+    """Whether a wrapper class's kind is a user's registration rather than one of
+    Megatron's built-in kinds."""
+    return _user_kinds.lookup(cls) is not None
+
+
 def _refuse_repeat(table: LazyDispatch[StateSchema] | LazyDispatch[Expander], what: str, cls_or_dotted: type | str) -> None:
     if table.is_registered(cls_or_dotted):
         name = cls_or_dotted if isinstance(cls_or_dotted, str) else dotted_name(cls_or_dotted)

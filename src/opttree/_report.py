@@ -25,7 +25,9 @@ class ResetReport:
     zero, such as Adagrad's ``initial_accumulator_value``) and ``tensors_dropped`` count
     history tensors only;
     ``loss_scales_reset`` and ``loss_scales_kept`` count fp16 loss scalers put back to
-    their initial scale or kept as they were.
+    their initial scale or kept as they were; ``entries_released`` counts the state entries
+    ``release=True`` deleted, and ``bytes_released`` the bytes of their tensors (freed
+    unless something else still holds them).
     """
 
     leaves: int
@@ -40,6 +42,8 @@ class ResetReport:
     tensors_filled: int = 0
     loss_scales_reset: int = 0
     loss_scales_kept: int = 0
+    entries_released: int = 0
+    bytes_released: int = 0
 
     def __str__(self) -> str:
         kept = (
@@ -54,10 +58,15 @@ class ResetReport:
             for count, what in ((self.loss_scales_reset, "reset"), (self.loss_scales_kept, "kept"))
             if count
         )
+        released = (
+            f"; released {self.entries_released} state entries ({format_bytes(self.bytes_released)})"
+            if self.entries_released
+            else ""
+        )
         return (
             f"reset {self.leaves} optimizers: {self.tensors_zeroed} tensors zeroed, {filled}"
             f"{self.tensors_dropped} dropped ({format_bytes(self.bytes_reset)}), "
-            f"{self.steps} step counters{kept}{scales}"
+            f"{self.steps} step counters{kept}{scales}{released}"
         )
 
     def to_dict(self) -> dict[str, int]:

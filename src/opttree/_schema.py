@@ -67,6 +67,10 @@ class StateSchema:
     ``identity``: history the optimizer creates as an identity matrix (SOAP's eigenbases
     ``Q_L``/``Q_R`` start as ``torch.eye``); reset writes the identity in place.
 
+    ``rebuilds_missing``: the optimizer builds a parameter's whole entry on its next step
+    when the entry is missing, as it builds a fresh one (torch's ``len(state) == 0``
+    initialisation), so ``reset(..., release=True)`` may delete entries to free their memory.
+
     Dropped keys may hold anything (LBFGS keeps lists and numbers); zeroed and filled ones
     must be tensors that can be written in place.
     """
@@ -78,6 +82,7 @@ class StateSchema:
     scale_of: ScaleLookup | None = field(default=None, kw_only=True)
     fill: tuple[tuple[str, Fill], ...] = field(converter=_fills, factory=tuple, kw_only=True)
     identity: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
+    rebuilds_missing: bool = field(default=False, kw_only=True)
 
     @property
     def filled(self) -> frozenset[str]:

@@ -38,10 +38,13 @@ class Selection:
     tensors: frozenset[int] | None = None
     keys: frozenset[str] | None = None
     steps: bool = True
+    release: bool = False
+    """Delete the selected state entries instead of resetting them in place."""
 
     @property
     def everything(self) -> bool:
-        return self.tensors is None and self.keys is None and self.steps
+        """All state, reset in place."""
+        return self.tensors is None and self.keys is None and self.steps and not self.release
 
     def resets(self, key: str) -> bool:
         if key == "step":

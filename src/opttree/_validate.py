@@ -10,7 +10,7 @@ from opttree import _registry
 from opttree._held import Held, held_optimizers
 from opttree._identity import identity_key, identity_keys
 from opttree._inspect import LeafInspector
-from opttree._nodes import ChainedNode, LeafNode, Node, WrapperNode
+from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._plan import ResetPlan
 from opttree._preflight import Owner, duplicates, overlap, unique_ranges
 from opttree._problems import Problem, ProblemKind
@@ -48,6 +48,7 @@ class ValidateVisitor(TraverserVisitor):
         self._contained: list[object] = []
         self._held: list[tuple[Node, Held]] = []
         self._is_optimizer: dict[type, bool] = {}
+        self._release_refused = False
 
     def check(self, root: Node) -> None:
         """Walk ``root`` and run the tree-wide checks."""
@@ -150,10 +151,16 @@ class ValidateVisitor(TraverserVisitor):
 
     def visit_chained(self, node: ChainedNode) -> None:
         self.check_step_unit(node)
+        self.check_release(node)
+        self.visit_children(node)
+
+    def visit_hybrid(self, node: HybridNode) -> None:
+        self.check_release(node)
         self.visit_children(node)
 
     def visit_wrapper(self, node: WrapperNode) -> None:
         self.check_step_unit(node)
+        self.check_release(node)
         self.check_loss_scale(node)
         self.visit_children(node)
 
@@ -174,6 +181,20 @@ class ValidateVisitor(TraverserVisitor):
             self.problems.append(problem)
         elif planned is not None:
             self.plan.scalers.append(planned)
+
+    def check_release(self, node: Node) -> None:
+        """A release under a Megatron wrapper is refused, once, at the outermost one: an
+        emptied state is one that Megatron cannot checkpoint until the next step."""
+        if not self.selection.release or self._release_refused or _registry.is_users_kind(type(node.optimizer)):
+            return
+        self._release_refused = True
+        message = (
+            "Megatron cannot checkpoint an emptied optimizer state until the next step "
+            "(DistributedOptimizer.state_dict() asserts one step over its state, and a sharded "
+            "checkpoint of an empty FP32Optimizer or Float16OptimizerWithFloat16Params state fails to load): "
+            "reset without release, which keeps the memory and every checkpoint path"
+        )
+        self.problems.append(Problem(ProblemKind.UNRELEASABLE_STATE, node.path, type(node.optimizer).__qualname__, message))
 
     def check_step_unit(self, node: Node) -> None:
         """A Megatron wrapper that saves one step for all its parameters (see

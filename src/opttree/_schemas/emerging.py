@@ -6,8 +6,9 @@ optimizers, and SOAP, create their whole state at once, on their first step
 as ``torch.eye``; LaProp, ObliqueAdam and SOAP count steps per parameter in a Python
 int, and SOAP's decides when it takes a full eigendecomposition (at step 0).
 ``MuonHyperball``'s ``hyperball_R`` is written on every step before it is read, so it is
-kept. PSGDPro creates each key on its own when it is missing: its lists of Kronecker
+dropped. PSGDPro creates each key on its own when it is missing: its lists of Kronecker
 factors ``Q`` and Lipschitz constants ``L`` are dropped and rebuilt on the next step.
+Each of them builds a missing entry again, so its state can be released.
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ from __future__ import annotations
 from opttree._schema import StateSchema, StepLocation
 from opttree._schemas._keys import MASTER_PARAM
 
-MUON = StateSchema(zero={"momentum_buffer"}, keep={MASTER_PARAM})
-ADAPTIVE_MUON = StateSchema(zero={"momentum_buffer", "moment2_buffer"}, keep={MASTER_PARAM})
-_ADAM_LIKE = StateSchema(zero={"exp_avg", "exp_avg_sq"}, keep={MASTER_PARAM}, step=StepLocation.PER_PARAMETER)
+MUON = StateSchema(zero={"momentum_buffer"}, keep={MASTER_PARAM}, rebuilds_missing=True)
+ADAPTIVE_MUON = StateSchema(zero={"momentum_buffer", "moment2_buffer"}, keep={MASTER_PARAM}, rebuilds_missing=True)
+_ADAM_LIKE = StateSchema(zero={"exp_avg", "exp_avg_sq"}, keep={MASTER_PARAM}, step=StepLocation.PER_PARAMETER, rebuilds_missing=True)
 SOAP = StateSchema(
-    zero={"exp_avg", "exp_avg_sq", "L", "R"}, keep={MASTER_PARAM}, step=StepLocation.PER_PARAMETER, identity={"Q_L", "Q_R"}
+    zero={"exp_avg", "exp_avg_sq", "L", "R"},
+    keep={MASTER_PARAM},
+    step=StepLocation.PER_PARAMETER,
+    identity={"Q_L", "Q_R"},
+    rebuilds_missing=True,
 )
 
 _ORTHOGONALIZED = "emerging_optimizers.orthogonalized_optimizers."
@@ -32,15 +37,15 @@ LAZY: dict[str, StateSchema] = {
     _ORTHOGONALIZED + "spel.Spel": MUON,
     _ORTHOGONALIZED + "sinkhorn_muon.SinkhornMuon": MUON,
     _ORTHOGONALIZED + "muon_hyperball.MuonHyperball": StateSchema(
-        zero={"momentum_buffer"}, keep={MASTER_PARAM, "hyperball_R"}
+        zero={"momentum_buffer"}, drop={"hyperball_R"}, keep={MASTER_PARAM}, rebuilds_missing=True
     ),
-    "emerging_optimizers.scalar_optimizers.lion.Lion": StateSchema(zero={"exp_avg"}, keep={MASTER_PARAM}),
+    "emerging_optimizers.scalar_optimizers.lion.Lion": StateSchema(zero={"exp_avg"}, keep={MASTER_PARAM}, rebuilds_missing=True),
     "emerging_optimizers.scalar_optimizers.laprop.LaProp": _ADAM_LIKE,
     "emerging_optimizers.riemannian_optimizers.normalized_optimizer.ObliqueSGD": MUON,
     "emerging_optimizers.riemannian_optimizers.normalized_optimizer.ObliqueAdam": _ADAM_LIKE,
     "emerging_optimizers.soap.soap.SOAP": SOAP,
     "emerging_optimizers.soap.rekls.REKLS": SOAP,
     "emerging_optimizers.psgd.psgd.PSGDPro": StateSchema(
-        zero={"exp_avg"}, drop={"Q", "L"}, keep={MASTER_PARAM}, step=StepLocation.PER_PARAMETER
+        zero={"exp_avg"}, drop={"Q", "L"}, keep={MASTER_PARAM}, step=StepLocation.PER_PARAMETER, rebuilds_missing=True
     ),
 }

@@ -5,7 +5,8 @@ Derived from torch's sources (``_init_group`` or ``__init__``): history created 
 read from the defaults), Rprop's ``step_size`` (the group's ``lr``), ASGD's ``eta`` (the
 group's ``lr``) and ``mu``, and NAdam's ``mu_product`` (1) are filled with their starting
 values; SGD's ``momentum_buffer`` (a copy of the first gradient) and everything LBFGS keeps
-(lists, numbers and tensors it builds on its first step) are dropped.
+(lists, numbers and tensors it builds on its first step) are dropped. Every class but
+Adagrad builds a missing entry again on its next step, so its state can be released.
 """
 
 from __future__ import annotations
@@ -32,14 +33,17 @@ def _initial_accumulator(group: Mapping[str, object], defaults: Mapping[str, obj
     return _number(defaults["initial_accumulator_value"], "initial_accumulator_value")
 
 
-def _per_step(*zero: str, fill: Mapping[str, Fill] | None = None) -> StateSchema:
-    return StateSchema(zero=set(zero), keep={MASTER_PARAM}, step=StepLocation.PER_PARAMETER, fill=dict(fill or {}))
+def _per_step(*zero: str, fill: Mapping[str, Fill] | None = None, rebuilds_missing: bool = True) -> StateSchema:
+    return StateSchema(
+        zero=set(zero), keep={MASTER_PARAM}, step=StepLocation.PER_PARAMETER, fill=dict(fill or {}), rebuilds_missing=rebuilds_missing
+    )
 
 
 ADAM = _per_step("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-SGD = StateSchema(drop={"momentum_buffer"}, keep={MASTER_PARAM})
+SGD = StateSchema(drop={"momentum_buffer"}, keep={MASTER_PARAM}, rebuilds_missing=True)
 LBFGS = StateSchema(
-    drop={"func_evals", "n_iter", "d", "t", "old_dirs", "old_stps", "ro", "H_diag", "prev_flat_grad", "prev_loss", "al"}
+    drop={"func_evals", "n_iter", "d", "t", "old_dirs", "old_stps", "ro", "H_diag", "prev_flat_grad", "prev_loss", "al"},
+    rebuilds_missing=True,
 )
 
 SCHEMAS: dict[str, StateSchema] = {
@@ -48,7 +52,7 @@ SCHEMAS: dict[str, StateSchema] = {
     "Adamax": _per_step("exp_avg", "exp_inf"),
     "NAdam": _per_step("exp_avg", "exp_avg_sq", fill={"mu_product": 1.0}),
     "RAdam": _per_step("exp_avg", "exp_avg_sq"),
-    "Adagrad": _per_step(fill={"sum": _initial_accumulator}),
+    "Adagrad": _per_step(fill={"sum": _initial_accumulator}, rebuilds_missing=False),  # built in __init__
     "Adadelta": _per_step("square_avg", "acc_delta"),
     "RMSprop": _per_step("square_avg", "momentum_buffer", "grad_avg"),
     "Rprop": _per_step("prev", fill={"step_size": _lr}),
@@ -57,7 +61,7 @@ SCHEMAS: dict[str, StateSchema] = {
     "LBFGS": LBFGS,
     "SparseAdam": _per_step("exp_avg", "exp_avg_sq"),
     "Adafactor": _per_step("row_var", "col_var", "variance"),
-    "Muon": StateSchema(zero={"momentum_buffer"}, keep={MASTER_PARAM}),
+    "Muon": StateSchema(zero={"momentum_buffer"}, keep={MASTER_PARAM}, rebuilds_missing=True),
 }
 """By class name in ``torch.optim``; a class this torch lacks (Muon, Adafactor before
 2.5) is skipped."""

@@ -1,0 +1,137 @@
+"""``reset(..., release=True)``: state entries deleted to free their memory, exact where the
+optimizer builds them again, and refused, with nothing changed, everywhere else.
+
+Exactness per class is proven in the catalogue tests (torch.optim and emerging-optimizers,
+each with ``release=True``); here are what is freed, the selection, and the refusals,
+including both sides of the refusal under Megatron's wrappers: Megatron itself cannot
+checkpoint an emptied state.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+import opttree
+from opttree import testing
+from tests.helpers import clone_model, model, train, weights_equal
+from tests.test_checkpoints import fresh_like, load, save
+
+
+def stepped_adamw() -> tuple[torch.nn.Module, torch.optim.AdamW]:
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    train(net, optimizer, 0, 3)
+    return net, optimizer
+
+
+def tensors_of(optimizer: torch.optim.Optimizer) -> dict[tuple[int, str], torch.Tensor]:
+    return {(i, k): v.clone() for i, e in enumerate(optimizer.state.values()) for k, v in e.items() if isinstance(v, torch.Tensor)}
+
+
+def unchanged(optimizer: torch.optim.Optimizer, before: dict[tuple[int, str], torch.Tensor]) -> bool:
+    return tensors_of(optimizer).keys() == before.keys() and all(torch.equal(v, before[k]) for k, v in tensors_of(optimizer).items())
+
+
+def test_released_memory_is_freed_and_training_equals_a_fresh_optimizer() -> None:
+    net, optimizer = stepped_adamw()
+    history = [weakref.ref(v) for e in optimizer.state.values() for v in e.values()]
+    expected = sum(v.numel() * v.element_size() for e in optimizer.state.values() for v in e.values())
+    twin = clone_model(net)
+    fresh = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+
+    report = opttree.reset(optimizer, release=True)
+    gc.collect()
+
+    assert report.entries_released == 4 and report.bytes_released == expected and report.tensors_zeroed == 0
+    assert "released 4 state entries" in str(report) and report.to_dict()["bytes_released"] == expected
+    assert not optimizer.state and all(ref() is None for ref in history)
+    train(net, optimizer, 3, 3)
+    train(twin, fresh, 3, 3)
+    assert weights_equal(net, twin)
+
+
+def test_a_release_of_some_parameters_deletes_only_their_entries() -> None:
+    net, optimizer = stepped_adamw()
+    first, *rest = net.parameters()
+
+    report = opttree.reset(optimizer, params=[first], release=True)
+
+    assert report.entries_released == 1
+    assert first not in optimizer.state and all(p in optimizer.state for p in rest)
+    assert all(optimizer.state[p]["exp_avg"].any() for p in rest)
+
+
+def test_release_with_keys_is_refused_with_nothing_changed() -> None:
+    _, optimizer = stepped_adamw()
+    before = tensors_of(optimizer)
+    with pytest.raises(opttree.ReleaseRefused, match="leave keys out"):
+        opttree.reset(optimizer, keys=["exp_avg"], release=True)
+    assert unchanged(optimizer, before)
+
+
+def test_entries_that_keep_state_are_not_released() -> None:
+    net, optimizer = stepped_adamw()
+    param = next(iter(net.parameters()))
+    optimizer.state[param]["master_param"] = param.detach().float().clone()
+    before = tensors_of(optimizer)
+
+    with pytest.raises(opttree.ReleaseRefused, match="deleting its entry would lose it") as raised:
+        opttree.reset(optimizer, release=True)
+
+    assert raised.value.problem is not None and raised.value.problem.key == "master_param"
+    assert unchanged(optimizer, before)
+    assert opttree.reset(optimizer).tensors_kept == 1  # a reset in place keeps it, as ever
+
+
+def test_capturable_optimizers_are_not_released() -> None:
+    _, optimizer = stepped_adamw()
+    optimizer.param_groups[0]["capturable"] = True  # as on a GPU, where CUDA graphs capture addresses
+    before = tensors_of(optimizer)
+    with pytest.raises(opttree.ReleaseRefused, match="capturable"):
+        opttree.reset(optimizer, release=True)
+    assert unchanged(optimizer, before)
+
+
+def test_a_users_registered_wrapper_allows_a_release() -> None:
+    from tests.test_registration import LoraChain
+
+    _, optimizer = stepped_adamw()
+    report = opttree.reset(LoraChain({"a": optimizer}), release=True)
+    assert report.entries_released == 4 and not optimizer.state
+
+
+@pytest.mark.parametrize("name", [n for n in ("fp32", "bf16", "dist_bf16", "moe", "offload_0.75") if n in testing.available()])
+def test_under_megatron_wrappers_a_release_is_refused_with_nothing_changed(name: str) -> None:
+    stack = testing.build(name)
+    stack.train(0, 2)
+    before = [tensors_of(leaf) for leaf in stack.leaves()]
+
+    with pytest.raises(opttree.ReleaseRefused, match="Megatron cannot checkpoint an emptied optimizer state") as raised:
+        opttree.reset(stack.optimizer, release=True)
+
+    assert raised.value.problem is not None and raised.value.problem.path == "<root>"
+    assert all(unchanged(leaf, b) for leaf, b in zip(stack.leaves(), before, strict=True))
+
+
+def test_megatron_itself_cannot_checkpoint_an_emptied_state(tmp_path: Path) -> None:
+    """The other side of the refusal: the state a release would leave, built by hand."""
+    stack = testing.build("fp32")
+    stack.train(0, 2)
+    for leaf in stack.leaves():
+        leaf.state.clear()
+    save(stack, tmp_path, with_opttree=True)
+    with pytest.raises(CheckpointException, match="not in state dict"):
+        load(fresh_like(stack), tmp_path, with_opttree=True)
+
+    distributed = testing.build("dist_bf16")
+    distributed.train(0, 2)
+    for leaf in distributed.leaves():
+        leaf.state.clear()
+    with distributed.device, pytest.raises(AssertionError):
+        distributed.optimizer.state_dict()
