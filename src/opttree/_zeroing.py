@@ -5,10 +5,11 @@ converted its list of tensors, so the lists are cut into slices of a few thousan
 thread's conversion overlaps another's zeroing (on two cores, 60,000 tensors of 4 KiB
 zero in about two thirds of the time that two halves take).
 
-Autograd's modes are per thread, so each worker enters its caller's grad and inference
-modes (inference tensors can be modified in place only in inference mode, leaves that
-require grad only with grad disabled): with or without threads, the same zeroing
-succeeds or fails alike, and fails only once every worker has finished.
+Zeroing runs in inference mode, on every thread alike (autograd's modes are per thread):
+it skips autograd's dispatch, about a fifth of ``_foreach_zero_``'s cost per tensor on the
+CPU, still bumps the version counters of normal tensors, and may write inference tensors
+and leaves that require grad. So with or without threads, and whatever the caller's mode,
+the same zeroing succeeds or fails alike, and fails only once every worker has finished.
 """
 
 from __future__ import annotations
@@ -40,9 +41,8 @@ def _forget_pool() -> None:
 os.register_at_fork(after_in_child=_forget_pool)
 
 
-def _zero(tensors: list[torch.Tensor], inference: bool, grad: bool) -> None:
-    # inference_mode(False) enables grad mode, so grad mode is set inside it
-    with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+def _zero(tensors: list[torch.Tensor]) -> None:
+    with torch.inference_mode():
         torch._foreach_zero_(tensors)
 
 
@@ -60,21 +60,20 @@ def zero_lists(lists: list[list[torch.Tensor]], *, total_bytes: int) -> None:
     threads = torch.get_num_threads()
     if threads < 2 or count < _THREADED_MIN_TENSORS or total_bytes > _THREADED_MAX_AVERAGE_BYTES * count:
         for tensors in lists:
-            torch._foreach_zero_(tensors)
+            _zero(tensors)
         return
     slices: list[list[torch.Tensor]] = []
     for tensors in lists:
         if tensors[0].device.type != "cpu":
-            torch._foreach_zero_(tensors)
+            _zero(tensors)
             continue
         size = min(-(-len(tensors) // threads), _SLICE_TENSORS)
         slices.extend(tensors[i : i + size] for i in range(0, len(tensors), size))
-    modes = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
     pool = _workers()
     futures: list[Future[None]] = []
     try:
         for tensors in slices:
-            futures.append(pool.submit(_zero, tensors, *modes))
+            futures.append(pool.submit(_zero, tensors))
     finally:
         wait(futures)  # no slice may still be zeroing once this returns or raises
     for done in futures:
