@@ -57,7 +57,7 @@ def view(plan: ResetPlan) -> PlanView:
 
 def planned(root: object, visitor: ValidateVisitor) -> tuple[PlanView, list[Problem]]:
     opttree.tree(root).accept(visitor)
-    return view(visitor.plan), visitor.problems
+    return view(visitor._plan), visitor.problems
 
 
 def stepped_leaf(kind: str, sizes: list[int], steps: int, grads: list[bool], dtype: torch.dtype) -> torch.optim.Optimizer:

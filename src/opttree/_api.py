@@ -110,7 +110,7 @@ def reset(
     selection = EVERYTHING if params is None and keys is None else select(root, params, keys, model)
     if release:
         selection = evolve(selection, release=True)
-    return ResetVisitor(selection, keep_loss_scale=keep_loss_scale).reset(root)
+    return ResetVisitor._selecting(selection, keep_loss_scale=keep_loss_scale).reset(root)
 
 
 def sync_masters(optimizer: object, *, model: torch.nn.Module | None = None) -> SyncReport:

@@ -121,13 +121,15 @@ class DescribeVisitor(NodeVisitor[Summary]):
     """
 
     def __init__(self, refused: Mapping[str, str] | None = None) -> None:
-        self.refused = refused or {}
+        self.refused: Mapping[str, str] = refused or {}
 
     def summarise(self, node: Node, text: str) -> Summary:
+        """``node``'s line, ``text``, over its children's summaries."""
         children = tuple(summary for siblings in sibling_groups(node) for summary in self.siblings(siblings))
         return Summary(text, children, node.path)
 
     def siblings(self, nodes: Sequence[Node]) -> tuple[Summary, ...]:
+        """Summaries of sibling nodes; long runs of alike leaves as one line of their totals."""
         summaries: list[Summary] = []
         for item in alike_runs(nodes):
             if isinstance(item, Node):
@@ -141,9 +143,11 @@ class DescribeVisitor(NodeVisitor[Summary]):
         return _collapsed(summaries)
 
     def visit_chained(self, node: ChainedNode) -> Summary:
+        """A chained optimizer's line: its class and member count."""
         return self.summarise(node, f"{type(node.optimizer).__qualname__} members={len(node.members)}")
 
     def visit_hybrid(self, node: HybridNode) -> Summary:
+        """A hybrid optimizer's line: its sub-optimizers and offload fraction."""
         gpu = "none" if node.gpu is None else "1"
         offload = getattr(node.optimizer, "offload_fraction", None)
         fraction = f" offload_fraction={offload:g}" if isinstance(offload, (int, float)) else ""
@@ -151,6 +155,7 @@ class DescribeVisitor(NodeVisitor[Summary]):
         return self.summarise(node, text)
 
     def visit_wrapper(self, node: WrapperNode) -> Summary:
+        """A wrapper's line: its class, loss scale, and whether it is a stub or refused."""
         refused = self.refused.get(node.path)
         if refused is not None:
             return Summary(f"{type(node.optimizer).__qualname__} (refused: {refused})", (), node.path)
@@ -158,6 +163,7 @@ class DescribeVisitor(NodeVisitor[Summary]):
         return self.summarise(node, f"{type(node.optimizer).__qualname__}{scaler_text(node.optimizer)}{stub}")
 
     def visit_leaf(self, node: LeafNode) -> Summary:
+        """A leaf's line: parameters, state bytes by dtype and device, step."""
         if node.shared_with is not None:
             text = f"{type(node.optimizer).__qualname__} (shared with {node.shared_with})"
         else:
@@ -165,6 +171,7 @@ class DescribeVisitor(NodeVisitor[Summary]):
         return Summary(text, (), node.path)
 
     def render(self, root: Node) -> str:
+        """The indented description of the tree under ``root``."""
         return "\n".join(_lines(root.accept(self), depth=0))
 
 

@@ -31,12 +31,12 @@ def _plan(
         raise PartialResetRefused(f"{what} keeps step counters: leave 'step' out of keys")
     root = tree(optimizer)
     chosen = select(root, params, key_list, model)
-    visitor = ValidateVisitor(Selection(chosen.tensors, chosen.keys, False))
+    visitor = ValidateVisitor._selecting(Selection(chosen.tensors, chosen.keys, False))
     visitor.check(root)
     errors = [p for p in visitor.problems if p.severity is Severity.ERROR]
     if errors:
         raise errors[0].to_error(others=len(errors) - 1)
-    plan = visitor.plan
+    plan = visitor._plan
     for part in plan.all_parts:
         changed_otherwise = [key for _, key in part.drop] + [key for (key, _, _), _ in part.fills] + [key for key, _ in part.identities]
         if changed_otherwise or part.scales:

@@ -102,7 +102,7 @@ class LeafInspector:
         self.plan = plan
         self.problems = problems
         self.selection = selection
-        self.actions = schema.actions if selection.everything else schema.actions_for(selection.resets)
+        self.actions: dict[str, KeyAction] = schema.actions if selection.everything else schema.actions_for(selection.resets)
 
     def problem(self, node: LeafNode, kind: ProblemKind, message: str, key: str | None = None) -> None:
         cls = type(node.optimizer).__qualname__

@@ -54,9 +54,11 @@ class ChainedNode(Node):
 
     @property
     def children(self) -> tuple[Node, ...]:
+        """The child nodes, in the order the wrapper steps them."""
         return self.members
 
     def accept(self, visitor: NodeVisitor[T]) -> T:
+        """Call the ``visit_*`` method of ``visitor`` that matches this node's kind."""
         return visitor.visit_chained(self)
 
 
@@ -74,9 +76,11 @@ class HybridNode(Node):
 
     @property
     def children(self) -> tuple[Node, ...]:
+        """The child nodes, in the order the wrapper steps them."""
         return self.cpu if self.gpu is None else (*self.cpu, self.gpu)
 
     def accept(self, visitor: NodeVisitor[T]) -> T:
+        """Call the ``visit_*`` method of ``visitor`` that matches this node's kind."""
         return visitor.visit_hybrid(self)
 
 
@@ -93,13 +97,16 @@ class WrapperNode(Node):
 
     @property
     def children(self) -> tuple[Node, ...]:
+        """The child nodes, in the order the wrapper steps them."""
         return self.inner
 
     @property
     def is_stub(self) -> bool:
+        """Whether this is a Megatron stub optimizer, with no optimizer on this rank."""
         return not self.inner
 
     def accept(self, visitor: NodeVisitor[T]) -> T:
+        """Call the ``visit_*`` method of ``visitor`` that matches this node's kind."""
         return visitor.visit_wrapper(self)
 
 
@@ -116,7 +123,9 @@ class LeafNode(Node):
 
     @property
     def children(self) -> tuple[Node, ...]:
+        """The child nodes, in the order the wrapper steps them."""
         return ()
 
     def accept(self, visitor: NodeVisitor[T]) -> T:
+        """Call the ``visit_*`` method of ``visitor`` that matches this node's kind."""
         return visitor.visit_leaf(self)

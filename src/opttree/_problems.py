@@ -23,6 +23,8 @@ from opttree._errors import (
 
 
 class Severity(enum.Enum):
+    """How serious a problem is."""
+
     ERROR = "error"
     """A reset would be wrong; :func:`opttree.reset` refuses."""
     WARNING = "warning"
@@ -30,6 +32,9 @@ class Severity(enum.Enum):
 
 
 class ProblemKind(enum.Enum):
+    """What kind of problem validation found; each maps to a severity and to the error a
+    refused reset raises."""
+
     NOT_AN_OPTIMIZER = "not-an-optimizer"
     """An object in the stack is neither an optimizer nor a known wrapper."""
     UNKNOWN_WRAPPER = "unknown-wrapper"
@@ -131,6 +136,7 @@ class Problem:
         }
 
     def on_rank(self, rank: int) -> Problem:
+        """The same problem, found on ``rank`` of a process group."""
         return evolve(self, rank=rank)
 
     def to_error(self, *, others: int = 0) -> OptTreeError:

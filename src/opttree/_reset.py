@@ -28,9 +28,9 @@ class ResetVisitor(ValidateVisitor):
             raise errors[0].to_error(others=len(errors) - 1)
         for warning in self.problems:
             logger.warning("%s", warning)
-        report = self.plan.execute()
+        report = self._plan.execute()
         if not self.problems:
-            for optimizer, schema, in_groups, part in self.plan.to_store:
+            for optimizer, schema, in_groups, part in self._plan.to_store:
                 plan_cache.store(optimizer, schema, in_groups, part)
         logger.info("%s", report)
         return report

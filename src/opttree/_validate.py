@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+from typing import Self
 
 import torch
 
@@ -38,34 +39,43 @@ class ValidateVisitor(TraverserVisitor):
     for a partial reset, optimizers hidden in wrappers, and memory shared by state.
     """
 
-    def __init__(self, selection: Selection = EVERYTHING, *, keep_loss_scale: bool = False) -> None:
-        self.keep_loss_scale = keep_loss_scale
+    def __init__(self, *, keep_loss_scale: bool = False) -> None:
+        """A visitor of the whole state; ``keep_loss_scale`` leaves fp16 loss scalers alone."""
+        self._keep_loss_scale = keep_loss_scale
         self.problems: list[Problem] = []
-        self.plan = ResetPlan()
-        self.selection = selection
-        self.resettable: set[str] = set()
+        """What :meth:`check` found, in the order it found it."""
+        self._plan = ResetPlan()
+        self._selection = EVERYTHING
+        self._resettable: set[str] = set()
         self._inspectors: dict[type, LeafInspector | None] = {}
         self._contained: list[object] = []
         self._held: list[tuple[Node, Held]] = []
         self._is_optimizer: dict[type, bool] = {}
         self._release_refused = False
 
+    @classmethod
+    def _selecting(cls, selection: Selection, *, keep_loss_scale: bool = False) -> Self:
+        """A visitor of the part of the state ``selection`` takes."""
+        visitor = cls(keep_loss_scale=keep_loss_scale)
+        visitor._selection = selection
+        return visitor
+
     def check(self, root: Node) -> None:
         """Walk ``root`` and run the tree-wide checks."""
         self._contained.append(root.optimizer)
         root.accept(self)
-        self.check_keys(root)
-        self.check_held()
-        self.check_memory()
+        self._check_keys(root)
+        self._check_held()
+        self._check_memory()
 
-    def check_keys(self, root: Node) -> None:
+    def _check_keys(self, root: Node) -> None:
         """Keys named for a partial reset must be history in at least one leaf."""
-        if self.selection.keys is None:
+        if self._selection.keys is None:
             return
-        named = self.selection.keys | ({"step"} if self.selection.steps else set())
-        unknown = sorted(named - self.resettable)
+        named = self._selection.keys | ({"step"} if self._selection.steps else set())
+        unknown = sorted(named - self._resettable)
         if unknown:
-            known = ", ".join(sorted(self.resettable)) or "none"
+            known = ", ".join(sorted(self._resettable)) or "none"
             self.problems.append(
                 Problem(
                     ProblemKind.UNKNOWN_KEY,
@@ -75,13 +85,13 @@ class ValidateVisitor(TraverserVisitor):
                 )
             )
 
-    def is_optimizer(self, cls: type) -> bool:
+    def _counts_as_optimizer(self, cls: type) -> bool:
         found = self._is_optimizer.get(cls)
         if found is None:
             found = self._is_optimizer[cls] = issubclass(cls, torch.optim.Optimizer) or _registry.kind_for(cls) is not None
         return found
 
-    def check_held(self) -> None:
+    def _check_held(self) -> None:
         """Every optimizer a wrapper holds must be a node of the tree: one it hides would
         keep its state through a reset."""
         contained = identity_keys(self._contained)
@@ -98,10 +108,10 @@ class ValidateVisitor(TraverserVisitor):
             )
             self.problems.append(Problem(ProblemKind.HIDDEN_OPTIMIZER, node.path, type(node.optimizer).__qualname__, message))
 
-    def check_memory(self) -> None:
+    def _check_memory(self) -> None:
         """Step tensors held for several parameters are counted once, with a warning;
         anything written that shares memory with other state or a parameter is refused."""
-        plan = self.plan
+        plan = self._plan
         if not plan.fresh and plan.reused <= 1:
             return  # one plan from the cache, checked when it was made
         steps = plan.ranges("step_ranges")
@@ -123,69 +133,73 @@ class ValidateVisitor(TraverserVisitor):
             message = f"shares memory with {_owner_text(other)}: zeroing it would change that too"
             self.problems.append(Problem(ProblemKind.ALIASED_STATE, path, cls, message, key))
 
-    def inspector_for(self, cls: type) -> LeafInspector | None:
+    def _inspector_for(self, cls: type) -> LeafInspector | None:
         if cls in self._inspectors:
             return self._inspectors[cls]
         schema = _registry.schema_for(cls)
-        inspector = None if schema is None else LeafInspector(schema, self.plan, self.problems, self.selection)
-        if schema is not None and self.selection.keys is not None:
-            self.resettable |= schema.resettable
+        inspector = None if schema is None else LeafInspector(schema, self._plan, self.problems, self._selection)
+        if schema is not None and self._selection.keys is not None:
+            self._resettable |= schema.resettable
         self._inspectors[cls] = inspector
         return inspector
 
     def visit_children(self, node: Node) -> None:
+        """Record the children and the optimizers ``node`` holds, then visit runs of siblings."""
         self._contained.extend(map(_OPTIMIZER, node.children))
-        self._held.extend((node, held) for held in held_optimizers(node.optimizer, self.is_optimizer))
+        self._held.extend((node, held) for held in held_optimizers(node.optimizer, self._counts_as_optimizer))
         for siblings in sibling_groups(node):
-            self.visit_siblings(siblings)
+            self._visit_siblings(siblings)
 
-    def visit_siblings(self, nodes: tuple[Node, ...]) -> None:
+    def _visit_siblings(self, nodes: tuple[Node, ...]) -> None:
         for item in alike_runs(nodes):
             if isinstance(item, Node):
                 item.accept(self)
                 continue
-            inspector = self.inspector_for(type(item[0].optimizer))
+            inspector = self._inspector_for(type(item[0].optimizer))
             if inspector is None or not inspector.inspect_alike(item):
                 for leaf in item:
                     self.visit_leaf(leaf)
 
     def visit_chained(self, node: ChainedNode) -> None:
-        self.check_step_unit(node)
-        self.check_release(node)
+        """Check the chain's step unit and a release under it, then its members."""
+        self._check_step_unit(node)
+        self._check_release(node)
         self.visit_children(node)
 
     def visit_hybrid(self, node: HybridNode) -> None:
-        self.check_release(node)
+        """Check a release under it, then its sub-optimizers."""
+        self._check_release(node)
         self.visit_children(node)
 
     def visit_wrapper(self, node: WrapperNode) -> None:
-        self.check_step_unit(node)
-        self.check_release(node)
-        self.check_loss_scale(node)
+        """Check the wrapper's step unit, loss scaler and a release under it, then its inner optimizers."""
+        self._check_step_unit(node)
+        self._check_release(node)
+        self._check_loss_scale(node)
         self.visit_children(node)
 
-    def check_loss_scale(self, node: WrapperNode) -> None:
+    def _check_loss_scale(self, node: WrapperNode) -> None:
         """An fp16 wrapper's loss scaler is reset with its steps: all of them, as the step
         unit check requires, so with none of its parameters selected it is left alone."""
-        if loss_scaler(node.optimizer) is None or not self.selection.steps:
+        if loss_scaler(node.optimizer) is None or not self._selection.steps:
             return
-        chosen = self.selection.tensors
+        chosen = self._selection.tensors
         if chosen is not None and not any(id(p) in chosen for p in tree_params(node)):
             return
-        if self.keep_loss_scale:
-            self.plan.scalers_kept += 1
+        if self._keep_loss_scale:
+            self._plan.scalers_kept += 1
             return
         planned = plan_scaler(node.optimizer)
         if isinstance(planned, str):
             problem = Problem(ProblemKind.UNSUPPORTED_STATE, node.path, type(node.optimizer).__qualname__, planned, "grad_scaler")
             self.problems.append(problem)
         elif planned is not None:
-            self.plan.scalers.append(planned)
+            self._plan.scalers.append(planned)
 
-    def check_release(self, node: Node) -> None:
+    def _check_release(self, node: Node) -> None:
         """A release under a Megatron wrapper is refused, once, at the outermost one: an
         emptied state is one that Megatron cannot checkpoint until the next step."""
-        if not self.selection.release or self._release_refused or _registry.is_users_kind(type(node.optimizer)):
+        if not self._selection.release or self._release_refused or _registry.is_users_kind(type(node.optimizer)):
             return
         self._release_refused = True
         message = (
@@ -196,12 +210,12 @@ class ValidateVisitor(TraverserVisitor):
         )
         self.problems.append(Problem(ProblemKind.UNRELEASABLE_STATE, node.path, type(node.optimizer).__qualname__, message))
 
-    def check_step_unit(self, node: Node) -> None:
+    def _check_step_unit(self, node: Node) -> None:
         """A Megatron wrapper that saves one step for all its parameters (see
         :data:`~opttree._selection.STEP_UNITS`) fails to checkpoint unequal steps: a
         partial reset of steps must take all of its parameters that count them, or none."""
-        chosen = self.selection.tensors
-        locations = STEP_UNITS.lookup(type(node.optimizer)) if chosen is not None and self.selection.steps else None
+        chosen = self._selection.tensors
+        locations = STEP_UNITS.lookup(type(node.optimizer)) if chosen is not None and self._selection.steps else None
         if chosen is None or locations is None:
             return
         params = tree_params(node, lambda leaf: _registry.step_location(type(leaf)) in locations)
@@ -215,11 +229,12 @@ class ValidateVisitor(TraverserVisitor):
             self.problems.append(Problem(ProblemKind.PARTIAL_STEP, node.path, type(node.optimizer).__qualname__, message, "step"))
 
     def visit_leaf(self, node: LeafNode) -> None:
+        """Check and plan one leaf against its schema."""
         if node.shared_with is not None:
-            self.plan.shared_leaves += 1
+            self._plan.shared_leaves += 1
             return
         cls = type(node.optimizer)
-        inspector = self.inspector_for(cls)
+        inspector = self._inspector_for(cls)
         if inspector is None:
             self.problems.append(
                 Problem(

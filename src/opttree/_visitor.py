@@ -14,32 +14,40 @@ class NodeVisitor(ABC, Generic[T]):
     """One ``visit_*`` method per node kind; ``T`` is what a visit returns."""
 
     @abstractmethod
-    def visit_chained(self, node: ChainedNode) -> T: ...
+    def visit_chained(self, node: ChainedNode) -> T:
+        """Visit a ``ChainedOptimizer`` node."""
 
     @abstractmethod
-    def visit_hybrid(self, node: HybridNode) -> T: ...
+    def visit_hybrid(self, node: HybridNode) -> T:
+        """Visit a ``HybridDeviceOptimizer`` node."""
 
     @abstractmethod
-    def visit_wrapper(self, node: WrapperNode) -> T: ...
+    def visit_wrapper(self, node: WrapperNode) -> T:
+        """Visit a wrapper node."""
 
     @abstractmethod
-    def visit_leaf(self, node: LeafNode) -> T: ...
+    def visit_leaf(self, node: LeafNode) -> T:
+        """Visit a leaf optimizer node."""
 
 
 class TraverserVisitor(NodeVisitor[None]):
     """Walks every node depth-first; subclasses override the kinds they care about."""
 
     def visit_children(self, node: Node) -> None:
+        """Visit each child of ``node`` in order."""
         for child in node.children:
             child.accept(self)
 
     def visit_chained(self, node: ChainedNode) -> None:
+        """Visit the members in order."""
         self.visit_children(node)
 
     def visit_hybrid(self, node: HybridNode) -> None:
+        """Visit the CPU sub-optimizers, then the GPU one."""
         self.visit_children(node)
 
     def visit_wrapper(self, node: WrapperNode) -> None:
+        """Visit the inner optimizers."""
         self.visit_children(node)
 
     def visit_leaf(self, node: LeafNode) -> None:
