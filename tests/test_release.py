@@ -56,6 +56,23 @@ def test_released_memory_is_freed_and_training_equals_a_fresh_optimizer() -> Non
     assert weights_equal(net, twin)
 
 
+def test_a_release_frees_tensors_that_a_kept_reset_plan_held() -> None:
+    """A large state's plan is kept for the next reset, with its tensors: a release drops it."""
+    params = [torch.nn.Parameter(torch.ones(8)) for _ in range(100)]
+    optimizer = torch.optim.AdamW(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    opttree.reset(optimizer)
+    assert opttree.reset(optimizer).tensors_zeroed == 200  # the second reuses the kept plan
+    history = [weakref.ref(v) for e in optimizer.state.values() for v in e.values()]
+
+    assert opttree.reset(optimizer, release=True).entries_released == 100
+    gc.collect()
+
+    assert all(ref() is None for ref in history)
+
+
 def test_a_release_of_some_parameters_deletes_only_their_entries() -> None:
     net, optimizer = stepped_adamw()
     first, *rest = net.parameters()

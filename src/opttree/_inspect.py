@@ -349,7 +349,7 @@ class LeafInspector:
                 self.problem(node, ProblemKind.UNRELEASABLE_STATE, message, str(key))
         if len(self.problems) > problems_before or not held:
             return
-        into.release.append((state, held))
+        into.release.append((optimizer, held))
         into.released += len(held)
         tensors = [value for entry in entries for value in entry.values() if isinstance(value, torch.Tensor)]
         into.bytes_released += ranges(tensors).nbytes

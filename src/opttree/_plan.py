@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 from attrs import define, field
 
+from opttree import _plan_cache as plan_cache
 from opttree._preflight import Extents
 from opttree._report import ResetReport
 from opttree._scalers import ScalerReset
@@ -40,8 +41,8 @@ class StatePlan:
     identities: list[tuple[str, torch.Tensor]] = field(factory=list)
     """Square history by key, also in ``lists``, whose diagonal is set to one once zeroed."""
     number_steps: list[tuple[StateEntry, int | float]] = field(factory=list)
-    release: list[tuple[MutableMapping[torch.Tensor, StateEntry], list[torch.Tensor]]] = field(factory=list)
-    """State mappings, each with the parameters whose entries a release deletes."""
+    release: list[tuple[torch.optim.Optimizer, list[torch.Tensor]]] = field(factory=list)
+    """Optimizers, each with the parameters whose state entries a release deletes."""
     drop: list[tuple[StateEntry, str]] = field(factory=list)
     scales: list[torch.Tensor] = field(factory=list)
     zeroed: int = 0
@@ -158,9 +159,10 @@ class ResetPlan:
                 del entry[key]
             for entry, zero in part.number_steps:
                 entry["step"] = zero
-            for state, held in part.release:
+            for optimizer, held in part.release:
+                plan_cache.forget(optimizer)  # a kept plan would keep the tensors alive
                 for param in held:
-                    del state[param]
+                    del optimizer.state[param]
         return self.report()
 
     def report(self) -> ResetReport:

@@ -87,7 +87,8 @@ _plans: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Stored] = weakref.Weak
 _hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
-def _forget(optimizer: torch.optim.Optimizer) -> None:
+def forget(optimizer: torch.optim.Optimizer) -> None:
+    """Drop the plan kept for ``optimizer``, if any."""
     _plans.pop(optimizer, None)
 
 
@@ -110,7 +111,7 @@ def store(optimizer: torch.optim.Optimizer, schema: StateSchema, in_groups: list
         part,
     )
     if optimizer not in _hooked:
-        optimizer.register_load_state_dict_post_hook(_forget)
+        optimizer.register_load_state_dict_post_hook(forget)
         _hooked.add(optimizer)
 
 
@@ -122,5 +123,5 @@ def lookup(optimizer: torch.optim.Optimizer, schema: StateSchema, in_groups: lis
         return None
     if stored.matches(optimizer.state, schema, in_groups):
         return stored.part
-    _forget(optimizer)
+    forget(optimizer)
     return None
