@@ -4,6 +4,8 @@ the very same; any change is seen and planned afresh."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -159,3 +161,24 @@ def test_validate_stores_no_plan() -> None:
     assert optimizer not in _plan_cache._plans
     opttree.reset(optimizer)
     assert optimizer in _plan_cache._plans
+
+
+def test_a_kept_plan_holds_no_tensor_alive() -> None:
+    """Megatron's offload_to_cpu() replaces every state tensor with a copy: the old ones
+    must be freed at once, not kept by the plan of the last reset."""
+    params = many_params()
+    optimizer = torch.optim.AdamW(params)
+    step(optimizer, params, 0)
+    opttree.reset(optimizer)
+    assert optimizer in _plan_cache._plans
+    old = [weakref.ref(v) for entry in optimizer.state.values() for v in entry.values()]
+
+    for entry in optimizer.state.values():
+        entry.update({key: value.clone() for key, value in entry.items()})  # offload_to_cpu() uses .cpu()
+    gc.collect()
+
+    assert all(ref() is None for ref in old)
+    step(optimizer, params, 1)
+    report = opttree.reset(optimizer)  # the stale plan is not reused: the copies are zeroed
+    assert report.tensors_zeroed == 2 * len(params)
+    assert all(not v.any() for entry in optimizer.state.values() for v in entry.values())
