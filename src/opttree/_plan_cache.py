@@ -85,6 +85,20 @@ def _picker(positions: list[int]) -> Pick:
     return lambda values: list(get(values)) if positions else []
 
 
+class _Gone:
+    """The weak references' callback: whether any planned-from tensor is gone. It holds
+    nothing of the plan, so that a dropped plan is freed at once, not by the cycle
+    collector, and its weak references with it."""
+
+    __slots__ = ("any",)
+
+    def __init__(self) -> None:
+        self.any = False
+
+    def __call__(self, _: object) -> None:
+        self.any = True
+
+
 @define(eq=False)
 class _Stored:
     """A plan and what it was planned from; tensors by weak reference only, and the plan's
@@ -102,18 +116,14 @@ class _Stored:
     addresses: list[int]
     part: StatePlan
     """The plan with its tensor lists emptied; :meth:`reuse` fills them again."""
-    stale: bool = field(default=False, init=False)
-
-    def died(self, _: object) -> None:
-        """A weak reference's callback: one of the planned-from tensors is gone."""
-        self.stale = True
+    gone: _Gone = field(factory=lambda: _Gone())
 
     def reuse(self, state: _State, schema: StateSchema, in_groups: list[torch.Tensor]) -> StatePlan | None:
         """The plan, over the very tensors it was made for, if the state and the groups'
         parameters are exactly what it was planned from and each tensor it writes has the
         data address it was planned with; else None."""
         if (
-            self.stale  # else every referent is alive, and the values compared are the planned ones
+            self.gone.any  # else every referent is alive, and the values compared are the planned ones
             or schema is not self.schema
             or len(in_groups) != len(self.in_groups)
             or not _same_objects(in_groups, self.in_groups)
@@ -171,7 +181,8 @@ def store(optimizer: torch.optim.Optimizer, schema: StateSchema, in_groups: list
         _addresses(part.lists.values()),
         evolve(part, lists={}, identities=[]),
     )
-    stored.values.extend(weakref.ref(v, stored.died) if isinstance(v, torch.Tensor) else _Held(v) for v in values)
+    gone = stored.gone
+    stored.values.extend(weakref.ref(v, gone) if isinstance(v, torch.Tensor) else _Held(v) for v in values)
     _plans[optimizer] = stored
     if optimizer not in _hooked:
         optimizer.register_load_state_dict_post_hook(forget)
