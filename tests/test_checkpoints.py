@@ -163,14 +163,23 @@ def test_opttree_load_keeps_the_steps_of_an_in_memory_state_dict() -> None:
     assert all(torch.equal(a, b) for a, b in zip(loaded.main_params(), stack.main_params(), strict=True))
 
 
+# A DistributedOptimizer's round trip fails at the save from megatron-core 0.16 on (its
+# default format's ``flattened_range``), and before that at the load: 0.13 to 0.15 save it,
+# but a fresh DistributedOptimizer, asked for the state to load into, asserts that the
+# still-empty state of its torch optimizer has a single step.
+DISTRIBUTED_ROUND_TRIP_ERRORS = (CheckpointingException, AssertionError)
+
+
 @pytest.mark.parametrize(
     ("name", "error"),
-    [("sgd", TypeError), ("dist_fp32", CheckpointingException), ("offload_1.0", CheckpointingException)],
+    [("sgd", TypeError), ("dist_fp32", DISTRIBUTED_ROUND_TRIP_ERRORS), ("offload_1.0", DISTRIBUTED_ROUND_TRIP_ERRORS)],
 )
-def test_recipes_whose_round_trip_megatron_fails_without_a_reset(name: str, error: type[Exception], tmp_path: Path) -> None:
+def test_recipes_whose_round_trip_megatron_fails_without_a_reset(
+    name: str, error: type[Exception] | tuple[type[Exception], ...], tmp_path: Path
+) -> None:
     """Why they are not in SHARDED_ROUND_TRIP: on the CPU, Megatron cannot load SGD's
-    checkpoint (no ``init_state_fn``) nor save a ``DistributedOptimizer``'s in its default
-    format (``flattened_range``), trained and never reset."""
+    checkpoint (no ``init_state_fn``) nor round-trip a ``DistributedOptimizer``'s in its
+    default format, trained and never reset."""
     stack = testing.build(name)
     stack.train(0, K)
     with pytest.raises(error):

@@ -6,6 +6,8 @@ main (master) weights, trained the same k steps. Main weights must match bitwise
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -59,13 +61,25 @@ def test_every_named_configuration_has_an_expected_shape() -> None:
     assert set(EXPECTED_SHAPES) == set(testing.RECIPES)
 
 
-def test_the_lane_builds_what_its_megatron_core_has() -> None:
-    import importlib.util
+def test_what_needs_nothing_beyond_the_factory_is_available_on_every_megatron_core() -> None:
+    assert {"fp32", "bf16", "fp16", "sgd", "moe", "offload_0.75", "offload_1.0"} <= set(testing.available())
 
-    has_emerging = importlib.util.find_spec("emerging_optimizers") is not None
-    muon = {"muon", "dist_muon", "adaptive_muon"}
-    assert (muon <= set(testing.available())) == has_emerging
-    assert set(testing.available()) >= set(testing.RECIPES) - muon
+
+def test_what_available_leaves_out_megatron_cannot_build_or_train() -> None:
+    """available() is honest the other way too: each configuration it leaves out has a
+    reason, build() refuses it with that reason, and Megatron's factory, asked anyway,
+    fails to build it or to take a step with it."""
+    from opttree.testing import _megatron
+
+    for name in set(testing.RECIPES) - set(testing.available()):
+        reason = testing.missing_feature(name)
+        assert reason, name
+        with pytest.raises(RuntimeError, match=f"cannot be built here: {re.escape(reason)}"):
+            testing.build(name)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(_megatron, "missing_feature", lambda _: None)
+            with pytest.raises(Exception):  # noqa: B017, PT011 - Megatron's own, of any type
+                testing.build(name).step(0)
 
 
 @pytest.fixture(params=testing.available())

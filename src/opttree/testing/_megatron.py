@@ -12,8 +12,13 @@ filled by hand.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
+import importlib.metadata
+import importlib.util
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from types import ModuleType
 from typing import TYPE_CHECKING
 from unittest import mock
 
@@ -124,22 +129,88 @@ def ensure_process_group() -> None:
             parallel_state.initialize_model_parallel()
 
 
-def is_available(name: str) -> bool:
-    """Whether this environment's megatron-core can build the named configuration."""
-    import importlib.util
+def _module(name: str) -> ModuleType | None:
+    """The named module, or None where this environment lacks it (or its parent package)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
-    recipe = RECIPES[name]
-    if not recipe.needs_emerging:
-        return True
+
+@functools.cache
+def _distributed_optimizer_missing() -> str | None:
+    """megatron-core 0.12's ``DistributedOptimizer`` copies its main weights back through
+    ``fp8_utils.quantize_param_shard`` on every step, and without TransformerEngine that
+    raises even with no fp8 parameter (0.13 returns on an empty list). Asked, not assumed:
+    the call with nothing to quantize is what every step here makes."""
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return None
+    fp8_utils = _module("megatron.core.fp8_utils")
+    quantize = getattr(fp8_utils, "quantize_param_shard", None)
+    if quantize is None:
+        return None
+    try:
+        quantize([], [], [], None)
+    except RuntimeError as e:
+        return f"this megatron-core's DistributedOptimizer cannot step without TransformerEngine ({e})"
+    return None
+
+
+@functools.cache
+def _emerging_missing(optimizer: str, *, layer_wise: bool) -> str | None:
+    """Whether ``get_megatron_optimizer`` builds ``optimizer`` from emerging-optimizers here.
+
+    It does from megatron-core 0.18 on, through its registry
+    ``megatron.core.optimizer.emerging_optimizers``; 0.16 and 0.17 build Muon only through
+    a separate ``get_megatron_muon_optimizer``, and 0.15 and older not at all."""
     if importlib.util.find_spec("emerging_optimizers") is None:
-        return False
-    if recipe.optimizer == "adaptive_muon":
-        return importlib.util.find_spec("megatron.core.optimizer.emerging_optimizers") is not None
-    return True
+        return "emerging-optimizers is not installed"
+    registry = _module("megatron.core.optimizer.emerging_optimizers")
+    if registry is None:
+        return (
+            f"this megatron-core's get_megatron_optimizer builds no {optimizer!r}: "
+            "it has no emerging-optimizer registry (megatron.core.optimizer.emerging_optimizers)"
+        )
+    if not getattr(registry, "HAVE_EMERGING_OPTIMIZERS", False):
+        installed = importlib.metadata.version("emerging-optimizers")
+        return f"this megatron-core cannot import what it needs from emerging-optimizers {installed}"
+    known = getattr(registry, "_EMERGING_OPTIMIZERS", None)
+    if isinstance(known, Mapping) and optimizer not in known:
+        return f"this megatron-core's emerging-optimizer registry has no {optimizer!r}"
+    if layer_wise and _module("megatron.core.optimizer.layer_wise_optimizer") is None:
+        return "this megatron-core has no LayerWiseDistributedOptimizer"
+    return None
+
+
+def missing_feature(name: str) -> str | None:
+    """Why this environment's megatron-core cannot build and train the named configuration:
+    the feature it lacks, in words; None where it can.
+
+    Each feature is probed in the installed megatron-core (and emerging-optimizers), not
+    read off a version number."""
+    recipe = RECIPES[name]
+    if importlib.util.find_spec("megatron") is None or _module("megatron.core.optimizer") is None:
+        return "megatron-core is not installed"
+    if recipe.offload_fraction is not None:
+        if _module("megatron.core.optimizer.cpu_offloading.hybrid_optimizer") is None:
+            return "this megatron-core has no HybridDeviceOptimizer"
+    elif recipe.distributed:
+        # The precision-aware (offload) path copies its main weights itself.
+        reason = _distributed_optimizer_missing()
+        if reason is not None:
+            return reason
+    if recipe.needs_emerging:
+        return _emerging_missing(recipe.optimizer, layer_wise=recipe.layer_wise)
+    return None
+
+
+def is_available(name: str) -> bool:
+    """Whether this environment's megatron-core can build and train the named configuration."""
+    return missing_feature(name) is None
 
 
 def available() -> tuple[str, ...]:
-    """The configuration names this environment can build."""
+    """The configuration names this environment can build and train; see :func:`missing_feature`."""
     return tuple(name for name in RECIPES if is_available(name))
 
 
@@ -193,6 +264,7 @@ class MegatronStack:
             return float(loss)
 
     def train(self, start: int, steps: int) -> None:
+        """``steps`` training steps on the batches ``start``, ``start + 1``, ...; see :meth:`step`."""
         for index in range(start, start + steps):
             self.step(index)
 
@@ -226,13 +298,12 @@ class MegatronStack:
 def _without_transformer_engine_version() -> Iterator[None]:
     """``OptimizerConfig`` asks TE for its version when precision-aware, and fails with a
     ``TypeError`` where TE is not installed; without TE the answer is "older than any"."""
-    import importlib.util
-
-    if importlib.util.find_spec("transformer_engine") is not None:
-        yield
-        return
     from megatron.core.optimizer import optimizer_config
 
+    # megatron-core 0.12's config asks no version (it returns early for CPU offload).
+    if importlib.util.find_spec("transformer_engine") is not None or not hasattr(optimizer_config, "is_te_min_version"):
+        yield
+        return
     with mock.patch.object(optimizer_config, "is_te_min_version", lambda *a, **k: False):
         yield
 
@@ -244,8 +315,9 @@ def build(name: str, *, seed: int = 0, lr: float = 1e-2) -> MegatronStack:
     from megatron.core.transformer import TransformerConfig
 
     recipe = RECIPES[name]
-    if not is_available(name):
-        msg = f"configuration {name!r} needs emerging-optimizers and a megatron-core that has it"
+    reason = missing_feature(name)
+    if reason is not None:
+        msg = f"configuration {name!r} cannot be built here: {reason}"
         raise RuntimeError(msg)
     ensure_process_group()
     device = cuda_on_cpu()
