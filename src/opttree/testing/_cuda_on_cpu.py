@@ -178,8 +178,17 @@ def _stream_context(stream: object = None) -> Iterator[None]:
     yield
 
 
-def _none(*args: object, **kwargs: object) -> None:
-    return None
+def _does_nothing(name: str) -> Callable[..., None]:
+    """A function that does nothing, its own object for each name it replaces: torch.compile
+    (dynamo) keys its rules for torch's functions by object, and asserts on one object
+    found under two functions with different rules (``torch.cuda.synchronize`` and
+    ``torch.accelerator.synchronize``)."""
+
+    def nothing(*args: object, **kwargs: object) -> None:
+        return None
+
+    nothing.__name__ = nothing.__qualname__ = name
+    return nothing
 
 
 _CUDA_PATCHES: dict[str, object] = {
@@ -190,9 +199,9 @@ _CUDA_PATCHES: dict[str, object] = {
     "default_stream": lambda *a, **k: _Stream(),
     "current_device": lambda: 0,
     "device_count": lambda: 1,
-    "set_device": _none,
-    "synchronize": _none,
-    "empty_cache": _none,
+    "set_device": _does_nothing("set_device"),
+    "synchronize": _does_nothing("synchronize"),
+    "empty_cache": _does_nothing("empty_cache"),
     "is_available": lambda: True,
     "memory_allocated": lambda *a, **k: 0,
     "max_memory_allocated": lambda *a, **k: 0,
@@ -202,7 +211,7 @@ _CUDA_PATCHES: dict[str, object] = {
 _ACCELERATOR_PATCHES: dict[str, object] = {
     "current_stream": lambda *a, **k: _Stream(),
     "current_device_index": lambda: 0,
-    "synchronize": _none,
+    "synchronize": _does_nothing("synchronize"),
 }
 
 
@@ -226,6 +235,10 @@ class CudaOnCpu:
         for name, value in _ACCELERATOR_PATCHES.items():
             if hasattr(accelerator, name):
                 stack.enter_context(mock.patch.object(accelerator, name, value))
+        # torch.compile would compile for the CUDA device the tensors claim, and finds no
+        # GPU: compiled functions (emerging-optimizers' Lion, LaProp, SOAP, REKLS updates)
+        # run eagerly instead, the same arithmetic on the CPU.
+        stack.enter_context(torch._dynamo.config.patch(disable=True))
         stack.enter_context(_CudaOnCpu(self.on_gpu))
         self._stacks.append(stack)
         return self
