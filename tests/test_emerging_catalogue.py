@@ -1,10 +1,13 @@
 """Every name in the emerging-optimizers registry that megatron-core's factory offers, listed
-from the registry at test time: a new one fails here until it is reset exactly. Each class is built directly over small parameters, stepped 3 times,
-reset (or released: its state deleted, to be built again), and then 3 steps equal a fresh
-optimizer's bitwise, while the same optimizer not reset differs. (Built directly because megatron-core 0.19.2's factory passes ``betas`` to
-mop, muon_hyperball, polargrad, scion, sinkhorn_muon, spel, psgd_pro and oblique_sgd,
-which take none, and registers psgd_pro and the oblique optimizers only where their
-modules were imported first.)"""
+from the registry at test time: a new one fails here until it is reset exactly.
+
+Each class is built directly over small parameters, stepped 3 times, reset (or released:
+its state deleted, to be built again), and then 3 steps equal a fresh optimizer's
+bitwise, while the same optimizer not reset differs. Built directly, because
+megatron-core 0.19.2's factory builds and steps only seven of them on a CPU (six are
+``opttree.testing`` recipes); the last test here builds every name through the factory,
+proves those seven exact there too, and shows why each other one fails
+(:data:`FACTORY_FAILS`)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ import importlib
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -131,3 +136,58 @@ def test_reset_then_train_equals_a_fresh_optimizer(name: str, release: bool, rec
     record(name, "exact" if same and not kept_same else "NOT EXACT", "release" if release else "reset")
     assert same
     assert not kept_same
+
+
+FACTORY_FAILS = {
+    # megatron-core 0.19.2's config-to-kwargs passes Adam's betas to optimizers that take none
+    **dict.fromkeys(
+        ("mop", "muon_hyperball", "polargrad", "scion", "sinkhorn_muon", "spel", "psgd_pro", "oblique_sgd"),
+        "got an unexpected keyword argument 'betas'",
+    ),
+}
+"""What megatron-core 0.19.2's ``get_megatron_optimizer`` raises, in ``opttree.testing``'s
+CPU stand-in for CUDA, for each registry name it cannot build and step there."""
+
+THROUGH_THE_FACTORY = """
+import importlib, json, sys, torch
+# Megatron's registry lists psgd_pro and the oblique optimizers only where their modules
+# were imported before megatron.core.optimizer, as a user who picks them does.
+for module in ("emerging_optimizers.psgd", "emerging_optimizers.riemannian_optimizers", "megatron.core.optimizer"):
+    importlib.import_module(module)
+import opttree
+from emerging_optimizers import registry
+from opttree import testing
+
+results = {}
+for name in sorted(registry.get_optimizer_name_list()):
+    recipe = testing.Recipe(f"factory {name}", name, needs_emerging=True)
+    try:
+        stack = testing.build(recipe)
+        stack.train(0, 3)
+    except Exception as e:
+        results[name] = f"{type(e).__name__}: {e}"
+        continue
+    opttree.reset(stack.optimizer)
+    fresh = testing.build(recipe)
+    fresh.copy_weights_from(stack)
+    stack.train(3, 3)
+    fresh.train(3, 3)
+    same = all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))
+    results[name] = "exact" if same else "NOT EXACT"
+print(json.dumps(results))
+"""
+
+
+def test_megatron_factory_builds_seven_exactly_and_fails_for_the_stated_reason_on_the_rest() -> None:
+    from importlib.metadata import version
+
+    if not version("megatron-core").startswith("0.19."):
+        pytest.skip("FACTORY_FAILS describes megatron-core 0.19's factory")
+    done = subprocess.run([sys.executable, "-c", THROUGH_THE_FACTORY], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results: dict[str, str] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(results) == set(_registry())
+    built = {name for name in results if name not in FACTORY_FAILS}
+    assert built == {"muon", "adaptive_muon", "lion", "laprop", "soap", "rekls", "oblique_adam"}
+    for name, result in results.items():
+        assert FACTORY_FAILS.get(name, "exact") in result, (name, result)

@@ -33,8 +33,15 @@ EXPECTED_SHAPES = {
         "Float16OptimizerWithFloat16Params[AdamW]]"
     ),
     "adaptive_muon": "ChainedOptimizer[FP32Optimizer[TensorParallelAdaptiveMuon],FP32Optimizer[AdamW]]",
+    "lion": "ChainedOptimizer[FP32Optimizer[Lion],FP32Optimizer[AdamW]]",
+    "laprop": "ChainedOptimizer[FP32Optimizer[LaProp],FP32Optimizer[AdamW]]",
+    "soap": "ChainedOptimizer[FP32Optimizer[SOAP],FP32Optimizer[AdamW]]",
+    "rekls": "ChainedOptimizer[FP32Optimizer[REKLS],FP32Optimizer[AdamW]]",
 }
-HISTORY_KEYS = {"exp_avg", "exp_avg_sq", "momentum_buffer", "moment2_buffer"}
+ZEROED_KEYS = {"exp_avg", "exp_avg_sq", "momentum_buffer", "moment2_buffer", "L", "R"}
+"""Moments, and SOAP's and REKLS's Kronecker factors."""
+IDENTITY_KEYS = {"Q_L", "Q_R"}
+"""SOAP's and REKLS's eigenbases, which a fresh optimizer starts as ``torch.eye``."""
 
 
 class Shape(opttree.NodeVisitor[str]):
@@ -111,10 +118,14 @@ def test_reset_then_train_matches_a_fresh_optimizer(trained: testing.MegatronSta
     assert all(torch.equal(a, b) for a, b in zip(masters_before, trained.main_params(), strict=True))
     for leaf in trained.leaves():
         for entry in leaf.state.values():
-            assert not (set(entry) - HISTORY_KEYS - {"step", "master_param", "momentum_buffer"})
+            assert not (set(entry) - ZEROED_KEYS - IDENTITY_KEYS - {"step", "master_param"})
             for key, value in entry.items():
-                if key in HISTORY_KEYS or key == "step":
+                if key in ZEROED_KEYS:
                     assert isinstance(value, torch.Tensor) and not value.any(), key
+                elif key in IDENTITY_KEYS:
+                    assert isinstance(value, torch.Tensor) and torch.equal(value, torch.eye(len(value), dtype=value.dtype)), key
+                elif key == "step":  # a tensor (torch's AdamW) or an int (emerging-optimizers)
+                    assert not (value.any() if isinstance(value, torch.Tensor) else value), key
     assert report.tensors_zeroed + report.tensors_dropped > 0
 
     fresh = testing.build(trained.name)

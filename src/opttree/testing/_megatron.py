@@ -105,8 +105,19 @@ RECIPES: dict[str, Recipe] = {
             needs_emerging=True,
             description="TensorParallelAdaptiveMuon chained with AdamW",
         ),
+        Recipe("lion", "lion", needs_emerging=True, description="emerging-optimizers Lion chained with AdamW"),
+        Recipe("laprop", "laprop", needs_emerging=True, description="emerging-optimizers LaProp chained with AdamW"),
+        Recipe("soap", "soap", needs_emerging=True, description="emerging-optimizers SOAP chained with AdamW"),
+        Recipe("rekls", "rekls", needs_emerging=True, description="emerging-optimizers REKLS chained with AdamW"),
     )
 }
+"""Megatron's factory builds each of these on a CPU. Of the other names in its
+emerging-optimizer registry, megatron-core 0.19.2 passes Adam's ``betas`` to mop,
+muon_hyperball, polargrad, scion, sinkhorn_muon, spel, psgd_pro and oblique_sgd, which
+take none, and lists psgd_pro and the oblique optimizers only where their modules were
+imported before ``megatron.core.optimizer``; ``tests/test_emerging_catalogue.py`` builds
+every name through the factory (oblique_adam among them, imported first) and each class
+directly."""
 
 
 def free_port() -> int:
@@ -182,13 +193,18 @@ def _emerging_missing(optimizer: str, *, layer_wise: bool) -> str | None:
     return None
 
 
-def missing_feature(name: str) -> str | None:
-    """Why this environment's megatron-core cannot build and train the named configuration:
-    the feature it lacks, in words; None where it can.
+def _recipe(configuration: str | Recipe) -> Recipe:
+    return configuration if isinstance(configuration, Recipe) else RECIPES[configuration]
+
+
+def missing_feature(configuration: str | Recipe) -> str | None:
+    """Why this environment's megatron-core cannot build and train a configuration (a name
+    of :data:`RECIPES`, or a :class:`Recipe` of your own): the feature it lacks, in words;
+    None where it can.
 
     Each feature is probed in the installed megatron-core (and emerging-optimizers), not
     read off a version number."""
-    recipe = RECIPES[name]
+    recipe = _recipe(configuration)
     if importlib.util.find_spec("megatron") is None or _module("megatron.core.optimizer") is None:
         return "megatron-core is not installed"
     if recipe.offload_fraction is not None:
@@ -204,9 +220,9 @@ def missing_feature(name: str) -> str | None:
     return None
 
 
-def is_available(name: str) -> bool:
-    """Whether this environment's megatron-core can build and train the named configuration."""
-    return missing_feature(name) is None
+def is_available(configuration: str | Recipe) -> bool:
+    """Whether this environment's megatron-core can build and train a configuration."""
+    return missing_feature(configuration) is None
 
 
 def available() -> tuple[str, ...]:
@@ -308,16 +324,17 @@ def _without_transformer_engine_version() -> Iterator[None]:
         yield
 
 
-def build(name: str, *, seed: int = 0, lr: float = 1e-2) -> MegatronStack:
-    """Build the named configuration with Megatron's ``get_megatron_optimizer``."""
+def build(configuration: str | Recipe, *, seed: int = 0, lr: float = 1e-2) -> MegatronStack:
+    """Build a configuration (a name of :data:`RECIPES`, or a :class:`Recipe` of your own)
+    with Megatron's ``get_megatron_optimizer``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
 
-    recipe = RECIPES[name]
-    reason = missing_feature(name)
+    recipe = _recipe(configuration)
+    reason = missing_feature(recipe)
     if reason is not None:
-        msg = f"configuration {name!r} cannot be built here: {reason}"
+        msg = f"configuration {recipe.name!r} cannot be built here: {reason}"
         raise RuntimeError(msg)
     ensure_process_group()
     device = cuda_on_cpu()
@@ -356,7 +373,7 @@ def build(name: str, *, seed: int = 0, lr: float = 1e-2) -> MegatronStack:
             model,
         )
         optimizer = get_megatron_optimizer(optimizer_config, [ddp])
-    stack = MegatronStack(name, ddp, optimizer, device)
+    stack = MegatronStack(recipe.name, ddp, optimizer, device)
     for leaf in stack.leaves():
         _complete_adaptive_muon(leaf, optimizer_config)
     return stack
