@@ -169,6 +169,14 @@ def test_a_fill_must_be_a_number_or_a_function_and_not_also_a_zero() -> None:
         opttree.StateSchema(zero={"sum"}, fill={"sum": 0.1})
 
 
+def test_a_step_type_describes_a_per_parameter_step() -> None:
+    with pytest.raises(opttree.RegistrationError, match="step_type describes a per-parameter step; this schema's step is per-group"):
+        opttree.StateSchema(step=opttree.StepLocation.PER_GROUP, step_type=opttree.StepType.INT)
+    schema = opttree.StateSchema(zero={"exp_avg"}, step=opttree.StepLocation.PER_PARAMETER, step_type=opttree.StepType.INT)
+    assert schema.step_type is opttree.StepType.INT
+    assert opttree.StateSchema(step=opttree.StepLocation.PER_PARAMETER).step_type is opttree.StepType.TENSOR
+
+
 def test_a_users_fill_follows_the_group() -> None:
     class Accumulates(torch.optim.Adagrad):
         pass

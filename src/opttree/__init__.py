@@ -28,7 +28,7 @@ from opttree._problems import Problem, ProblemKind, Severity
 from opttree._registry import register_schema, register_wrapper
 from opttree._report import ResetReport
 from opttree._reset import ResetVisitor
-from opttree._schema import StateSchema, StepLocation
+from opttree._schema import StateSchema, StepLocation, StepType
 from opttree._validate import ValidateVisitor
 from opttree._version import __version__
 from opttree._visitor import NodeVisitor, TraverserVisitor
@@ -58,6 +58,7 @@ __all__ = [
     "StaleMaster",
     "StateSchema",
     "StepLocation",
+    "StepType",
     "SyncReport",
     "TraverserVisitor",
     "UnknownWrapper",

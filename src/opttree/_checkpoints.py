@@ -12,7 +12,8 @@ checkpoint does not hold.)
 put back, under ``common_step``, the key Megatron's load reads, so the checkpoint loads
 with Megatron's own code. :func:`load_state_dict` loads a checkpoint that Megatron itself
 saved at step 0: Megatron writes the step whenever it is not 0, so history without one
-was saved at step 0, and the step given back is 0.
+was saved at step 0, and the step given back is 0, of the type the leaf's optimizer
+starts it as (a float tensor for torch's, an int for LaProp's: see ``StateSchema.step_type``).
 
 ``DistributedOptimizer`` writes its step into the param groups whatever its value, and
 leaves that count steps per group (TE and apex ``FusedAdam``) keep them in the param
@@ -31,7 +32,7 @@ from opttree._api import tree
 from opttree._dispatch import LazyDispatch
 from opttree._nodes import LeafNode, Node
 from opttree._problems import Problem, ProblemKind
-from opttree._schema import StepLocation
+from opttree._schema import StepLocation, StepType
 
 STEP_KEY = "common_step"
 """Where Megatron's ``sharded_state_dict`` puts the step its parameters share."""
@@ -189,8 +190,16 @@ def load_state_dict(optimizer: object, state_dict: dict[str, object]) -> None:
     been saved by Megatron's own ``sharded_state_dict`` at step 0: each leaf state that
     holds history but no step is given the step 0 it was saved at."""
     root = _megatron_root(optimizer)
-    for _, leaf_state in _walk(root, state_dict):
+    for leaf, leaf_state in _walk(root, state_dict):
         entries = leaf_state["state"]
         if isinstance(entries, dict) and entries and STEP_KEY not in entries and not _has_steps(entries):
-            entries[STEP_KEY] = torch.tensor(0.0)  # torch's Adam starts from this; load moves it
+            entries[STEP_KEY] = _fresh_step(leaf)
     getattr(optimizer, "load_state_dict")(state_dict)
+
+
+def _fresh_step(leaf: LeafNode) -> object:
+    """A step of 0, as the leaf's optimizer creates its steps (its schema's ``step_type``)."""
+    schema = _registry.schema_for(type(leaf.optimizer))
+    if schema is not None and schema.step_type is StepType.INT:
+        return 0
+    return torch.tensor(0.0)  # torch's Adam starts from this; its load moves it

@@ -38,6 +38,18 @@ class StepLocation(enum.Enum):
     """No step counter (SGD, Muon)."""
 
 
+class StepType(enum.Enum):
+    """What a per-parameter step counter is when the optimizer creates it: what a loader
+    gives back where a checkpoint holds history but no step (see :func:`opttree.load_state_dict`)."""
+
+    TENSOR = "tensor"
+    """``torch.tensor(0.0)``, as torch's optimizers start it; their ``load_state_dict``
+    moves it where they keep it."""
+    INT = "int"
+    """A Python ``int`` (torch's ``SparseAdam``, emerging-optimizers' LaProp and SOAP): a
+    tensor in its place would change the arithmetic of bias correction."""
+
+
 Fill = float | Callable[[Mapping[str, object], Mapping[str, object]], float]
 """What a history tensor starts as: a number, or ``(param_group, defaults) -> number``
 for one that depends on its group (Rprop's ``step_size`` starts at the group's ``lr``).
@@ -67,6 +79,8 @@ class StateSchema:
     ``identity``: history the optimizer creates as an identity matrix (SOAP's eigenbases
     ``Q_L``/``Q_R`` start as ``torch.eye``); reset writes the identity in place.
 
+    ``step_type``: what a per-parameter ``step`` starts as (:class:`StepType`).
+
     ``rebuilds_missing``: the optimizer builds a parameter's whole entry on its next step
     when the entry is missing, as it builds a fresh one (torch's ``len(state) == 0``
     initialisation), so ``reset(..., release=True)`` may delete entries to free their memory.
@@ -83,6 +97,7 @@ class StateSchema:
     fill: tuple[tuple[str, Fill], ...] = field(converter=_fills, factory=tuple, kw_only=True)
     identity: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     rebuilds_missing: bool = field(default=False, kw_only=True)
+    step_type: StepType = field(default=StepType.TENSOR, kw_only=True)
 
     @property
     def filled(self) -> frozenset[str]:
@@ -99,6 +114,9 @@ class StateSchema:
                 raise RegistrationError(msg)
         if "step" in self.zero | self.drop | self.keep | self.filled | self.identity:
             msg = "'step' is described by StateSchema.step, not by a key set"
+            raise RegistrationError(msg)
+        if self.step_type is not StepType.TENSOR and self.step is not StepLocation.PER_PARAMETER:
+            msg = f"step_type describes a per-parameter step; this schema's step is {self.step.value}"
             raise RegistrationError(msg)
 
     def _check_disjoint(self, first: str, second: str) -> None:

@@ -13,16 +13,23 @@ Each of them builds a missing entry again, so its state can be released.
 
 from __future__ import annotations
 
-from opttree._schema import StateSchema, StepLocation
+from opttree._schema import StateSchema, StepLocation, StepType
 from opttree._schemas._keys import MASTER_PARAM
 
 MUON = StateSchema(zero={"momentum_buffer"}, keep={MASTER_PARAM}, rebuilds_missing=True)
 ADAPTIVE_MUON = StateSchema(zero={"momentum_buffer", "moment2_buffer"}, keep={MASTER_PARAM}, rebuilds_missing=True)
-_ADAM_LIKE = StateSchema(zero={"exp_avg", "exp_avg_sq"}, keep={MASTER_PARAM}, step=StepLocation.PER_PARAMETER, rebuilds_missing=True)
+_ADAM_LIKE = StateSchema(
+    zero={"exp_avg", "exp_avg_sq"},
+    keep={MASTER_PARAM},
+    step=StepLocation.PER_PARAMETER,
+    step_type=StepType.INT,
+    rebuilds_missing=True,
+)
 SOAP = StateSchema(
     zero={"exp_avg", "exp_avg_sq", "L", "R"},
     keep={MASTER_PARAM},
     step=StepLocation.PER_PARAMETER,
+    step_type=StepType.INT,
     identity={"Q_L", "Q_R"},
     rebuilds_missing=True,
 )
@@ -46,6 +53,11 @@ LAZY: dict[str, StateSchema] = {
     "emerging_optimizers.soap.soap.SOAP": SOAP,
     "emerging_optimizers.soap.rekls.REKLS": SOAP,
     "emerging_optimizers.psgd.psgd.PSGDPro": StateSchema(
-        zero={"exp_avg"}, drop={"Q", "L"}, keep={MASTER_PARAM}, step=StepLocation.PER_PARAMETER, rebuilds_missing=True
+        zero={"exp_avg"},
+        drop={"Q", "L"},
+        keep={MASTER_PARAM},
+        step=StepLocation.PER_PARAMETER,
+        step_type=StepType.INT,
+        rebuilds_missing=True,
     ),
 }

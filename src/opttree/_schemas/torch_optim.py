@@ -4,7 +4,7 @@ Derived from torch's sources (``_init_group`` or ``__init__``): history created 
 ``zeros_like`` is zeroed; Adagrad's ``sum`` (``full_like`` of ``initial_accumulator_value``,
 read from the defaults), Rprop's ``step_size`` (the group's ``lr``), ASGD's ``eta`` (the
 group's ``lr``) and ``mu``, and NAdam's ``mu_product`` (1) are filled with their starting
-values; SGD's ``momentum_buffer`` (a copy of the first gradient) and everything LBFGS keeps
+values; every per-parameter step is a float tensor but SparseAdam's, an int; SGD's ``momentum_buffer`` (a copy of the first gradient) and everything LBFGS keeps
 (lists, numbers and tensors it builds on its first step) are dropped. Every class but
 Adagrad builds a missing entry again on its next step, so its state can be released.
 """
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from opttree._schema import Fill, StateSchema, StepLocation
+from opttree._schema import Fill, StateSchema, StepLocation, StepType
 from opttree._schemas._keys import MASTER_PARAM
 
 
@@ -33,9 +33,16 @@ def _initial_accumulator(group: Mapping[str, object], defaults: Mapping[str, obj
     return _number(defaults["initial_accumulator_value"], "initial_accumulator_value")
 
 
-def _per_step(*zero: str, fill: Mapping[str, Fill] | None = None, rebuilds_missing: bool = True) -> StateSchema:
+def _per_step(
+    *zero: str, fill: Mapping[str, Fill] | None = None, rebuilds_missing: bool = True, step_type: StepType = StepType.TENSOR
+) -> StateSchema:
     return StateSchema(
-        zero=set(zero), keep={MASTER_PARAM}, step=StepLocation.PER_PARAMETER, fill=dict(fill or {}), rebuilds_missing=rebuilds_missing
+        zero=set(zero),
+        keep={MASTER_PARAM},
+        step=StepLocation.PER_PARAMETER,
+        fill=dict(fill or {}),
+        rebuilds_missing=rebuilds_missing,
+        step_type=step_type,
     )
 
 
@@ -59,7 +66,7 @@ SCHEMAS: dict[str, StateSchema] = {
     "ASGD": _per_step("ax", fill={"eta": _lr, "mu": 1.0}),
     "SGD": SGD,
     "LBFGS": LBFGS,
-    "SparseAdam": _per_step("exp_avg", "exp_avg_sq"),
+    "SparseAdam": _per_step("exp_avg", "exp_avg_sq", step_type=StepType.INT),  # state["step"] = 0
     "Adafactor": _per_step("row_var", "col_var", "variance"),
     "Muon": StateSchema(zero={"momentum_buffer"}, keep={MASTER_PARAM}, rebuilds_missing=True),
 }
