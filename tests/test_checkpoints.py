@@ -136,6 +136,11 @@ def test_sharded_round_trip_after_reset_equals_a_fresh_optimizer(
 @pytest.mark.parametrize("name", SHARDED_ROUND_TRIP)
 def test_megatron_alone_cannot_load_its_checkpoint_saved_after_a_reset(name: str, tmp_path: Path) -> None:
     loaded = reset_and_save(name, tmp_path, with_opttree=False)
+    steps = {opttree._registry.step_location(type(leaf)) for leaf in loaded.leaves()}
+    if opttree.StepLocation.PER_PARAMETER not in steps:
+        # megatron-core 0.17 builds lion in its own path, Lion alone: no step to lose
+        load(loaded, tmp_path, with_opttree=False)
+        return
     with pytest.raises(KeyError, match="step"):
         load(loaded, tmp_path, with_opttree=False)
 

@@ -193,6 +193,17 @@ def _emerging_missing(optimizer: str, *, layer_wise: bool) -> str | None:
     return None
 
 
+_STANDARD_PATH = {"lion": "Lion"}
+"""Emerging optimizers that megatron-core 0.17 and later also build in the factory's own
+path (all parameters on it, nothing chained), from the class ``megatron.core.optimizer``
+imports for it, wherever the registry does not take the name."""
+
+
+def _standard_path_builds(optimizer: str) -> bool:
+    cls = _STANDARD_PATH.get(optimizer)
+    return cls is not None and getattr(_module("megatron.core.optimizer"), cls, None) is not None
+
+
 def _recipe(configuration: str | Recipe) -> Recipe:
     return configuration if isinstance(configuration, Recipe) else RECIPES[configuration]
 
@@ -216,7 +227,10 @@ def missing_feature(configuration: str | Recipe) -> str | None:
         if reason is not None:
             return reason
     if recipe.needs_emerging:
-        return _emerging_missing(recipe.optimizer, layer_wise=recipe.layer_wise)
+        reason = _emerging_missing(recipe.optimizer, layer_wise=recipe.layer_wise)
+        if reason is not None and not recipe.layer_wise and _standard_path_builds(recipe.optimizer):
+            return None
+        return reason
     return None
 
 
