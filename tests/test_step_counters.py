@@ -116,3 +116,45 @@ def test_a_step_tensor_shared_by_several_parameters_is_counted_once_with_a_warni
     assert f"({len(entries) - 1} repeats)" in problems[0].message
     assert report.steps == 1 and not shared.any()
     assert all(not entry["exp_avg"].any() for entry in entries)
+
+
+def sparse_adam_trained(seed_steps: range) -> tuple[torch.nn.Embedding, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    net = torch.nn.Embedding(10, 3, sparse=True)
+    optimizer = torch.optim.SparseAdam(net.parameters(), lr=0.1)
+    sparse_adam_train(net, optimizer, seed_steps)
+    return net, optimizer
+
+
+def sparse_adam_train(net: torch.nn.Embedding, optimizer: torch.optim.Optimizer, steps: range) -> None:
+    for i in steps:
+        optimizer.zero_grad()
+        generator = torch.Generator().manual_seed(i)
+        (net(torch.randint(0, 10, (6,), generator=generator)) - 0.5).pow(2).mean().backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["opttree", "zeroed-in-place"])
+def test_a_tensor_step_where_the_optimizer_counts_in_ints_is_reset_to_the_int_it_starts_from(in_place: bool) -> None:
+    """SparseAdam starts ``step`` as the int 0; a tensor step (as a loader may leave it)
+    makes its bias correction compute in float32. A reset gives back the int, and training
+    matches a fresh SparseAdam's; zeroing the tensor in place would not."""
+    net, optimizer = sparse_adam_trained(range(3))
+    for entry in optimizer.state.values():
+        entry["step"] = torch.tensor(float(entry["step"]))
+    fresh_net = torch.nn.Embedding(10, 3, sparse=True)
+    fresh_net.load_state_dict(net.state_dict())
+    fresh = torch.optim.SparseAdam(fresh_net.parameters(), lr=0.1)
+
+    if in_place:
+        for entry in optimizer.state.values():
+            for value in entry.values():
+                value.zero_()
+    else:
+        report = opttree.reset(optimizer)
+        assert report.steps == 1
+        assert all(type(entry["step"]) is int and entry["step"] == 0 for entry in optimizer.state.values())
+
+    sparse_adam_train(net, optimizer, range(3, 6))
+    sparse_adam_train(fresh_net, fresh, range(3, 6))
+    assert torch.equal(net.weight, fresh_net.weight) is not in_place

@@ -24,7 +24,7 @@ from opttree._containers import malformed_outline, malformed_state, well_formed
 from opttree._plan import ResetPlan, StateEntry, StatePlan
 from opttree._preflight import ranges, writable_ranges
 from opttree._problems import Problem, ProblemKind
-from opttree._schema import KeyAction, ScaleLookup, StateSchema
+from opttree._schema import KeyAction, ScaleLookup, StateSchema, StepType
 from opttree._selection import EVERYTHING, Selection
 
 Placement = tuple[torch.dtype | None, torch.device | None]
@@ -406,7 +406,21 @@ class LeafInspector:
         into: StatePlan,
     ) -> None:
         """Per-parameter step counters: tensors are zeroed in place, Python numbers set to
-        a zero of their own type, anything else refused."""
+        a zero of their own type, anything else refused. Where the optimizer starts its
+        steps as ints (``StepType.INT``), every one becomes the int 0 a fresh one starts
+        from: a tensor step (as some loaders leave it) would change its arithmetic."""
+        numbers = [] if len(tensors) == len(having) else [entry for entry in having if not isinstance(entry[key], torch.Tensor)]
+        zeros: list[tuple[StateEntry, int | float]] = []
+        for entry in numbers:
+            zero = _zero_like(entry[key])
+            if zero is None:
+                message = f"step counter is a {type(entry[key]).__qualname__}, expected a number or tensor"
+                self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
+                return
+            zeros.append((entry, zero))
+        if self.schema.step_type is StepType.INT:
+            into.number_steps.extend((entry, 0) for entry in having)
+            return
         if tensors:
             checked = writable_ranges(tensors)
             if isinstance(checked, tuple):
@@ -414,18 +428,7 @@ class LeafInspector:
                 return
             into.zero_list((key, *placement)).extend(tensors)
             into.step_ranges.extend(checked.owned((*owner, key)))
-        if len(tensors) == len(having):
-            return
-        for entry in having:
-            value = entry[key]
-            if isinstance(value, torch.Tensor):
-                continue
-            zero = _zero_like(value)
-            if zero is None:
-                message = f"step counter is a {type(value).__qualname__}, expected a number or tensor"
-                self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
-                return
-            into.number_steps.append((entry, zero))
+        into.number_steps.extend(zeros)
 
     def unwritable(self, node: LeafNode, key: str, found: tuple[int, str], count: int) -> None:
         bad, reason = found
