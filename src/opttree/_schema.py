@@ -39,8 +39,9 @@ class StepLocation(enum.Enum):
 
 
 class StepType(enum.Enum):
-    """What a per-parameter step counter is when the optimizer creates it: what a loader
-    gives back where a checkpoint holds history but no step (see :func:`opttree.load_state_dict`)."""
+    """What a per-parameter step counter is when the optimizer creates it: what a reset
+    leaves, and what a loader gives back where a checkpoint holds history but no step (see
+    :func:`opttree.load_state_dict`)."""
 
     TENSOR = "tensor"
     """``torch.tensor(0.0)``, as torch's optimizers start it; their ``load_state_dict``
