@@ -158,3 +158,24 @@ def test_a_tensor_step_where_the_optimizer_counts_in_ints_is_reset_to_the_int_it
     sparse_adam_train(net, optimizer, range(3, 6))
     sparse_adam_train(fresh_net, fresh, range(3, 6))
     assert torch.equal(net.weight, fresh_net.weight) is not in_place
+
+
+def test_a_step_tensor_shared_where_the_optimizer_counts_in_ints_is_warned_of_and_reset_to_ints() -> None:
+    """SparseAdam's ``state["step"] += 1`` advances a shared step tensor once per parameter."""
+    torch.manual_seed(0)
+    nets = torch.nn.ModuleList([torch.nn.Embedding(10, 3, sparse=True), torch.nn.Embedding(10, 3, sparse=True)])
+    optimizer: torch.optim.Optimizer = torch.optim.SparseAdam(nets.parameters(), lr=0.1)
+    for net in nets:
+        net(torch.arange(4)).sum().backward()
+    optimizer.step()
+    shared = torch.tensor(1.0)
+    for entry in optimizer.state.values():
+        entry["step"] = shared
+
+    problems = opttree.validate(optimizer)
+    report = opttree.reset(optimizer)
+
+    assert [(p.kind, p.severity) for p in problems] == [(opttree.ProblemKind.SHARED_STEP, opttree.Severity.WARNING)]
+    assert report.steps == 1
+    assert [entry["step"] for entry in optimizer.state.values()] == [0, 0]
+    assert all(type(entry["step"]) is int for entry in optimizer.state.values())

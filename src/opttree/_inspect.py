@@ -419,6 +419,8 @@ class LeafInspector:
                 return
             zeros.append((entry, zero))
         if self.schema.step_type is StepType.INT:
+            # replaced, not written; their ranges still show a step tensor shared by several
+            into.step_ranges.extend(ranges(tensors).owned((*owner, key)))
             into.number_steps.extend((entry, 0) for entry in having)
             return
         if tensors:
