@@ -160,7 +160,7 @@ from opttree import testing
 
 results = {}
 for name in sorted(registry.get_optimizer_name_list()):
-    recipe = testing.Recipe(f"factory {name}", name, needs_emerging=True)
+    recipe = testing.Recipe(f"factory {name}", name)
     try:
         stack = testing.build(recipe)
         stack.train(0, 3)

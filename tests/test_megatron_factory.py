@@ -165,3 +165,17 @@ def test_offload_keeps_master_params_and_reports_them() -> None:
 
     assert report.kept_keys == ("master_param",)
     assert report.tensors_kept == len(stack.main_params())
+
+
+def test_a_recipe_of_ones_own_is_judged_by_its_optimizer_and_an_unknown_name_is_refused() -> None:
+    import importlib.util
+
+    assert testing.missing_feature(testing.Recipe("mine", "adam", bf16=True)) is None
+    lion = testing.Recipe("mine", "lion")
+    assert lion.needs_emerging and not testing.Recipe("mine", "sgd").needs_emerging
+    if importlib.util.find_spec("emerging_optimizers") is None:
+        assert testing.missing_feature(lion) == "emerging-optimizers is not installed"
+    with pytest.raises(ValueError, match=r"no configuration named 'nope': RECIPES has fp32, .*or pass a Recipe"):
+        testing.build("nope")
+    with pytest.raises(ValueError, match="no configuration named 'nope'"):
+        testing.missing_feature("nope")

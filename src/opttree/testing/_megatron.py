@@ -36,6 +36,11 @@ if TYPE_CHECKING:
 HIDDEN = 16
 
 
+STANDARD_OPTIMIZERS = frozenset({"adam", "sgd"})
+"""The ``--optimizer`` names Megatron's factory builds from torch (or TE and apex) alone;
+every other name needs emerging-optimizers."""
+
+
 @frozen
 class Recipe:
     """One named configuration: the ``OptimizerConfig`` fields it sets."""
@@ -48,8 +53,12 @@ class Recipe:
     offload_fraction: float | None = None
     layer_wise: bool = False
     experts: bool = False
-    needs_emerging: bool = False
     description: str = ""
+
+    @property
+    def needs_emerging(self) -> bool:
+        """Whether Megatron's factory builds this optimizer from emerging-optimizers."""
+        return self.optimizer not in STANDARD_OPTIMIZERS
 
 
 RECIPES: dict[str, Recipe] = {
@@ -90,25 +99,23 @@ RECIPES: dict[str, Recipe] = {
         ),
         Recipe("sgd", "sgd", description="FP32Optimizer over SGD with momentum"),
         Recipe("moe", "adam", experts=True, description="ChainedOptimizer of a dense and an expert optimizer"),
-        Recipe("muon", "muon", needs_emerging=True, description="TensorParallelMuon chained with AdamW"),
+        Recipe("muon", "muon", description="TensorParallelMuon chained with AdamW"),
         Recipe(
             "dist_muon",
             "muon",
             bf16=True,
             layer_wise=True,
-            needs_emerging=True,
             description="LayerWiseDistributedOptimizer over TensorParallelMuon and AdamW",
         ),
         Recipe(
             "adaptive_muon",
             "adaptive_muon",
-            needs_emerging=True,
             description="TensorParallelAdaptiveMuon chained with AdamW",
         ),
-        Recipe("lion", "lion", needs_emerging=True, description="emerging-optimizers Lion chained with AdamW"),
-        Recipe("laprop", "laprop", needs_emerging=True, description="emerging-optimizers LaProp chained with AdamW"),
-        Recipe("soap", "soap", needs_emerging=True, description="emerging-optimizers SOAP chained with AdamW"),
-        Recipe("rekls", "rekls", needs_emerging=True, description="emerging-optimizers REKLS chained with AdamW"),
+        Recipe("lion", "lion", description="emerging-optimizers Lion chained with AdamW"),
+        Recipe("laprop", "laprop", description="emerging-optimizers LaProp chained with AdamW"),
+        Recipe("soap", "soap", description="emerging-optimizers SOAP chained with AdamW"),
+        Recipe("rekls", "rekls", description="emerging-optimizers REKLS chained with AdamW"),
     )
 }
 """Megatron's factory builds each of these on a CPU. Of the other names in its
@@ -205,16 +212,26 @@ def _standard_path_builds(optimizer: str) -> bool:
 
 
 def _recipe(configuration: str | Recipe) -> Recipe:
-    return configuration if isinstance(configuration, Recipe) else RECIPES[configuration]
+    if isinstance(configuration, Recipe):
+        return configuration
+    recipe = RECIPES.get(configuration)
+    if recipe is None:
+        msg = f"no configuration named {configuration!r}: RECIPES has {', '.join(RECIPES)}; or pass a Recipe"
+        raise ValueError(msg)
+    return recipe
 
 
 def missing_feature(configuration: str | Recipe) -> str | None:
     """Why this environment's megatron-core cannot build and train a configuration (a name
     of :data:`RECIPES`, or a :class:`Recipe` of your own): the feature it lacks, in words;
-    None where it can.
+    None where it lacks none that this module knows of.
 
     Each feature is probed in the installed megatron-core (and emerging-optimizers), not
-    read off a version number."""
+    read off a version number. For every name of :data:`RECIPES`, None means that
+    Megatron's factory builds it and its ``step()`` runs here (a test proves both sides).
+    A :class:`Recipe` of your own may combine fields that Megatron's factory itself refuses
+    (emerging optimizers with ``fp16`` or with the precision-aware offload, say); its
+    exception then comes out of :func:`build` unchanged."""
     recipe = _recipe(configuration)
     if importlib.util.find_spec("megatron") is None or _module("megatron.core.optimizer") is None:
         return "megatron-core is not installed"
