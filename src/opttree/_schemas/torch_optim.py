@@ -4,8 +4,9 @@ Derived from torch's sources (``_init_group`` or ``__init__``): history created 
 ``zeros_like`` is zeroed; Adagrad's ``sum`` (``full_like`` of ``initial_accumulator_value``,
 read from the defaults), Rprop's ``step_size`` (the group's ``lr``), ASGD's ``eta`` (the
 group's ``lr``) and ``mu``, and NAdam's ``mu_product`` (1) are filled with their starting
-values; every per-parameter step is a float tensor but SparseAdam's, an int; SGD's ``momentum_buffer`` (a copy of the first gradient) and everything LBFGS keeps
-(lists, numbers and tensors it builds on its first step) are dropped. Every class but
+values; SGD's ``momentum_buffer`` (a copy of the first gradient) and everything LBFGS keeps
+(lists, numbers and tensors it builds on its first step) are dropped. Every per-parameter
+step starts as a float tensor but SparseAdam's, an int. Every class but
 Adagrad builds a missing entry again on its next step, so its state can be released.
 """
 

@@ -174,15 +174,35 @@ def _distributed_optimizer_missing() -> str | None:
     return None
 
 
+_STANDARD_PATH = {"lion": "Lion"}
+"""Emerging optimizers that megatron-core 0.17 and later also build in the factory's own
+path (all parameters on it, nothing chained), from the class ``megatron.core.optimizer``
+imports for it, wherever the registry does not take the name."""
+
+
 @functools.cache
 def _emerging_missing(optimizer: str, *, layer_wise: bool) -> str | None:
-    """Whether ``get_megatron_optimizer`` builds ``optimizer`` from emerging-optimizers here.
+    """Why ``get_megatron_optimizer`` cannot build ``optimizer`` from emerging-optimizers
+    here, or None where it can.
 
-    It does from megatron-core 0.18 on, through its registry
-    ``megatron.core.optimizer.emerging_optimizers``; 0.16 and 0.17 build Muon only through
-    a separate ``get_megatron_muon_optimizer``, and 0.15 and older not at all."""
+    It can from megatron-core 0.18 on, through its registry
+    ``megatron.core.optimizer.emerging_optimizers``, and from 0.17 on for what
+    :data:`_STANDARD_PATH` names; 0.16 and 0.17 build Muon only through a separate
+    ``get_megatron_muon_optimizer``, and 0.15 and older nothing at all."""
     if importlib.util.find_spec("emerging_optimizers") is None:
         return "emerging-optimizers is not installed"
+    reason = _registry_missing(optimizer)
+    if reason is None:
+        if layer_wise and _module("megatron.core.optimizer.layer_wise_optimizer") is None:
+            return "this megatron-core has no LayerWiseDistributedOptimizer"
+        return None
+    cls = _STANDARD_PATH.get(optimizer)
+    if not layer_wise and cls is not None and getattr(_module("megatron.core.optimizer"), cls, None) is not None:
+        return None
+    return reason
+
+
+def _registry_missing(optimizer: str) -> str | None:
     registry = _module("megatron.core.optimizer.emerging_optimizers")
     if registry is None:
         return (
@@ -195,20 +215,7 @@ def _emerging_missing(optimizer: str, *, layer_wise: bool) -> str | None:
     known = getattr(registry, "_EMERGING_OPTIMIZERS", None)
     if isinstance(known, Mapping) and optimizer not in known:
         return f"this megatron-core's emerging-optimizer registry has no {optimizer!r}"
-    if layer_wise and _module("megatron.core.optimizer.layer_wise_optimizer") is None:
-        return "this megatron-core has no LayerWiseDistributedOptimizer"
     return None
-
-
-_STANDARD_PATH = {"lion": "Lion"}
-"""Emerging optimizers that megatron-core 0.17 and later also build in the factory's own
-path (all parameters on it, nothing chained), from the class ``megatron.core.optimizer``
-imports for it, wherever the registry does not take the name."""
-
-
-def _standard_path_builds(optimizer: str) -> bool:
-    cls = _STANDARD_PATH.get(optimizer)
-    return cls is not None and getattr(_module("megatron.core.optimizer"), cls, None) is not None
 
 
 def _recipe(configuration: str | Recipe) -> Recipe:
@@ -244,10 +251,7 @@ def missing_feature(configuration: str | Recipe) -> str | None:
         if reason is not None:
             return reason
     if recipe.needs_emerging:
-        reason = _emerging_missing(recipe.optimizer, layer_wise=recipe.layer_wise)
-        if reason is not None and not recipe.layer_wise and _standard_path_builds(recipe.optimizer):
-            return None
-        return reason
+        return _emerging_missing(recipe.optimizer, layer_wise=recipe.layer_wise)
     return None
 
 
