@@ -37,6 +37,13 @@ def freed(like: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def shrunk(like: torch.Tensor) -> torch.Tensor:
+    """A storage shrunk in place to one element: zeroing the tensor would write past it."""
+    tensor = torch.ones_like(like)
+    tensor.untyped_storage().resize_(tensor.element_size())
+    return tensor
+
+
 def freed_view(like: torch.Tensor) -> torch.Tensor:
     buffer = torch.ones(2 * like.numel())
     view = buffer[like.numel() :]
@@ -58,6 +65,7 @@ BAD: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sparse": lambda like: torch.ones_like(like).to_sparse(),
     "meta": lambda like: torch.ones_like(like, device="meta"),
     "freed": freed,
+    "shrunk": shrunk,
     "freed-view": freed_view,
     "subclass": lambda like: torch.ones_like(like).as_subclass(Traced),
 }
@@ -67,6 +75,7 @@ REASON = {
     "sparse": "a sparse_coo tensor",
     "meta": "a meta tensor",
     "freed": "storage is freed",
+    "shrunk": "storage is freed or smaller than the tensor",
     "freed-view": "storage is freed",
     "subclass": "a Traced",
 }

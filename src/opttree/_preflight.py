@@ -2,13 +2,14 @@
 
 Everything that would make zeroing fail half-way, or silently do nothing, is found
 here: tensors that cannot be written in place (inference tensors outside inference mode,
-quantized, sparse and meta tensors, tensors whose storage is freed, tensor subclasses
-with their own dispatch) and history that shares memory with other state or with a
-parameter (zeroing it would zero them too).
+quantized, sparse and meta tensors, tensors whose storage is freed or smaller than the
+tensor, tensor subclasses with their own dispatch) and history that shares memory with
+other state or with a parameter (zeroing it would zero them too).
 
-Each check runs over a whole list at once, through ``map`` at C speed; only a list that
-fails a cheap check is looked at tensor by tensor, to say why. Memory is compared by
-address ranges: one vectorised sort over every range a reset writes or must keep.
+Each check runs over a list at once, through ``map`` at C speed, a few hundred tensors at
+a time (:data:`CHUNK`); only a list that fails a cheap check is looked at tensor by tensor,
+to say why. Memory is compared by address ranges: one vectorised sort over every range a
+reset writes or must keep.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import bisect
 import operator
 from collections.abc import Sequence
+from itertools import compress
 
 import torch
 from attrs import define, field
@@ -23,7 +25,16 @@ from attrs import define, field
 _DATA_PTR = torch.Tensor.data_ptr
 _NBYTES = operator.attrgetter("nbytes")
 _DTYPE = operator.attrgetter("dtype")
+_STORAGE = torch.Tensor.untyped_storage
+_STORAGE_START = torch.UntypedStorage.data_ptr
+_STORAGE_NBYTES = torch.UntypedStorage.nbytes
 _QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+
+CHUNK = 512
+"""Tensors read per round. A tensor's fields live in its TensorImpl and StorageImpl, which
+cost a cache and TLB miss to reach the first time and little after: reading every field
+of a few hundred tensors before moving on pays that miss once per tensor, where reading
+one field of all of them at a time pays it once per field."""
 
 
 def _plain_dispatch(cls: type) -> bool:
@@ -76,15 +87,22 @@ Owner = tuple[str, str, str | None]
 @define
 class Extents:
     """The address ranges ``[start, end)`` of some tensors, their bytes in all, and whose
-    they are: ``owners`` holds ``(end index, owner)`` for each consecutive segment."""
+    they are: ``owners`` holds ``(end index, owner)`` for each consecutive segment.
+
+    ``whole`` says that each range is known to be the whole of a storage of its own
+    tensor's (at offset 0, and as long as the storage): such a tensor cannot grow or move
+    in place without its data address changing, which a reused plan checks.
+    """
 
     starts: list[int] = field(factory=list)
     ends: list[int] = field(factory=list)
     nbytes: int = 0
     owners: list[tuple[int, Owner]] = field(factory=list)
+    whole: bool = False
 
     def extend(self, other: Extents) -> None:
         base = len(self.starts)
+        self.whole = (self.whole or not self.starts) and (other.whole or not other.starts)
         self.starts.extend(other.starts)
         self.ends.extend(other.ends)
         self.nbytes += other.nbytes
@@ -100,55 +118,84 @@ class Extents:
         return self.owners[bisect.bisect_right(ends, index)][1]
 
 
-def ranges(tensors: Sequence[torch.Tensor], starts: list[int] | None = None) -> Extents:
-    """The address ranges of ``tensors`` (whose data addresses are ``starts``, where the
-    caller has them already); none for tensors without plain storage (a sparse tensor
-    kept or dropped, never written)."""
+def _chunks(tensors: Sequence[torch.Tensor]) -> list[Sequence[torch.Tensor]]:
+    return [tensors] if len(tensors) <= CHUNK else [tensors[i : i + CHUNK] for i in range(0, len(tensors), CHUNK)]
+
+
+def ranges(tensors: Sequence[torch.Tensor]) -> Extents:
+    """The address ranges of ``tensors``; none for a tensor without plain storage (a
+    sparse tensor kept or dropped, never written)."""
+    found = Extents()
+    for chunk in _chunks(tensors):
+        try:
+            starts = list(map(_DATA_PTR, chunk))
+        except (RuntimeError, NotImplementedError):
+            chunk = [t for t in chunk if _has_data(t)]
+            starts = list(map(_DATA_PTR, chunk))
+        sizes = list(map(_NBYTES, chunk))
+        spans = sizes if all(map(torch.Tensor.is_contiguous, chunk)) else list(map(_span, chunk))
+        found.starts.extend(starts)
+        found.ends.extend(map(operator.add, starts, spans))
+        found.nbytes += sum(sizes)
+    return found
+
+
+def _has_data(tensor: torch.Tensor) -> bool:
     try:
-        if starts is None:
-            starts = list(map(_DATA_PTR, tensors))
-        sizes = list(map(_NBYTES, tensors))
+        tensor.data_ptr()
     except (RuntimeError, NotImplementedError):
-        return Extents()
-    spans = sizes
-    if not all(map(torch.Tensor.is_contiguous, tensors)):
-        spans = [size if t.is_contiguous() else _span(t) for t, size in zip(tensors, sizes, strict=True)]
-    return Extents(starts, list(map(operator.add, starts, spans)), sum(sizes))
+        return False
+    return True
 
 
 def writable_ranges(tensors: Sequence[torch.Tensor]) -> Extents | tuple[int, str]:
     """:func:`ranges` if every tensor can be zeroed in place, else how many cannot and
     why the first cannot."""
-    starts = _writable_starts(tensors)
-    if starts is None:
-        reasons = [reason for reason in map(unwritable_reason, tensors) if reason is not None]
-        if reasons:
-            return len(reasons), reasons[0]
-    return ranges(tensors, starts)
+    found = _surely_writable(tensors)
+    if found is not None:
+        return found
+    reasons = [reason for reason in map(unwritable_reason, tensors) if reason is not None]
+    if reasons:
+        return len(reasons), reasons[0]
+    return ranges(tensors)
 
 
-def _writable_starts(tensors: Sequence[torch.Tensor]) -> list[int] | None:
-    """The data addresses of ``tensors`` where every one is surely writable; None sends
-    the list to the slow path.
+def _surely_writable(tensors: Sequence[torch.Tensor]) -> Extents | None:
+    """The ranges of ``tensors`` where every one is surely writable, with ``whole`` set
+    where each is its storage's whole; None sends the list to the slow path.
 
-    A storage freed by ``untyped_storage().resize_(0)`` has no data pointer, so a tensor
-    at offset 0 of it shows a zero address; tensors at other offsets are checked against
-    their storage's size.
+    A tensor's extent, measured from its storage's start, must fit in the storage: a
+    storage freed by ``untyped_storage().resize_(0)`` or shrunk in place has no room, and
+    zeroing through it would write outside any allocation.
     """
     if not all(map(_plain_dispatch, set(map(type, tensors)))):
         return None
-    if not _QUANTIZED.isdisjoint(map(_DTYPE, tensors)):
-        return None
-    if not torch.is_inference_mode_enabled() and any(map(torch.Tensor.is_inference, tensors)):
-        return None
-    try:
-        starts = list(map(_DATA_PTR, tensors))
-    except RuntimeError:  # sparse tensors have no data pointer
-        return None
-    if 0 in starts and any(start == 0 and t.numel() for start, t in zip(starts, tensors, strict=True)):
-        return None
-    offset = [t for t, o in zip(tensors, map(torch.Tensor.storage_offset, tensors), strict=True) if o]
-    return None if any(map(_storage_short, offset)) else starts
+    outside_inference = not torch.is_inference_mode_enabled()
+    found = Extents(whole=True)
+    for chunk in _chunks(tensors):
+        try:
+            starts = list(map(_DATA_PTR, chunk))
+            storages = list(map(_STORAGE, chunk))
+            bases = list(map(_STORAGE_START, storages))
+            capacities = list(map(_STORAGE_NBYTES, storages))
+        except (RuntimeError, NotImplementedError):  # sparse tensors have no data pointer
+            return None
+        sizes = list(map(_NBYTES, chunk))
+        if 0 in starts and any(compress(sizes, map(operator.not_, starts))):
+            return None  # meta tensors and freed storages show no address
+        if not _QUANTIZED.isdisjoint(map(_DTYPE, chunk)):
+            return None
+        if outside_inference and any(map(torch.Tensor.is_inference, chunk)):
+            return None
+        contiguous = all(map(torch.Tensor.is_contiguous, chunk))
+        ends = list(map(operator.add, starts, sizes if contiguous else map(_span, chunk)))
+        if any(map(operator.gt, map(operator.sub, ends, bases), capacities)):
+            return None
+        found.whole = found.whole and contiguous and bases == starts and capacities == sizes
+        found.starts.extend(starts)
+        found.ends.extend(ends)
+        found.nbytes += sum(sizes)
+    return found
 
 
 def duplicates(ranges: Extents) -> tuple[int, int | None]:
