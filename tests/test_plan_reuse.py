@@ -70,20 +70,20 @@ def test_a_key_added_after_a_reset_is_still_refused() -> None:
         opttree.reset(optimizer)
 
 
-def test_loading_a_state_dict_forgets_the_plan() -> None:
+def test_a_loaded_state_dict_is_planned_afresh() -> None:
     params = many_params()
     optimizer = torch.optim.AdamW(params)
     step(optimizer, params, 0)
     saved = copy.deepcopy(optimizer.state_dict())  # state_dict() shares the tensors
     opttree.reset(optimizer)
-    assert optimizer in _plan_cache._plans
+    kept = _plan_cache._plans[optimizer]
 
     optimizer.load_state_dict(saved)
 
-    assert optimizer not in _plan_cache._plans
     assert all(optimizer.state[p]["exp_avg"].any() for p in params)
     opttree.reset(optimizer)
     assert not any(optimizer.state[p]["exp_avg"].any() for p in params)
+    assert _plan_cache._plans[optimizer] is not kept  # the tensors it was made for are gone
 
 
 def test_a_parameter_moved_out_of_its_group_is_seen() -> None:
@@ -182,3 +182,55 @@ def test_a_kept_plan_holds_no_tensor_alive() -> None:
     report = opttree.reset(optimizer)  # the stale plan is not reused: the copies are zeroed
     assert report.tensors_zeroed == 2 * len(params)
     assert all(not v.any() for entry in optimizer.state.values() for v in entry.values())
+
+
+def test_cleared_state_is_freed_the_kept_plan_holds_no_entry() -> None:
+    """``state.clear()`` after a reset lets every tensor go: the kept plan holds neither
+    the tensors nor the entry dicts that hold them."""
+    params = many_params()
+    optimizer = torch.optim.AdamW(params)
+    step(optimizer, params, 0)
+    opttree.reset(optimizer)
+    assert optimizer in _plan_cache._plans
+    old = [weakref.ref(v) for entry in optimizer.state.values() for v in entry.values()]
+
+    optimizer.state.clear()
+    gc.collect()
+
+    assert all(ref() is None for ref in old)
+
+
+def test_a_parameter_pointed_at_history_after_a_reset_is_refused() -> None:
+    """A kept plan checks the parameters' addresses too: one that now lives in a history
+    tensor would be zeroed with it."""
+    params = many_params()
+    optimizer = torch.optim.AdamW(params)
+    step(optimizer, params, 0)
+    opttree.reset(optimizer)
+    assert optimizer in _plan_cache._plans
+    step(optimizer, params, 1)
+    victim = params[7]
+    victim.data = optimizer.state[params[3]]["exp_avg"]
+    weight = victim.detach().clone()
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="shares memory with a parameter"):
+        opttree.reset(optimizer)
+    assert torch.equal(victim, weight)
+
+
+def test_history_shrunk_in_place_after_a_reset_is_counted_as_it_now_is() -> None:
+    """``resize_`` to fewer elements keeps a tensor's address: the report still counts the
+    bytes really zeroed."""
+    params = many_params()
+    optimizer = torch.optim.AdamW(params)
+    step(optimizer, params, 0)
+    first = opttree.reset(optimizer)
+    step(optimizer, params, 1)
+    shrunk = optimizer.state[params[-1]]["exp_avg"]
+    address = shrunk.data_ptr()
+    shrunk.resize_(1)
+    assert shrunk.data_ptr() == address
+
+    report = opttree.reset(optimizer)
+
+    assert report.bytes_reset == first.bytes_reset - 2 * shrunk.element_size()

@@ -21,7 +21,7 @@ from opttree import _plan_cache as plan_cache
 from opttree._errors import OptTreeError
 from opttree._nodes import LeafNode
 from opttree._containers import malformed_outline, malformed_state, well_formed
-from opttree._plan import ResetPlan, StateEntry, StatePlan
+from opttree._plan import ResetPlan, Reusable, StateEntry, StatePlan
 from opttree._preflight import ranges, writable_ranges
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import KeyAction, ScaleLookup, StateSchema, StepType
@@ -142,25 +142,30 @@ class LeafInspector:
             self.plan_release(node, plan.state)
             return
         # Reusing a plan pays off for large states; a small one is planned faster than checked.
-        whole = self.selection.everything and len(state) >= plan_cache.MIN_ENTRIES
-        part = plan_cache.lookup(optimizer, self.schema, in_groups) if whole else None
+        if not (self.selection.everything and len(state) >= plan_cache.MIN_ENTRIES):
+            reason = malformed_state(state)
+            if reason is not None:
+                self.problem(node, ProblemKind.MALFORMED_STATE, reason)
+                return
+            plan.leaves += 1
+            self.inspect_state(node, in_groups, plan.state)
+            plan.fresh += 1
+            return
+        held, entries = list(state), list(state.values())
+        part = plan_cache.lookup(self.schema, [optimizer], in_groups, held, entries)
         if part is None:
             reason = malformed_state(state)
             if reason is not None:
                 self.problem(node, ProblemKind.MALFORMED_STATE, reason)
                 return
         plan.leaves += 1
-        if not whole:
-            self.inspect_state(node, in_groups, plan.state)
-            plan.fresh += 1
-            return
         if part is None:
             problems_before = len(self.problems)
             part = StatePlan()
             self.inspect_state(node, in_groups, part)
             plan.fresh += 1
             if part.reusable and len(self.problems) == problems_before:
-                plan.to_store.append((optimizer, self.schema, in_groups, part))
+                plan.to_store.append(Reusable([optimizer], self.schema, in_groups, held, entries, part))
         else:
             plan.reused += 1
         plan.parts.append(part)
@@ -192,15 +197,28 @@ class LeafInspector:
         held = list(chain.from_iterable(states))
         if not _held_for_own_params(optimizers, states, held, params):
             return False
+        entries = [entry for state in states for entry in state.values()]
+        whole = self.selection.everything and len(entries) >= plan_cache.MIN_ENTRIES
+        part = plan_cache.lookup(self.schema, optimizers, params, held, entries) if whole else None
+        if part is not None:
+            self.plan.parts.append(part)
+            self.plan.leaves += len(leaves)
+            self.plan.reused += 1
+            return True
         problems_before = len(self.problems)
         part = StatePlan()
         owner = (f"{leaves[0].path} .. {leaves[-1].path}", type(optimizers[0]).__qualname__)
-        self.plan_entries(leaves[0], owner, held, [entry for state in states for entry in state.values()], _placement(params), part)
+        self.plan_entries(leaves[0], owner, held, entries, _placement(params), part)
         part.kept_ranges.extend(ranges(params).owned((*owner, None)))
         if len(self.problems) > problems_before:
             del self.problems[problems_before:]
             return False
-        self.plan.state.merge(part)
+        if whole:
+            self.plan.parts.append(part)
+            if part.reusable:
+                self.plan.to_store.append(Reusable(optimizers, self.schema, params, held, entries, part))
+        else:
+            self.plan.state.merge(part)
         self.plan.leaves += len(leaves)
         self.plan.fresh += 1
         return True

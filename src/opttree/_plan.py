@@ -15,7 +15,6 @@ from typing import Literal
 import torch
 from attrs import define, field
 
-from opttree import _plan_cache as plan_cache
 from opttree._preflight import Extents
 from opttree._report import ResetReport
 from opttree._scalers import ScalerReset
@@ -61,9 +60,17 @@ class StatePlan:
     @property
     def reusable(self) -> bool:
         """Whether the same state will still be there after this reset, and the same plan
-        right for it: nothing dropped or released, no scales, which TE may rebuild, and no fills, whose
-        values follow the groups' (an ``lr`` a scheduler changes)."""
-        return not self.drop and not self.scales and not self.fills and not self.release
+        right for it: nothing dropped or released, no scales, which TE may rebuild, no
+        fills, whose values follow the groups' (an ``lr`` a scheduler changes), and every
+        tensor zeroed the whole of its own storage (see :mod:`opttree._plan_cache`)."""
+        return (
+            not self.drop
+            and not self.scales
+            and not self.fills
+            and not self.release
+            and self.written.whole
+            and self.step_ranges.whole
+        )
 
     def zero_list(self, key: ListKey) -> list[torch.Tensor]:
         found = self.lists.get(key)
@@ -101,9 +108,19 @@ class StatePlan:
         self.kept_ranges.extend(other.kept_ranges)
 
 
-Store = tuple[torch.optim.Optimizer, StateSchema, list[torch.Tensor], StatePlan]
-"""A leaf's plan to keep for the next reset, once this one has run: the optimizer, its
-schema, its groups' parameters in order, and the plan."""
+@define
+class Reusable:
+    """A part planned afresh that the next reset may reuse, once this one has run, and
+    what it was planned from: one leaf, or a run of alike leaves planned as one (their
+    optimizers, in order), their groups' parameters, the tensors their state is held for
+    and its entries, each in order."""
+
+    optimizers: list[torch.optim.Optimizer]
+    schema: StateSchema
+    params: list[torch.Tensor]
+    held: list[torch.Tensor]
+    entries: list[StateEntry]
+    part: StatePlan
 
 
 @define
@@ -124,7 +141,7 @@ class ResetPlan:
     shared_steps: int = 0
     fresh: int = 0
     reused: int = 0
-    to_store: list[Store] = field(factory=list)
+    to_store: list[Reusable] = field(factory=list)
     scalers: list[ScalerReset] = field(factory=list)
     scalers_kept: int = 0
 
@@ -160,7 +177,6 @@ class ResetPlan:
             for entry, zero in part.number_steps:
                 entry["step"] = zero
             for optimizer, held in part.release:
-                plan_cache.forget(optimizer)  # a kept plan would keep the tensors alive
                 for param in held:
                     del optimizer.state[param]
         return self.report()

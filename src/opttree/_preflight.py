@@ -98,11 +98,11 @@ class Extents:
     ends: list[int] = field(factory=list)
     nbytes: int = 0
     owners: list[tuple[int, Owner]] = field(factory=list)
-    whole: bool = False
+    whole: bool = True
 
     def extend(self, other: Extents) -> None:
         base = len(self.starts)
-        self.whole = (self.whole or not self.starts) and (other.whole or not other.starts)
+        self.whole = self.whole and other.whole
         self.starts.extend(other.starts)
         self.ends.extend(other.ends)
         self.nbytes += other.nbytes
@@ -125,7 +125,7 @@ def _chunks(tensors: Sequence[torch.Tensor]) -> list[Sequence[torch.Tensor]]:
 def ranges(tensors: Sequence[torch.Tensor]) -> Extents:
     """The address ranges of ``tensors``; none for a tensor without plain storage (a
     sparse tensor kept or dropped, never written)."""
-    found = Extents()
+    found = Extents(whole=not tensors)
     for chunk in _chunks(tensors):
         try:
             starts = list(map(_DATA_PTR, chunk))
@@ -171,7 +171,7 @@ def _surely_writable(tensors: Sequence[torch.Tensor]) -> Extents | None:
     if not all(map(_plain_dispatch, set(map(type, tensors)))):
         return None
     outside_inference = not torch.is_inference_mode_enabled()
-    found = Extents(whole=True)
+    found = Extents()
     for chunk in _chunks(tensors):
         try:
             starts = list(map(_DATA_PTR, chunk))

@@ -30,7 +30,7 @@ class ResetVisitor(ValidateVisitor):
             logger.warning("%s", warning)
         report = self._plan.execute()
         if not self.problems:
-            for optimizer, schema, in_groups, part in self._plan.to_store:
-                plan_cache.store(optimizer, schema, in_groups, part)
+            for planned in self._plan.to_store:
+                plan_cache.store(planned)
         logger.info("%s", report)
         return report
