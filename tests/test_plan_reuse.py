@@ -234,3 +234,29 @@ def test_history_shrunk_in_place_after_a_reset_is_counted_as_it_now_is() -> None
     report = opttree.reset(optimizer)
 
     assert report.bytes_reset == first.bytes_reset - 2 * shrunk.element_size()
+
+
+def test_a_plan_over_int_steps_is_reused_and_sets_them_back_to_zero() -> None:
+    """SparseAdam counts its steps in ints, a new object at each step: a kept plan matches
+    them by type, not identity, and gives each the int 0 again."""
+    embeddings = [torch.nn.Embedding(4, 3, sparse=True) for _ in range(2 * _plan_cache.MIN_ENTRIES)]
+    optimizer: torch.optim.Optimizer = torch.optim.SparseAdam([e.weight for e in embeddings])
+
+    def sparse_step(row: int) -> None:
+        for embedding in embeddings:
+            embedding.zero_grad()
+            embedding(torch.tensor([row, 1])).sum().backward()
+        optimizer.step()
+
+    sparse_step(0)
+    opttree.reset(optimizer)
+    kept = _plan_cache._plans[optimizer]
+    sparse_step(2)
+    sparse_step(3)
+
+    opttree.reset(optimizer)
+
+    assert _plan_cache._plans[optimizer] is kept
+    steps = [entry["step"] for entry in optimizer.state.values()]
+    assert all(type(s) is int and s == 0 for s in steps)
+    assert not any(entry["exp_avg"].any() for entry in optimizer.state.values())
