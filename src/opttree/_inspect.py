@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Sized
 from itertools import chain
 from typing import cast
 
@@ -21,7 +21,7 @@ from opttree import _plan_cache as plan_cache
 from opttree._errors import OptTreeError
 from opttree._nodes import LeafNode
 from opttree._containers import malformed_outline, malformed_state, well_formed
-from opttree._plan import ResetPlan, Reusable, StateEntry, StatePlan
+from opttree._plan import Layout, ResetPlan, Reusable, StateEntry, StatePlan
 from opttree._preflight import ranges, writable_ranges
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import KeyAction, ScaleLookup, StateSchema, StepType
@@ -30,6 +30,13 @@ from opttree._selection import EVERYTHING, Selection
 Placement = tuple[torch.dtype | None, torch.device | None]
 
 _DTYPE_AND_DEVICE = operator.attrgetter("dtype", "device")
+_PARAM_GROUPS = operator.attrgetter("param_groups")
+_PARAMS = operator.itemgetter("params")
+
+
+def _layout(optimizers: Sequence[torch.optim.Optimizer], groups: Sequence[Mapping[str, object]], states: Sequence[Sized]) -> Layout:
+    """How flattened groups' parameters and state split among ``optimizers``, at C speed."""
+    return list(map(len, map(_PARAM_GROUPS, optimizers))), list(map(len, map(_PARAMS, groups))), list(map(len, states))
 
 
 def _placement(params: Sequence[torch.Tensor]) -> Placement:
@@ -152,7 +159,8 @@ class LeafInspector:
             plan.fresh += 1
             return
         held, entries = list(state), list(state.values())
-        part = plan_cache.lookup(self.schema, [optimizer], in_groups, held, entries)
+        layout = _layout([optimizer], optimizer.param_groups, [state])
+        part = plan_cache.lookup(self.schema, [optimizer], layout, in_groups, held, entries)
         if part is None:
             reason = malformed_state(state)
             if reason is not None:
@@ -165,7 +173,7 @@ class LeafInspector:
             self.inspect_state(node, in_groups, part)
             plan.fresh += 1
             if part.reusable and len(self.problems) == problems_before:
-                plan.to_store.append(Reusable([optimizer], self.schema, in_groups, held, entries, part))
+                plan.to_store.append(Reusable([optimizer], self.schema, layout, in_groups, held, entries, part))
         else:
             plan.reused += 1
         plan.parts.append(part)
@@ -192,19 +200,20 @@ class LeafInspector:
         if any(group.get("step") is not None for group in groups):
             return False
         params = [param for group in groups for param in group["params"]]
-        if len(set(map(_DTYPE_AND_DEVICE, params))) > 1:
-            return False
         held = list(chain.from_iterable(states))
-        if not _held_for_own_params(optimizers, states, held, params):
-            return False
         entries = [entry for state in states for entry in state.values()]
         whole = self.selection.everything and len(entries) >= plan_cache.MIN_ENTRIES
-        part = plan_cache.lookup(self.schema, optimizers, params, held, entries) if whole else None
-        if part is not None:
+        layout = _layout(optimizers, groups, states)
+        part = plan_cache.lookup(self.schema, optimizers, layout, params, held, entries) if whole else None
+        if part is not None:  # planned from the same objects, laid out alike: so pooled as before
             self.plan.parts.append(part)
             self.plan.leaves += len(leaves)
             self.plan.reused += 1
             return True
+        if len(set(map(_DTYPE_AND_DEVICE, params))) > 1:
+            return False
+        if not _held_for_own_params(optimizers, states, held, params):
+            return False
         problems_before = len(self.problems)
         part = StatePlan()
         owner = (f"{leaves[0].path} .. {leaves[-1].path}", type(optimizers[0]).__qualname__)
@@ -216,7 +225,7 @@ class LeafInspector:
         if whole:
             self.plan.parts.append(part)
             if part.reusable:
-                self.plan.to_store.append(Reusable(optimizers, self.schema, params, held, entries, part))
+                self.plan.to_store.append(Reusable(optimizers, self.schema, layout, params, held, entries, part))
         else:
             self.plan.state.merge(part)
         self.plan.leaves += len(leaves)

@@ -108,15 +108,21 @@ class StatePlan:
         self.kept_ranges.extend(other.kept_ranges)
 
 
+Layout = tuple[list[int], list[int], list[int]]
+"""How flattened lists split among optimizers: each one's number of param groups, each
+group's number of parameters, and each one's number of state entries."""
+
+
 @define
 class Reusable:
     """A part planned afresh that the next reset may reuse, once this one has run, and
     what it was planned from: one leaf, or a run of alike leaves planned as one (their
-    optimizers, in order), their groups' parameters, the tensors their state is held for
-    and its entries, each in order."""
+    optimizers, in order), how their parts split among them, their groups' parameters,
+    the tensors their state is held for and its entries, each in order."""
 
     optimizers: list[torch.optim.Optimizer]
     schema: StateSchema
+    layout: Layout
     params: list[torch.Tensor]
     held: list[torch.Tensor]
     entries: list[StateEntry]

@@ -6,7 +6,8 @@ the plan of each large leaf, and of each large run of alike leaves planned as on
 it has run and found nothing at all, and the next full reset reuses it after checking
 that it is still exactly right:
 
-- the very same optimizers, group parameters and state keys, in order (by identity);
+- the very same optimizers, group parameters and state keys, in order (by identity),
+  split among the optimizers alike;
 - entries that are plain dicts of the same sizes, each holding the very same tensors
   under the same keys, and values of the same types where they are not tensors;
 - every tensor it zeroes at the data address and of the size it was planned with, every
@@ -46,7 +47,7 @@ from opttree._identity import by_identity
 from opttree._schema import StateSchema
 
 if TYPE_CHECKING:
-    from opttree._plan import ListKey, Reusable, StateEntry, StatePlan
+    from opttree._plan import Layout, ListKey, Reusable, StateEntry, StatePlan
 
 MIN_ENTRIES = 64
 """Leaves, or runs of leaves, with fewer state entries are not kept: they are planned
@@ -129,6 +130,7 @@ class _Stored:
 
     schema: StateSchema
     optimizers: list[_Ref]
+    layout: Layout
     params: list[_Ref]
     held: list[_Ref] | None
     """The tensors the state is held for; None where they are the parameters, in order."""
@@ -153,11 +155,16 @@ class _Stored:
     """The plan with its object lists emptied; :meth:`reuse` fills them again."""
 
     def reuse(
-        self, optimizers: list[torch.optim.Optimizer], params: list[torch.Tensor], held: list[torch.Tensor], entries: list[StateEntry]
+        self,
+        optimizers: list[torch.optim.Optimizer],
+        layout: Layout,
+        params: list[torch.Tensor],
+        held: list[torch.Tensor],
+        entries: list[StateEntry],
     ) -> StatePlan | None:
         """The plan, over the current objects, if they are exactly what it was planned
         from (see the module's docstring); else None."""
-        if len(entries) != len(self.sizes) or not (_same(optimizers, self.optimizers) and _same(params, self.params)):
+        if layout != self.layout or not (_same(optimizers, self.optimizers) and _same(params, self.params)):
             return None
         if not (_same(held, self.held) if self.held is not None else _same_objects(held, params)):
             return None
@@ -221,6 +228,7 @@ def store(planned: Reusable) -> None:
         stored = _Stored(
             schema=planned.schema,
             optimizers=_refs(planned.optimizers),
+            layout=planned.layout,
             params=_refs(planned.params),
             held=None if _same_objects(planned.held, planned.params) else _refs(planned.held),
             sizes=sizes,
@@ -246,18 +254,19 @@ def store(planned: Reusable) -> None:
 def lookup(
     schema: StateSchema,
     optimizers: list[torch.optim.Optimizer],
+    layout: Layout,
     params: list[torch.Tensor],
     held: list[torch.Tensor],
     entries: list[StateEntry],
 ) -> StatePlan | None:
     """The plan kept for ``optimizers`` (one leaf, or a run planned as one) if their
-    groups' parameters, the tensors their state is held for and its entries are exactly
-    what it was planned from, else None."""
+    layout, groups' parameters, the tensors their state is held for and its entries are
+    exactly what it was planned from, else None."""
     first = optimizers[0]
     stored = _plans.get(first) if by_identity(type(first)) else None
     if stored is None:
         return None
-    part = stored.reuse(optimizers, params, held, entries) if stored.schema is schema else None
+    part = stored.reuse(optimizers, layout, params, held, entries) if stored.schema is schema else None
     if part is None:
         forget(first)
     return part
