@@ -260,3 +260,22 @@ def test_a_plan_over_int_steps_is_reused_and_sets_them_back_to_zero() -> None:
     steps = [entry["step"] for entry in optimizer.state.values()]
     assert all(type(s) is int and s == 0 for s in steps)
     assert not any(entry["exp_avg"].any() for entry in optimizer.state.values())
+
+
+def test_history_set_to_none_after_a_reset_is_refused_not_matched() -> None:
+    """A weak reference whose tensor is gone reads as None: a None now in its place must
+    not pass for it."""
+    params = many_params()
+    optimizer = torch.optim.AdamW(params)
+    step(optimizer, params, 0)
+    opttree.reset(optimizer)
+    assert optimizer in _plan_cache._plans
+    step(optimizer, params, 1)
+    optimizer.state[params[5]]["exp_avg"] = None
+    gc.collect()
+    before = [v.clone() for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="history is a NoneType"):
+        opttree.reset(optimizer)
+    after = [v for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))

@@ -65,12 +65,9 @@ def _refs(objects: Iterable[object]) -> list[_Ref]:
 
 
 def _same(now: Sequence[object], refs: list[_Ref]) -> bool:
-    """Whether ``now`` holds the very objects ``refs`` refer to, in order; a reference
-    whose object is gone gives None, which a state value may be, so none may be gone."""
-    if len(now) != len(refs):
-        return False
-    then = list(map(operator.call, refs))
-    return all(map(operator.is_not, then, itertools.repeat(None))) and all(map(operator.is_, now, then))
+    """Whether ``now`` holds the very objects ``refs`` refer to, in order. A reference
+    whose object is gone gives None: callers make sure that None is not in ``now``."""
+    return len(now) == len(refs) and all(map(operator.is_, now, map(operator.call, refs)))
 
 
 Pick = Callable[[list[object]], list[object]]
@@ -164,23 +161,28 @@ class _Stored:
     ) -> StatePlan | None:
         """The plan, over the current objects, if they are exactly what it was planned
         from (see the module's docstring); else None."""
+        # Optimizers and group parameters are never None (the leaf's outline was checked);
+        # a tensor value that is None now fails the address read below.
         if layout != self.layout or not (_same(optimizers, self.optimizers) and _same(params, self.params)):
             return None
-        if not (_same(held, self.held) if self.held is not None else _same_objects(held, params)):
+        if self.held is None:
+            if not _same_objects(held, params):
+                return None
+        elif not (all(map(operator.is_not, held, itertools.repeat(None))) and _same(held, self.held)):
             return None
-        if set(map(type, entries)) != {dict} or list(map(len, entries)) != self.sizes:
+        if list(map(len, entries)) != self.sizes:
             return None
-        try:  # equal sizes and every planned key present: the same keys, entry by entry
+        try:  # plain dicts of equal sizes holding every planned key: the same keys, entry by entry
             values = _values(entries, self.sizes, self.keys)
-        except KeyError:
-            return None
-        tensors = values if self.tensors_at is None else self.tensors_at(values)
-        if not _same(tensors, self.tensors) or list(map(type, self.others_at(values))) != self.other_types:
-            return None
-        lists = {key: cast(list[torch.Tensor], pick(values)) for key, pick in self.lists.items()}
-        if _addresses_and_sizes(list(chain.from_iterable(lists.values()))) != self.written:
-            return None
-        if _addresses_and_sizes(cast(list[torch.Tensor], self.kept_at(values))) != self.kept:
+            tensors = values if self.tensors_at is None else self.tensors_at(values)
+            if not _same(tensors, self.tensors) or list(map(type, self.others_at(values))) != self.other_types:
+                return None
+            lists = {key: cast(list[torch.Tensor], pick(values)) for key, pick in self.lists.items()}
+            if _addresses_and_sizes(list(chain.from_iterable(lists.values()))) != self.written:
+                return None
+            if _addresses_and_sizes(cast(list[torch.Tensor], self.kept_at(values))) != self.kept:
+                return None
+        except (KeyError, TypeError):  # a missing key, an entry that is no dict, a None
             return None
         if list(map(_DATA_PTR, params)) != self.param_addresses:
             return None
