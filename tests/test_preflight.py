@@ -59,6 +59,15 @@ class Traced(torch.Tensor):
         return torch.Tensor.__torch_function__.__func__(cls, func, types, args, kwargs)  # type: ignore[attr-defined]
 
 
+class Strict(torch.Tensor):
+    """A subclass that refuses every torch function, even a read of its dtype: opttree
+    reads its metadata without calling it, refuses to zero it, and describes it."""
+
+    @classmethod
+    def __torch_function__(cls, func: object, types: object, args: object = (), kwargs: object = None) -> object:
+        raise ValueError("a Strict tensor refuses every torch function")
+
+
 BAD: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "inference": inference_tensor,
     "quantized": lambda like: torch.quantize_per_tensor(torch.ones_like(like), 0.1, 0, torch.qint8),
@@ -68,6 +77,7 @@ BAD: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "shrunk": shrunk,
     "freed-view": freed_view,
     "subclass": lambda like: torch.ones_like(like).as_subclass(Traced),
+    "strict-subclass": lambda like: torch.ones_like(like).as_subclass(Strict),
 }
 REASON = {
     "inference": "an inference tensor",
@@ -78,6 +88,7 @@ REASON = {
     "shrunk": "storage is freed or smaller than the tensor",
     "freed-view": "storage is freed",
     "subclass": "a Traced",
+    "strict-subclass": "a Strict",
 }
 
 

@@ -20,6 +20,7 @@ from attrs import evolve, field, frozen
 from opttree._containers import malformed, well_formed
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._inspect import step_number
+from opttree._preflight import plain_reads
 from opttree._report import format_bytes
 from opttree._scalers import scaler_text
 from opttree._runs import alike_runs, sibling_groups
@@ -73,14 +74,16 @@ def nbytes(tensor: torch.Tensor) -> int:
 
 
 def _step_text(counters: list[object]) -> str:
-    """The range of step counters. Where all are tensors, the usual per-parameter steps,
-    they are read in one ``map``; anything else goes through :func:`step_number`."""
-    numbers: list[float] = []
+    """The range of step counters. Where all are tensors of one shape and device, the
+    usual per-parameter steps, they are stacked and read at once; anything else goes
+    through :func:`step_number`."""
     if set(map(type, counters)) == {torch.Tensor}:
-        with contextlib.suppress(RuntimeError):  # a tensor of several steps, or of none
-            numbers = list(map(torch.Tensor.item, cast(list[torch.Tensor], counters)))
-    if not numbers:
-        numbers = [n for n in map(step_number, counters) if n is not None]
+        with contextlib.suppress(RuntimeError):  # steps of several shapes or devices, or meta ones
+            stacked = torch.stack(cast(list[torch.Tensor], counters))
+            if stacked.numel() == len(counters):  # one number each
+                low, high = stacked.min().item(), stacked.max().item()
+                return f" step={low:g}" if low == high else f" step={low:g}..{high:g}"
+    numbers = [n for n in map(step_number, counters) if n is not None]
     if not numbers:
         return ""
     low, high = min(numbers), max(numbers)
@@ -89,6 +92,11 @@ def _step_text(counters: list[object]) -> str:
 
 def leaves_text(optimizers: Sequence[torch.optim.Optimizer]) -> str:
     """Parameters, state bytes by placement and the step range of some leaves, together."""
+    with plain_reads():
+        return _leaves_text(optimizers)
+
+
+def _leaves_text(optimizers: Sequence[torch.optim.Optimizer]) -> str:
     if not well_formed(optimizers):
         reasons = [reason for reason in map(malformed, optimizers) if reason is not None]
         if reasons:

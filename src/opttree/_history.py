@@ -37,17 +37,17 @@ def _plan(
     if errors:
         raise errors[0].to_error(others=len(errors) - 1)
     plan = visitor._plan
-    for part in plan.all_parts:
-        changed_otherwise = [key for _, key in part.drop] + [key for (key, _, _), _ in part.fills] + [key for key, _ in part.identities]
-        if changed_otherwise or part.scales:
-            name = changed_otherwise[0] if changed_otherwise else "a scaled moment (TE)"
-            msg = f"{what} changes history in place, and {name!r} is not zero at the start (its schema drops, fills, scales or starts it as an identity): leave it out of keys"
-            raise PartialResetRefused(msg)
+    state = plan.state
+    changed_otherwise = [key for _, key in state.drop] + [key for (key, _, _), _ in state.fills] + [key for key, _ in state.identities]
+    if changed_otherwise or state.scales:
+        name = changed_otherwise[0] if changed_otherwise else "a scaled moment (TE)"
+        msg = f"{what} changes history in place, and {name!r} is not zero at the start (its schema drops, fills, scales or starts it as an identity): leave it out of keys"
+        raise PartialResetRefused(msg)
     return plan
 
 
 def _tensors(plan: ResetPlan) -> list[torch.Tensor]:
-    return [t for part in plan.all_parts for tensors in part.lists.values() for t in tensors]
+    return [t for tensors in plan.state.lists.values() for t in tensors]
 
 
 def _threshold(magnitude: torch.Tensor, fraction: float) -> torch.Tensor:

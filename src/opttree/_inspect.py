@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Mapping, Sequence, Sized
+from collections.abc import Mapping, Sequence
 from itertools import chain
 from typing import cast
 
 import torch
 
-from opttree import _plan_cache as plan_cache
 from opttree._errors import OptTreeError
 from opttree._nodes import LeafNode
 from opttree._containers import malformed_outline, malformed_state, well_formed
-from opttree._plan import Layout, ResetPlan, Reusable, StateEntry, StatePlan
-from opttree._preflight import ranges, writable_ranges
+from opttree._plan import ResetPlan, StateEntry, StatePlan
+from opttree._preflight import plain_reads, ranges, writable_ranges
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import KeyAction, ScaleLookup, StateSchema, StepType
 from opttree._selection import EVERYTHING, Selection
@@ -30,18 +29,14 @@ from opttree._selection import EVERYTHING, Selection
 Placement = tuple[torch.dtype | None, torch.device | None]
 
 _DTYPE_AND_DEVICE = operator.attrgetter("dtype", "device")
-_PARAM_GROUPS = operator.attrgetter("param_groups")
-_PARAMS = operator.itemgetter("params")
-
-
-def _layout(optimizers: Sequence[torch.optim.Optimizer], groups: Sequence[Mapping[str, object]], states: Sequence[Sized]) -> Layout:
-    """How flattened groups' parameters and state split among ``optimizers``, at C speed."""
-    return list(map(len, map(_PARAM_GROUPS, optimizers))), list(map(len, map(_PARAMS, groups))), list(map(len, states))
 
 
 def _placement(params: Sequence[torch.Tensor]) -> Placement:
     """The dtype and device of a leaf's first parameter, which its history follows."""
-    return (params[0].dtype, params[0].device) if params else (None, None)
+    if not params:
+        return None, None
+    with plain_reads():
+        return params[0].dtype, params[0].device
 
 
 def _held_for_own_params(
@@ -78,9 +73,10 @@ def step_number(value: object) -> float | None:
     none or cannot be read (a meta tensor, say)."""
     if isinstance(value, torch.Tensor):
         try:
-            if value.numel() == 1:
-                return float(value.item())
-            return float(value.max()) if value.numel() else None
+            with plain_reads():
+                if value.numel() == 1:
+                    return float(value.item())
+                return float(value.max()) if value.numel() else None
         except (RuntimeError, NotImplementedError, TypeError, ValueError):
             return None
     if isinstance(value, bool):
@@ -139,97 +135,52 @@ class LeafInspector:
         if not state:
             plan.leaves += 1
             return
-        if self.selection.release:
-            reason = malformed_state(state)
-            if reason is not None:
-                self.problem(node, ProblemKind.MALFORMED_STATE, reason)
-                return
-            plan.leaves += 1
-            plan.fresh += 1
-            self.plan_release(node, plan.state)
+        reason = malformed_state(state)
+        if reason is not None:
+            self.problem(node, ProblemKind.MALFORMED_STATE, reason)
             return
-        # Reusing a plan pays off for large states; a small one is planned faster than checked.
-        if not (self.selection.everything and len(state) >= plan_cache.MIN_ENTRIES):
-            reason = malformed_state(state)
-            if reason is not None:
-                self.problem(node, ProblemKind.MALFORMED_STATE, reason)
-                return
-            plan.leaves += 1
-            self.inspect_state(node, in_groups, plan.state)
-            plan.fresh += 1
-            return
-        held, entries = list(state), list(state.values())
-        layout = _layout([optimizer], optimizer.param_groups, [state])
-        part = plan_cache.lookup(self.schema, [optimizer], layout, in_groups, held, entries)
-        if part is None:
-            reason = malformed_state(state)
-            if reason is not None:
-                self.problem(node, ProblemKind.MALFORMED_STATE, reason)
-                return
         plan.leaves += 1
-        if part is None:
-            problems_before = len(self.problems)
-            part = StatePlan()
-            self.inspect_state(node, in_groups, part)
-            plan.fresh += 1
-            if part.reusable and len(self.problems) == problems_before:
-                plan.to_store.append(Reusable([optimizer], self.schema, layout, in_groups, held, entries, part))
+        if self.selection.release:
+            self.plan_release(node, plan.state)
         else:
-            plan.reused += 1
-        plan.parts.append(part)
+            self.inspect_state(node, in_groups, plan.state)
 
     def inspect_alike(self, leaves: Sequence[LeafNode]) -> bool:
         """Plan a run of leaves of this class in one pass over their pooled state.
 
-        Pooling applies where it cannot change the outcome: plain containers, small states
-        (large ones reuse their own plans), no per-group steps, no scales or fills, every parameter
-        of one dtype and device, and each leaf's state held for its own parameters. Where
-        it does not apply, or the pass finds a problem, this changes nothing and returns
-        False: the caller then inspects the leaves one by one, which names the leaf of
-        each problem.
+        Pooling applies where it cannot change the outcome: plain containers, no per-group
+        steps, no scales or fills, every parameter of one dtype and device, and each
+        leaf's state held for its own parameters. Where it does not apply, or the pass
+        finds a problem, this changes nothing and returns False: the caller then inspects
+        the leaves one by one, which names the leaf of each problem.
         """
         if self.schema.scale_of is not None or self.schema.fill or self.selection.release:
             return False  # scales and fills are looked up, and releases planned, leaf by leaf
         optimizers = [leaf.optimizer for leaf in leaves]
         if not well_formed(optimizers):
             return False
-        states = [optimizer.state for optimizer in optimizers]
-        if max(map(len, states)) >= plan_cache.MIN_ENTRIES:
-            return False
         groups = [group for optimizer in optimizers for group in optimizer.param_groups]
         if any(group.get("step") is not None for group in groups):
             return False
         params = [param for group in groups for param in group["params"]]
+        with plain_reads():
+            if len(set(map(_DTYPE_AND_DEVICE, params))) > 1:
+                return False
+        states = [optimizer.state for optimizer in optimizers]
         held = list(chain.from_iterable(states))
-        entries = [entry for state in states for entry in state.values()]
-        whole = self.selection.everything and len(entries) >= plan_cache.MIN_ENTRIES
-        layout = _layout(optimizers, groups, states)
-        part = plan_cache.lookup(self.schema, optimizers, layout, params, held, entries) if whole else None
-        if part is not None:  # planned from the same objects, laid out alike: so pooled as before
-            self.plan.parts.append(part)
-            self.plan.leaves += len(leaves)
-            self.plan.reused += 1
-            return True
-        if len(set(map(_DTYPE_AND_DEVICE, params))) > 1:
-            return False
         if not _held_for_own_params(optimizers, states, held, params):
             return False
         problems_before = len(self.problems)
         part = StatePlan()
         owner = (f"{leaves[0].path} .. {leaves[-1].path}", type(optimizers[0]).__qualname__)
+        entries = [entry for state in states for entry in state.values()]
         self.plan_entries(leaves[0], owner, held, entries, _placement(params), part)
         part.kept_ranges.extend(ranges(params).owned((*owner, None)))
         if len(self.problems) > problems_before:
             del self.problems[problems_before:]
             return False
-        if whole:
-            self.plan.parts.append(part)
-            if part.reusable:
-                self.plan.to_store.append(Reusable(optimizers, self.schema, layout, params, held, entries, part))
-        else:
-            self.plan.state.merge(part)
+        self.plan.state.merge(part)
         self.plan.leaves += len(leaves)
-        self.plan.fresh += 1
         return True
 
     def plan_group_step(
@@ -258,7 +209,6 @@ class LeafInspector:
                 return
             state.zero_list(("group step", step.dtype, step.device)).append(step)
             state.step_ranges.extend(checked.owned((node.path, type(node.optimizer).__qualname__, "step")))
-            self.plan.fresh += 1
         else:
             zero = _zero_like(step)
             if zero is None:
@@ -413,7 +363,8 @@ class LeafInspector:
         self, node: LeafNode, key: str, tensors: list[torch.Tensor], placement: Placement, into: StatePlan
     ) -> None:
         """History that starts as ``torch.eye``: zeroed with the rest, then its diagonal set."""
-        wrong = next((t for t in tensors if t.dim() != 2 or t.shape[0] != t.shape[1]), None)
+        with plain_reads():
+            wrong = next((t for t in tensors if t.dim() != 2 or t.shape[0] != t.shape[1]), None)
         if wrong is not None:
             message = f"starts as an identity matrix, but one is of shape {tuple(wrong.shape)}, not square"
             self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)

@@ -18,7 +18,6 @@ from attrs import define, field
 from opttree._preflight import Extents
 from opttree._report import ResetReport
 from opttree._scalers import ScalerReset
-from opttree._schema import StateSchema
 from opttree._zeroing import zero_lists
 
 StateEntry = MutableMapping[str, object]
@@ -57,21 +56,6 @@ class StatePlan:
     step_ranges: Extents = field(factory=Extents)
     kept_ranges: Extents = field(factory=Extents)
 
-    @property
-    def reusable(self) -> bool:
-        """Whether the same state will still be there after this reset, and the same plan
-        right for it: nothing dropped or released, no scales, which TE may rebuild, no
-        fills, whose values follow the groups' (an ``lr`` a scheduler changes), and every
-        tensor zeroed the whole of its own storage (see :mod:`opttree._plan_cache`)."""
-        return (
-            not self.drop
-            and not self.scales
-            and not self.fills
-            and not self.release
-            and self.written.whole
-            and self.step_ranges.whole
-        )
-
     def zero_list(self, key: ListKey) -> list[torch.Tensor]:
         found = self.lists.get(key)
         if found is None:
@@ -108,101 +92,62 @@ class StatePlan:
         self.kept_ranges.extend(other.kept_ranges)
 
 
-Layout = tuple[list[int], list[int], list[int]]
-"""How flattened lists split among optimizers: each one's number of param groups, each
-group's number of parameters, and each one's number of state entries."""
-
-
-@define
-class Reusable:
-    """A part planned afresh that the next reset may reuse, once this one has run, and
-    what it was planned from: one leaf, or a run of alike leaves planned as one (their
-    optimizers, in order), how their parts split among them, their groups' parameters,
-    the tensors their state is held for and its entries, each in order."""
-
-    optimizers: list[torch.optim.Optimizer]
-    schema: StateSchema
-    layout: Layout
-    params: list[torch.Tensor]
-    held: list[torch.Tensor]
-    entries: list[StateEntry]
-    part: StatePlan
-
-
 @define
 class ResetPlan:
-    """Everything a reset will do, gathered before anything is done.
-
-    ``state`` gathers the plans of small leaves; each large leaf's plan is one of
-    ``parts``, kept apart rather than merged, because a part taken from the plan cache
-    would otherwise be copied on every reset. ``fresh`` counts the parts planned afresh
-    and ``reused`` those taken from the plan cache, which were checked for aliasing when
-    they were planned.
-    """
+    """Everything a reset will do, gathered before anything is done: the tree's state
+    plans merged into ``state``, and its fp16 loss scalers."""
 
     state: StatePlan = field(factory=StatePlan)
-    parts: list[StatePlan] = field(factory=list)
     leaves: int = 0
     shared_leaves: int = 0
     shared_steps: int = 0
-    fresh: int = 0
-    reused: int = 0
-    to_store: list[Reusable] = field(factory=list)
     scalers: list[ScalerReset] = field(factory=list)
     scalers_kept: int = 0
 
-    @property
-    def all_parts(self) -> list[StatePlan]:
-        return [self.state, *self.parts]
-
     def ranges(self, name: Literal["written", "step_ranges", "kept_ranges"]) -> Extents:
-        """The ranges ``name`` of every part, in one list."""
-        merged = Extents()
-        for part in self.all_parts:
-            merged.extend(getattr(part, name))
-        return merged
+        """A copy of the ranges ``name``, to be extended without touching the plan."""
+        copied = Extents()
+        copied.extend(getattr(self.state, name))
+        return copied
 
     def execute(self) -> ResetReport:
-        parts = self.all_parts
+        state = self.state
         with torch.no_grad():
-            lists = [tensors for part in parts for tensors in part.lists.values()]
-            zero_lists(lists, total_bytes=sum(part.bytes_reset for part in parts))
-            for part in parts:
-                for (_, value), tensors in part.fills.items():
-                    for tensor in tensors:  # as full_like makes it: complex history is (v, v)
-                        tensor.fill_(complex(value, value) if tensor.is_complex() else value)
-                for _, matrix in part.identities:
-                    matrix.diagonal().fill_(1.0)
-                for scale in part.scales:
-                    scale.fill_(1.0)
+            zero_lists(list(state.lists.values()), total_bytes=state.bytes_reset)
+            for (_, value), tensors in state.fills.items():
+                for tensor in tensors:  # as full_like makes it: complex history is (v, v)
+                    tensor.fill_(complex(value, value) if tensor.is_complex() else value)
+            for _, matrix in state.identities:
+                matrix.diagonal().fill_(1.0)
+            for scale in state.scales:
+                scale.fill_(1.0)
             for scaler in self.scalers:
                 scaler.apply()
-        for part in parts:
-            for entry, key in part.drop:
-                del entry[key]
-            for entry, zero in part.number_steps:
-                entry["step"] = zero
-            for optimizer, held in part.release:
-                for param in held:
-                    del optimizer.state[param]
+        for entry, key in state.drop:
+            del entry[key]
+        for entry, zero in state.number_steps:
+            entry["step"] = zero
+        for optimizer, held in state.release:
+            for param in held:
+                del optimizer.state[param]
         return self.report()
 
     def report(self) -> ResetReport:
         """What executing this plan changes."""
-        parts = self.all_parts
+        state = self.state
         return ResetReport(
             leaves=self.leaves,
-            tensors_zeroed=sum(part.zeroed for part in parts),
-            tensors_filled=sum(part.filled for part in parts),
-            tensors_dropped=sum(len(part.drop) for part in parts),
-            bytes_reset=sum(part.bytes_reset for part in parts),
-            steps=sum(part.steps for part in parts) - self.shared_steps,
-            tensors_kept=sum(part.kept for part in parts),
-            bytes_kept=sum(part.bytes_kept for part in parts),
-            kept_keys=tuple(sorted(set().union(*(part.kept_keys for part in parts)))),
+            tensors_zeroed=state.zeroed,
+            tensors_filled=state.filled,
+            tensors_dropped=len(state.drop),
+            bytes_reset=state.bytes_reset,
+            steps=state.steps - self.shared_steps,
+            tensors_kept=state.kept,
+            bytes_kept=state.bytes_kept,
+            kept_keys=tuple(sorted(state.kept_keys)),
             shared_leaves=self.shared_leaves,
             loss_scales_reset=len(self.scalers),
             loss_scales_kept=self.scalers_kept,
-            entries_released=sum(part.released for part in parts),
-            bytes_released=sum(part.bytes_released for part in parts),
+            entries_released=state.released,
+            bytes_released=state.bytes_released,
         )

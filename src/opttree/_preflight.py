@@ -8,8 +8,8 @@ other state or with a parameter (zeroing it would zero them too).
 
 Each check runs over a list at once, through ``map`` at C speed, a few hundred tensors at
 a time (:data:`CHUNK`); only a list that fails a cheap check is looked at tensor by tensor,
-to say why. Memory is compared by address ranges: one vectorised sort over every range a
-reset writes or must keep.
+to say why. Memory is compared by address ranges: one sort over every range a reset
+writes or must keep.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from __future__ import annotations
 import bisect
 import operator
 from collections.abc import Sequence
-from itertools import compress
+from contextlib import AbstractContextManager
+from itertools import accumulate, compress, count, repeat
 
 import torch
 from attrs import define, field
@@ -29,6 +30,13 @@ _STORAGE = torch.Tensor.untyped_storage
 _STORAGE_START = torch.UntypedStorage.data_ptr
 _STORAGE_NBYTES = torch.UntypedStorage.nbytes
 _QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+
+def plain_reads() -> AbstractContextManager[None]:
+    """Read tensors' metadata as their C++ objects hold it: a subclass's own
+    ``__torch_function__``, which may refuse or change what it is asked, is not called.
+    For reading tensors not yet known to be of a plain class."""
+    return torch._C.DisableTorchFunctionSubclass()
+
 
 CHUNK = 512
 """Tensors read per round. A tensor's fields live in its TensorImpl and StorageImpl, which
@@ -87,22 +95,15 @@ Owner = tuple[str, str, str | None]
 @define
 class Extents:
     """The address ranges ``[start, end)`` of some tensors, their bytes in all, and whose
-    they are: ``owners`` holds ``(end index, owner)`` for each consecutive segment.
-
-    ``whole`` says that each range is known to be the whole of a storage of its own
-    tensor's (at offset 0, and as long as the storage): such a tensor cannot grow or move
-    in place without its data address changing, which a reused plan checks.
-    """
+    they are: ``owners`` holds ``(end index, owner)`` for each consecutive segment."""
 
     starts: list[int] = field(factory=list)
     ends: list[int] = field(factory=list)
     nbytes: int = 0
     owners: list[tuple[int, Owner]] = field(factory=list)
-    whole: bool = True
 
     def extend(self, other: Extents) -> None:
         base = len(self.starts)
-        self.whole = self.whole and other.whole
         self.starts.extend(other.starts)
         self.ends.extend(other.ends)
         self.nbytes += other.nbytes
@@ -125,18 +126,19 @@ def _chunks(tensors: Sequence[torch.Tensor]) -> list[Sequence[torch.Tensor]]:
 def ranges(tensors: Sequence[torch.Tensor]) -> Extents:
     """The address ranges of ``tensors``; none for a tensor without plain storage (a
     sparse tensor kept or dropped, never written)."""
-    found = Extents(whole=not tensors)
-    for chunk in _chunks(tensors):
-        try:
-            starts = list(map(_DATA_PTR, chunk))
-        except (RuntimeError, NotImplementedError):
-            chunk = [t for t in chunk if _has_data(t)]
-            starts = list(map(_DATA_PTR, chunk))
-        sizes = list(map(_NBYTES, chunk))
-        spans = sizes if all(map(torch.Tensor.is_contiguous, chunk)) else list(map(_span, chunk))
-        found.starts.extend(starts)
-        found.ends.extend(map(operator.add, starts, spans))
-        found.nbytes += sum(sizes)
+    found = Extents()
+    with plain_reads():
+        for chunk in _chunks(tensors):
+            try:
+                starts = list(map(_DATA_PTR, chunk))
+            except (RuntimeError, NotImplementedError):
+                chunk = [t for t in chunk if _has_data(t)]
+                starts = list(map(_DATA_PTR, chunk))
+            sizes = list(map(_NBYTES, chunk))
+            spans = sizes if all(map(torch.Tensor.is_contiguous, chunk)) else list(map(_span, chunk))
+            found.starts.extend(starts)
+            found.ends.extend(map(operator.add, starts, spans))
+            found.nbytes += sum(sizes)
     return found
 
 
@@ -161,8 +163,8 @@ def writable_ranges(tensors: Sequence[torch.Tensor]) -> Extents | tuple[int, str
 
 
 def _surely_writable(tensors: Sequence[torch.Tensor]) -> Extents | None:
-    """The ranges of ``tensors`` where every one is surely writable, with ``whole`` set
-    where each is its storage's whole; None sends the list to the slow path.
+    """The ranges of ``tensors`` where every one is surely writable; None sends the list
+    to the slow path.
 
     A tensor's extent, measured from its storage's start, must fit in the storage: a
     storage freed by ``untyped_storage().resize_(0)`` or shrunk in place has no room, and
@@ -191,7 +193,6 @@ def _surely_writable(tensors: Sequence[torch.Tensor]) -> Extents | None:
         ends = list(map(operator.add, starts, sizes if contiguous else map(_span, chunk)))
         if any(map(operator.gt, map(operator.sub, ends, bases), capacities)):
             return None
-        found.whole = found.whole and contiguous and bases == starts and capacities == sizes
         found.starts.extend(starts)
         found.ends.extend(ends)
         found.nbytes += sum(sizes)
@@ -201,18 +202,17 @@ def _surely_writable(tensors: Sequence[torch.Tensor]) -> Extents | None:
 def duplicates(ranges: Extents) -> tuple[int, int | None]:
     """How many ranges repeat an earlier one exactly (one step tensor held for several
     parameters), and the index of the first repeat."""
-    if len(ranges.starts) < 2:
-        return 0, None
-    starts = torch.tensor(ranges.starts, dtype=torch.int64)
-    unique, inverse = torch.unique(starts, return_inverse=True)
-    repeats = len(starts) - len(unique)
-    if not repeats:
-        return 0, None
-    first_of = torch.full((len(unique),), len(starts), dtype=torch.int64).scatter_reduce_(
-        0, inverse, torch.arange(len(starts)), reduce="amin"
-    )
-    repeated = torch.nonzero(first_of[inverse] != torch.arange(len(starts))).flatten()
-    return repeats, int(repeated[0])
+    starts = ranges.starts
+    repeats = len(starts) - len(set(starts))
+    first = None
+    if repeats:
+        seen: set[int] = set()
+        for index, start in enumerate(starts):
+            if start in seen:
+                first = index
+                break
+            seen.add(start)
+    return repeats, first
 
 
 def unique_ranges(ranges: Extents) -> Extents:
@@ -232,33 +232,46 @@ def unique_ranges(ranges: Extents) -> Extents:
     return kept
 
 
+def _disjoint(starts: list[int], ends: list[int]) -> bool:
+    """Whether no two of the ranges ``[start, end)`` overlap (empty ones overlap nothing):
+    with starts and ends sorted apart, the k-th end must come no later than the next
+    start, or two ranges are open at once."""
+    starts, ends = sorted(starts), sorted(ends)
+    return all(map(operator.le, ends[:-1], starts[1:]))
+
+
 def overlap(written: Extents, kept: Extents) -> tuple[Owner, Owner] | None:
     """The owners of a written range that overlaps another written range or a kept one,
-    or None. Empty ranges overlap nothing."""
-    if not written.starts:
+    or None. Empty ranges overlap nothing.
+
+    Over Python lists, at C speed: addresses come in a few ascending runs (one per state
+    key, in allocation order), which Python's sort merges in near-linear time; and no
+    torch kernel runs, whose intra-op threads hang in a child forked after its parent
+    used them. Where all ranges, kept ones included, are disjoint, as they usually are,
+    one check over them says so; else each written range is looked at.
+    """
+    n = len(written.starts)
+    if not n or _disjoint([*written.starts, *kept.starts], [*written.ends, *kept.ends]):
         return None
-    starts = torch.tensor(written.starts, dtype=torch.int64)
-    ends = torch.tensor(written.ends, dtype=torch.int64)
-    order = torch.argsort(starts, stable=True)
-    starts, ends = starts[order], ends[order]
-    live = ends > starts
-    # Among written ranges: range i overlaps an earlier one iff it starts before the
-    # furthest earlier end (the earlier ones sorted by start).
-    furthest = torch.cummax(torch.where(live, ends, starts), dim=0)
-    clash = torch.nonzero(live[1:] & (starts[1:] < furthest.values[:-1])).flatten()
-    if clash.numel():
-        i = int(clash[0]) + 1
-        return written.owner(int(order[i])), written.owner(int(order[furthest.indices[i - 1]]))
+    order = sorted(range(n), key=written.starts.__getitem__)
+    starts = list(map(written.starts.__getitem__, order))
+    ends = list(map(written.ends.__getitem__, order))
+    live = list(map(operator.gt, ends, starts))
+    # Among written ranges: range i overlaps an earlier one iff it is not empty and starts
+    # before the furthest end of those sorted before it (an empty one ends where it starts).
+    furthest = list(accumulate(ends, max))
+    clashes = compress(count(1), map(operator.and_, live[1:], map(operator.lt, starts[1:], furthest)))
+    i = next(clashes, None)
+    if i is not None:
+        return written.owner(order[i]), written.owner(order[ends.index(furthest[i - 1])])
     if not kept.starts:
         return None
+    if not all(live):  # empty written ranges overlap nothing
+        order, starts, ends = (list(compress(values, live)) for values in (order, starts, ends))
     # Written ranges are now disjoint and sorted, so their ends are sorted too: a kept
     # range [a, b) overlaps one iff the last written range starting before b ends after a.
-    a = torch.tensor(kept.starts, dtype=torch.int64)
-    b = torch.tensor(kept.ends, dtype=torch.int64)
-    last = torch.searchsorted(starts, b, side="left") - 1
-    hit = (b > a) & (last >= 0) & (ends[last.clamp(min=0)] > a)
-    found = torch.nonzero(hit).flatten()
-    if found.numel() == 0:
-        return None
-    k = int(found[0])
-    return written.owner(int(order[int(last[k])])), kept.owner(k)
+    before = list(map(bisect.bisect_left, repeat(starts), kept.ends))
+    reach = [0, *ends]  # the end of the last written range starting before b; 0 where none does
+    hits = map(operator.and_, map(operator.gt, map(reach.__getitem__, before), kept.starts), map(operator.gt, kept.ends, kept.starts))
+    k = next(compress(count(), hits), None)
+    return None if k is None else (written.owner(order[before[k] - 1]), kept.owner(k))

@@ -53,6 +53,11 @@ class ValidateVisitor(TraverserVisitor):
         self._is_optimizer: dict[type, bool] = {}
         self._release_refused = False
 
+    def _forget_plan(self) -> None:
+        """Drop the plan, and the inspectors that add to it, with every tensor they hold."""
+        self._plan = ResetPlan()
+        self._inspectors.clear()
+
     @classmethod
     def _selecting(cls, selection: Selection, *, keep_loss_scale: bool = False) -> Self:
         """A visitor of the part of the state ``selection`` takes."""
@@ -112,8 +117,6 @@ class ValidateVisitor(TraverserVisitor):
         """Step tensors held for several parameters are counted once, with a warning;
         anything written that shares memory with other state or a parameter is refused."""
         plan = self._plan
-        if not plan.fresh and plan.reused <= 1:
-            return  # one plan from the cache, checked when it was made
         steps = plan.ranges("step_ranges")
         repeats, first = duplicates(steps)
         if repeats and first is not None:

@@ -10,6 +10,8 @@ it skips autograd's dispatch, about a fifth of ``_foreach_zero_``'s cost per ten
 CPU, still bumps the version counters of normal tensors, and may write inference tensors
 and leaves that require grad. So with or without threads, and whatever the caller's mode,
 the same zeroing succeeds or fails alike, and fails only once every worker has finished.
+Where the pool takes no more work (an ``atexit`` handler runs after it has shut down),
+the calling thread zeroes what is left.
 """
 
 from __future__ import annotations
@@ -72,8 +74,13 @@ def zero_lists(lists: list[list[torch.Tensor]], *, total_bytes: int) -> None:
     pool = _workers()
     futures: list[Future[None]] = []
     try:
-        for tensors in slices:
-            futures.append(pool.submit(_zero, tensors))
+        for index, tensors in enumerate(slices):
+            try:
+                futures.append(pool.submit(_zero, tensors))
+            except RuntimeError:  # no new work while the interpreter shuts down: zero the rest here
+                for rest in slices[index:]:
+                    _zero(rest)
+                break
     finally:
         wait(futures)  # no slice may still be zeroing once this returns or raises
     for done in futures:
