@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping, MutableMapping, Sequence
-from itertools import chain
+from itertools import accumulate, chain, repeat
+from typing import NamedTuple
 
 import torch
 
@@ -53,17 +54,56 @@ def malformed_state(state: Mapping[torch.Tensor, object]) -> str | None:
     return None
 
 
-def well_formed(optimizers: Sequence[torch.optim.Optimizer]) -> bool:
-    """The common case of :func:`malformed` for many leaves at once, at C speed: plain
-    dicts and lists throughout. False sends the leaves to the one-by-one path."""
-    groups = [group for optimizer in optimizers for group in optimizer.param_groups]
-    if set(map(type, groups)) != {dict} or not all(map(operator.contains, groups, ["params"] * len(groups))):
-        return False
-    states = [optimizer.state for optimizer in optimizers]
-    if not all(issubclass(cls, dict) for cls in set(map(type, states))):
-        return False
-    if not _tensor_classes(set(map(type, chain.from_iterable(states)))):
-        return False
-    entries = set(map(type, chain.from_iterable(state.values() for state in states)))
-    lists = [group["params"] for group in groups]
-    return entries <= {dict} and set(map(type, lists)) <= {list} and _tensor_classes(set(map(type, chain.from_iterable(lists))))
+class Pooled(NamedTuple):
+    """The containers of many leaves, flattened in order: their param groups, those
+    groups' parameters, their states, the tensors those are held for, and their entries."""
+
+    groups: list[dict[str, object]]
+    params: list[torch.Tensor]
+    states: list[dict[torch.Tensor, MutableMapping[str, object]]]
+    held: list[torch.Tensor]
+    entries: list[dict[str, object]]
+
+
+_PARAM_GROUPS = operator.attrgetter("param_groups")
+_STATE = operator.attrgetter("state")
+_PARAMS = operator.itemgetter("params")
+
+
+def pooled(optimizers: Sequence[torch.optim.Optimizer]) -> Pooled | None:
+    """The common case of :func:`malformed` for many leaves at once, at C speed, and
+    their containers flattened: plain dicts and lists throughout. None sends the leaves
+    to the one-by-one path."""
+    try:
+        group_lists = list(map(_PARAM_GROUPS, optimizers))
+        states = list(map(_STATE, optimizers))
+    except AttributeError:
+        return None
+    if not set(map(type, group_lists)) <= {list, tuple}:
+        return None
+    groups = list(chain.from_iterable(group_lists))
+    if set(map(type, groups)) != {dict} or not all(map(operator.contains, groups, repeat("params"))):
+        return None
+    param_lists = list(map(_PARAMS, groups))
+    if not set(map(type, param_lists)) <= {list}:
+        return None
+    params = list(chain.from_iterable(param_lists))
+    if not _tensor_classes(set(map(type, params))) or not all(issubclass(cls, dict) for cls in set(map(type, states))):
+        return None
+    held = list(chain.from_iterable(states))
+    if not _tensor_classes(set(map(type, held))):
+        return None
+    entries = list(chain.from_iterable(map(dict.values, states)))
+    if not set(map(type, entries)) <= {dict}:
+        return None
+    return Pooled(groups, params, states, held, entries)
+
+
+def param_counts(optimizers: Sequence[torch.optim.Optimizer], groups: list[dict[str, object]]) -> list[int]:
+    """How many parameters each optimizer's groups hold, given all their groups in order."""
+    group_counts = list(map(len, map(_PARAM_GROUPS, optimizers)))
+    per_group = list(map(len, map(_PARAMS, groups)))
+    if group_counts.count(1) == len(group_counts):
+        return per_group
+    ends = list(accumulate(group_counts))
+    return [sum(per_group[end - count : end]) for end, count in zip(ends, group_counts, strict=True)]

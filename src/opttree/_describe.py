@@ -12,12 +12,13 @@ import contextlib
 import operator
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
+from itertools import chain, repeat
 from typing import cast
 
 import torch
 from attrs import evolve, field, frozen
 
-from opttree._containers import malformed, well_formed
+from opttree._containers import malformed, pooled
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._inspect import step_number
 from opttree._preflight import plain_reads
@@ -74,16 +75,14 @@ def nbytes(tensor: torch.Tensor) -> int:
 
 
 def _step_text(counters: list[object]) -> str:
-    """The range of step counters. Where all are tensors of one shape and device, the
-    usual per-parameter steps, they are stacked and read at once; anything else goes
-    through :func:`step_number`."""
+    """The range of step counters. Where all are tensors, the usual per-parameter steps,
+    they are read in one ``map``; anything else goes through :func:`step_number`."""
+    numbers: list[float] = []
     if set(map(type, counters)) == {torch.Tensor}:
-        with contextlib.suppress(RuntimeError):  # steps of several shapes or devices, or meta ones
-            stacked = torch.stack(cast(list[torch.Tensor], counters))
-            if stacked.numel() == len(counters):  # one number each
-                low, high = stacked.min().item(), stacked.max().item()
-                return f" step={low:g}" if low == high else f" step={low:g}..{high:g}"
-    numbers = [n for n in map(step_number, counters) if n is not None]
+        with contextlib.suppress(RuntimeError):  # a tensor of several steps, or of none
+            numbers = list(map(torch.Tensor.item, cast(list[torch.Tensor], counters)))
+    if not numbers:
+        numbers = [n for n in map(step_number, counters) if n is not None]
     if not numbers:
         return ""
     low, high = min(numbers), max(numbers)
@@ -97,14 +96,19 @@ def leaves_text(optimizers: Sequence[torch.optim.Optimizer]) -> str:
 
 
 def _leaves_text(optimizers: Sequence[torch.optim.Optimizer]) -> str:
-    if not well_formed(optimizers):
+    found = pooled(optimizers)
+    if found is None:
         reasons = [reason for reason in map(malformed, optimizers) if reason is not None]
         if reasons:
             return f"malformed: {reasons[0]}" + (f" ({len(reasons)} leaves)" if len(optimizers) > 1 else "")
-    groups = [group for optimizer in optimizers for group in optimizer.param_groups]
-    params = [param for group in groups for param in group["params"]]
-    entries = [entry for optimizer in optimizers for entry in optimizer.state.values()]
-    tensors = [value for entry in entries for value in entry.values() if isinstance(value, torch.Tensor)]
+        groups = [group for optimizer in optimizers for group in optimizer.param_groups]
+        params = [param for group in groups for param in group["params"]]
+        entries = [entry for optimizer in optimizers for entry in optimizer.state.values()]
+        values = [value for entry in entries for value in entry.values()]
+    else:
+        groups, params, _, _, entries = found
+        values = list(chain.from_iterable(map(dict.values, found.entries)))
+    tensors = values if all(map(isinstance, values, repeat(torch.Tensor))) else [v for v in values if isinstance(v, torch.Tensor)]
     counters: list[object] = [group["step"] for group in groups if group.get("step") is not None]
     counters += [entry["step"] for entry in entries if "step" in entry]
     by_placement = _bytes_by_placement(tensors) if tensors else {}

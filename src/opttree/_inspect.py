@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from itertools import chain
+from collections.abc import Callable, Mapping, Sequence
+from itertools import chain, repeat
 from typing import cast
 
 import torch
 
 from opttree._errors import OptTreeError
 from opttree._nodes import LeafNode
-from opttree._containers import malformed_outline, malformed_state, well_formed
+from opttree._containers import malformed_outline, malformed_state, param_counts, pooled
 from opttree._plan import ResetPlan, StateEntry, StatePlan
 from opttree._preflight import plain_reads, ranges, writable_ranges
 from opttree._problems import Problem, ProblemKind
@@ -29,6 +29,7 @@ from opttree._selection import EVERYTHING, Selection
 Placement = tuple[torch.dtype | None, torch.device | None]
 
 _DTYPE_AND_DEVICE = operator.attrgetter("dtype", "device")
+_OPTIMIZER = operator.attrgetter("optimizer")
 
 
 def _placement(params: Sequence[torch.Tensor]) -> Placement:
@@ -44,9 +45,11 @@ def _held_for_own_params(
     states: Sequence[Mapping[torch.Tensor, StateEntry]],
     held: list[torch.Tensor],
     params: list[torch.Tensor],
+    counts: Callable[[], list[int]],
 ) -> bool:
     """Whether each optimizer's state is held for parameters of its own groups, given
-    all state keys (``held``) and all group parameters (``params``) in order.
+    all state keys (``held``) and all group parameters (``params``) in order, and
+    ``counts`` to give each optimizer's number of parameters.
 
     Where there is state for every parameter, in order, as after a step that reached them
     all, this compares ``held`` with ``params`` at C speed, without ``id()``: it raises an
@@ -55,17 +58,11 @@ def _held_for_own_params(
     if (
         len(held) == len(params)
         and all(map(operator.is_, held, params))
-        and (len(optimizers) == 1 or list(map(len, states)) == _param_counts(optimizers))
+        and (len(optimizers) == 1 or list(map(len, states)) == counts())
     ):
         return True
     owned = {(i, id(p)) for i, opt in enumerate(optimizers) for group in opt.param_groups for p in group["params"]}
     return {(i, id(p)) for i, state in enumerate(states) for p in state} <= owned
-
-
-def _param_counts(optimizers: Sequence[torch.optim.Optimizer]) -> list[int]:
-    if all(len(optimizer.param_groups) == 1 for optimizer in optimizers):
-        return [len(optimizer.param_groups[0]["params"]) for optimizer in optimizers]
-    return [sum(len(group["params"]) for group in optimizer.param_groups) for optimizer in optimizers]
 
 
 def step_number(value: object) -> float | None:
@@ -156,25 +153,22 @@ class LeafInspector:
         """
         if self.schema.scale_of is not None or self.schema.fill or self.selection.release:
             return False  # scales and fills are looked up, and releases planned, leaf by leaf
-        optimizers = [leaf.optimizer for leaf in leaves]
-        if not well_formed(optimizers):
+        optimizers = list(map(_OPTIMIZER, leaves))
+        found = pooled(optimizers)
+        if found is None:
             return False
-        groups = [group for optimizer in optimizers for group in optimizer.param_groups]
-        if any(group.get("step") is not None for group in groups):
+        groups, params, states, held, entries = found
+        if any(map(operator.contains, groups, repeat("step"))) and any(group.get("step") is not None for group in groups):
             return False
-        params = [param for group in groups for param in group["params"]]
         with plain_reads():
             if len(set(map(_DTYPE_AND_DEVICE, params))) > 1:
                 return False
-        states = [optimizer.state for optimizer in optimizers]
-        held = list(chain.from_iterable(states))
-        if not _held_for_own_params(optimizers, states, held, params):
+        if not _held_for_own_params(optimizers, states, held, params, lambda: param_counts(optimizers, groups)):
             return False
         problems_before = len(self.problems)
         part = StatePlan()
         owner = (f"{leaves[0].path} .. {leaves[-1].path}", type(optimizers[0]).__qualname__)
-        entries = [entry for state in states for entry in state.values()]
-        self.plan_entries(leaves[0], owner, held, entries, _placement(params), part)
+        self.plan_entries(leaves[0], owner, held, list(entries), _placement(params), part)
         part.kept_ranges.extend(ranges(params).owned((*owner, None)))
         if len(self.problems) > problems_before:
             del self.problems[problems_before:]
@@ -222,7 +216,7 @@ class LeafInspector:
         """Plan one leaf's state, given the parameters of its groups in order."""
         state = node.optimizer.state
         held = list(state)
-        if not _held_for_own_params([node.optimizer], [state], held, in_groups):
+        if not _held_for_own_params([node.optimizer], [state], held, in_groups, lambda: [len(in_groups)]):
             grouped = set(map(id, in_groups))
             orphans = sum(id(param) not in grouped for param in held)
             if orphans:
@@ -254,7 +248,7 @@ class LeafInspector:
                 continue
             having = entries if count == len(entries) else [entry for entry in entries if key in entry]
             values = list(map(operator.itemgetter(key), having))
-            tensors = [value for value in values if isinstance(value, torch.Tensor)]
+            tensors = values if all(map(isinstance, values, repeat(torch.Tensor))) else [v for v in values if isinstance(v, torch.Tensor)]
             if action is KeyAction.KEEP:
                 into.kept_keys.add(key)
                 into.kept += len(tensors)
