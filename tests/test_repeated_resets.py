@@ -31,6 +31,16 @@ def step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], see
     optimizer.step()
 
 
+def reset_between_steps() -> tuple[list[torch.nn.Parameter], torch.optim.AdamW]:
+    """An AdamW over 128 parameters, stepped, reset and stepped again."""
+    params = many_params()
+    optimizer = torch.optim.AdamW(params)
+    step(optimizer, params, 0)
+    opttree.reset(optimizer)
+    step(optimizer, params, 1)
+    return params, optimizer
+
+
 def test_repeated_resets_match_a_fresh_optimizer_each_time() -> None:
     params = many_params()
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
@@ -49,11 +59,7 @@ def test_repeated_resets_match_a_fresh_optimizer_each_time() -> None:
 
 
 def test_a_replaced_state_tensor_is_the_one_zeroed() -> None:
-    params = many_params()
-    optimizer = torch.optim.AdamW(params)
-    step(optimizer, params, 0)
-    opttree.reset(optimizer)
-    step(optimizer, params, 1)
+    params, optimizer = reset_between_steps()
     entry = optimizer.state[params[-1]]
     stale = entry["exp_avg"]
     entry["exp_avg"] = torch.ones(3)
@@ -189,11 +195,7 @@ def test_cleared_state_is_freed() -> None:
 
 def test_a_parameter_pointed_at_history_after_a_reset_is_refused() -> None:
     """A parameter that now lives in a history tensor would be zeroed with it."""
-    params = many_params()
-    optimizer = torch.optim.AdamW(params)
-    step(optimizer, params, 0)
-    opttree.reset(optimizer)
-    step(optimizer, params, 1)
+    params, optimizer = reset_between_steps()
     victim = params[7]
     victim.data = optimizer.state[params[3]]["exp_avg"]
     weight = victim.detach().clone()
@@ -245,11 +247,7 @@ def test_int_steps_are_set_back_to_the_int_zero_at_every_reset() -> None:
 
 
 def test_history_set_to_none_after_a_reset_is_refused() -> None:
-    params = many_params()
-    optimizer = torch.optim.AdamW(params)
-    step(optimizer, params, 0)
-    opttree.reset(optimizer)
-    step(optimizer, params, 1)
+    params, optimizer = reset_between_steps()
     optimizer.state[params[5]]["exp_avg"] = None
     gc.collect()
     before = [v.clone() for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
@@ -300,11 +298,7 @@ class Guarded(torch.Tensor):
 
 
 def test_a_tensor_whose_class_is_changed_in_place_is_refused_before_any_write() -> None:
-    params = many_params()
-    optimizer = torch.optim.AdamW(params)
-    step(optimizer, params, 0)
-    opttree.reset(optimizer)
-    step(optimizer, params, 1)
+    params, optimizer = reset_between_steps()
     optimizer.state[params[-1]]["exp_avg_sq"].__class__ = Guarded  # the same object, address and size
     before = others_than_the_last(optimizer)
 

@@ -128,7 +128,7 @@ def test_optimizers_that_are_unhashable_or_equal_to_each_other_are_still_told_ap
 
     node = opttree.tree(root)
     report = opttree.reset(root)
-    opttree.reset(root)  # a second full reset, where plans of large leaves are reused
+    opttree.reset(root)  # a second full reset finds the shared leaf again
 
     assert [getattr(c, "shared_with", None) for c in node.children] == [None, None, None, "chained[0]"]
     assert (report.leaves, report.shared_leaves, report.tensors_dropped) == (3, 1, 3 * 80)

@@ -25,8 +25,8 @@ def malformed(optimizer: torch.optim.Optimizer) -> str | None:
 
 
 def malformed_outline(optimizer: torch.optim.Optimizer) -> str | None:
-    """:func:`malformed` but for the keys and entries of ``state``, which a reused plan
-    has already seen to be the very same objects."""
+    """:func:`malformed` but for the keys and entries of ``state``, which are checked
+    apart, once the groups have been read."""
     groups = getattr(optimizer, "param_groups", None)
     if not isinstance(groups, (list, tuple)):
         return f"param_groups is a {type(groups).__qualname__}, expected a list"
