@@ -104,3 +104,20 @@ def test_mapping_entries_that_are_not_dicts_are_reset() -> None:
         report = opttree.reset(optimizer)
         assert report.tensors_zeroed == 2 * 128
     assert all(not entry["exp_avg"].any() for entry in optimizer.state.values())
+
+
+class Unprintable:
+    """A state key whose ``__repr__`` raises."""
+
+    def __repr__(self) -> str:
+        raise ValueError("no repr")
+
+
+def test_an_unknown_key_that_cannot_be_printed_is_still_named() -> None:
+    optimizer = stepped(2)
+    next(iter(optimizer.state.values()))[Unprintable()] = torch.zeros(1)
+
+    (problem,) = opttree.validate(optimizer)
+    assert problem.kind is opttree.ProblemKind.UNSUPPORTED_STATE and problem.key == "<a Unprintable>"
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="key '<a Unprintable>'"):
+        opttree.reset(optimizer)

@@ -245,3 +245,32 @@ def test_per_group_steps_of_one_chained_member_are_refused_and_megatron_shows_wh
         pytest.skip("this megatron-core's ChainedOptimizer has no _synchronize_steps(): it does not check its members' steps")
     with pytest.raises(AssertionError, match="steps"):
         synchronize()
+
+
+def two_parameter_adamw() -> tuple[torch.optim.AdamW, torch.nn.Parameter, torch.nn.Parameter]:
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([a, b])
+    a.grad, b.grad = torch.ones(3), torch.ones(3)
+    optimizer.step()
+    return optimizer, a, b
+
+
+def test_a_step_tensor_shared_with_an_unselected_parameter_is_not_reset_for_it() -> None:
+    """Megatron's CPU load path leaves several parameters on one step tensor: resetting one
+    parameter's step would reset the others' too."""
+    optimizer, a, b = two_parameter_adamw()
+    optimizer.state[b]["step"] = optimizer.state[a]["step"]
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'step': shares memory with 'step' of AdamW"):
+        opttree.reset(optimizer, params=[a], keys=["exp_avg", "exp_avg_sq", "step"])
+    assert optimizer.state[b]["step"].item() == 1.0
+
+
+def test_history_shared_with_an_unselected_parameter_is_refused() -> None:
+    optimizer, a, b = two_parameter_adamw()
+    optimizer.state[b]["exp_avg"] = optimizer.state[a]["exp_avg"]
+    kept = optimizer.state[b]["exp_avg"].clone()
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'exp_avg': shares memory with 'exp_avg' of AdamW"):
+        opttree.reset(optimizer, params=[a])
+    assert torch.equal(optimizer.state[b]["exp_avg"], kept)

@@ -9,6 +9,7 @@ one CPU optimizer per parameter.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 
 import pytest
@@ -24,14 +25,6 @@ from tests.helpers import snapshot, unchanged
 from tests.megatron_parts import Hybrid, chained, hybrid, train_hybrid
 
 pytestmark = pytest.mark.usefixtures("process_group")
-
-
-class LeafByLeaf(ValidateVisitor):
-    """The reference: every leaf inspected on its own, never pooled."""
-
-    def visit_siblings(self, nodes: tuple[opttree.Node, ...]) -> None:
-        for node in nodes:
-            node.accept(self)
 
 
 PlanView = tuple[object, ...]
@@ -129,7 +122,7 @@ def test_pooled_planning_equals_planning_leaf_by_leaf(leaves: list[torch.optim.O
     root = chained(leaves)  # type: ignore[arg-type]  # Megatron chains raw torch optimizers too
 
     pooled_plan, pooled_problems = planned(root, ValidateVisitor())
-    reference_plan, reference_problems = planned(root, LeafByLeaf())
+    reference_plan, reference_problems = planned(root, ValidateVisitor(pooling=False))
 
     assert pooled_plan == reference_plan
     assert pooled_problems == reference_problems
@@ -225,3 +218,41 @@ def test_repeated_resets_of_a_large_run_stay_exact_and_see_a_replaced_tensor() -
     entry["exp_avg"] = torch.ones_like(stale)
     opttree.reset(optimizer)
     assert not entry["exp_avg"].any() and stale.any()
+
+
+def shared_step(subs: list[torch.optim.Optimizer]) -> None:
+    next(iter(subs[17].state.values()))["step"] = next(iter(subs[16].state.values()))["step"]
+
+
+def history_in_its_parameter(subs: list[torch.optim.Optimizer]) -> None:
+    next(iter(subs[17].state.values()))["exp_avg"] = subs[17].param_groups[0]["params"][0].detach()
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "kind", "key"),
+    [(shared_step, opttree.ProblemKind.SHARED_STEP, "step"), (history_in_its_parameter, opttree.ProblemKind.ALIASED_STATE, "exp_avg")],
+)
+def test_a_memory_problem_in_a_pooled_run_names_its_leaf(
+    corrupt: Callable[[list[torch.optim.Optimizer]], None], kind: opttree.ProblemKind, key: str
+) -> None:
+    """The tree-wide memory check sees the run's pooled ranges: where it finds a problem,
+    the tree is checked again leaf by leaf, so the problem names the sub-optimizer."""
+    optimizer, _, _ = trained_hybrid()
+    corrupt(optimizer.cpu_optimizers)
+
+    assert [(p.kind, p.path, p.key) for p in opttree.validate(optimizer)] == [(kind, "sub_optimizers[17]", key)]
+
+
+def test_a_partial_reset_of_a_pooled_run_over_a_reordered_state_resets_the_selected_parameter() -> None:
+    """``OrderedDict.move_to_end`` orders a state's keys apart from its values: such a
+    state is inspected on its own, never pooled, where keys and values would be paired by position."""
+    members = [stepped_leaf("adamw", [3, 3], 2, [True, True], torch.float32) for _ in range(4)]
+    target = members[2]
+    first, second = target.param_groups[0]["params"]
+    reordered = collections.OrderedDict(target.state)
+    reordered.move_to_end(first)
+    target.state = reordered  # type: ignore[assignment]  # an OrderedDict, where torch keeps a defaultdict
+
+    opttree.reset(chained(members), params=[first])  # type: ignore[arg-type]  # Megatron chains raw optimizers too
+
+    assert not reordered[first]["exp_avg"].any() and reordered[second]["exp_avg"].any()

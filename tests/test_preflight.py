@@ -78,6 +78,9 @@ BAD: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "freed-view": freed_view,
     "subclass": lambda like: torch.ones_like(like).as_subclass(Traced),
     "strict-subclass": lambda like: torch.ones_like(like).as_subclass(Strict),
+    "nested": lambda like: torch.nested.nested_tensor([torch.ones(2), torch.ones(like.numel() - 2)]),
+    "conjugate": lambda like: torch.ones(like.numel(), dtype=torch.complex64).conj(),
+    "negative": lambda like: torch.ones(like.numel(), dtype=torch.complex64).conj().imag,
 }
 REASON = {
     "inference": "an inference tensor",
@@ -89,6 +92,9 @@ REASON = {
     "freed-view": "storage is freed",
     "subclass": "a Traced",
     "strict-subclass": "a Strict",
+    "nested": "a nested tensor",
+    "conjugate": "a conjugate or negative view",
+    "negative": "a conjugate or negative view",
 }
 
 
@@ -210,3 +216,86 @@ def test_an_optimizer_and_its_shallow_copy_in_one_tree_are_refused_not_reset_twi
     with pytest.raises(opttree.UnsupportedOptimizerState, match=r"SGD at chained\[\d\]\.optimizer: key 'momentum_buffer': shares memory"):
         opttree.reset(root)
     assert sum("momentum_buffer" in entry for entry in optimizer.state.values()) == count
+
+
+class Unsized(torch.Tensor):
+    """A subclass with torch's own dispatch and a Python ``nbytes`` of its own, as one
+    reporting a compressed size might have: sizes are read from the tensor, not from it."""
+
+    @property
+    def nbytes(self) -> int:  # type: ignore[override]  # the point: it says something else
+        return 0
+
+
+def test_a_subclass_reporting_another_size_cannot_hide_aliasing() -> None:
+    optimizer = big_adamw()
+    param = optimizer.param_groups[0]["params"][-1]
+    last_entry(optimizer)["exp_avg"] = param.detach().as_subclass(Unsized)
+    weight = param.detach().clone()
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="shares memory with a parameter"):
+        opttree.reset(optimizer)
+    assert torch.equal(param, weight)
+
+
+@pytest.mark.usefixtures("process_group")
+def test_history_over_a_dtensor_parameters_memory_is_refused() -> None:
+    """A DTensor has no memory of its own: it is placed by the local tensor it wraps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = init_device_mesh("cpu", (1,))
+    local = torch.arange(1.0, 4.0)
+    param = torch.nn.Parameter(DTensor.from_local(local, mesh, [Replicate()]))
+    optimizer = torch.optim.AdamW([param])
+    optimizer.state[param] = {"step": torch.tensor(1.0), "exp_avg": local.view(3), "exp_avg_sq": torch.zeros(3)}
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="shares memory with a parameter"):
+        opttree.reset(optimizer)
+    assert torch.equal(local, torch.arange(1.0, 4.0))
+
+
+class Opaque(torch.Tensor):
+    """A wrapper subclass that neither has storage nor says what it wraps."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor) -> Opaque:
+        return torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # torch's own way to turn it off
+
+    @classmethod
+    def __torch_dispatch__(cls, func: object, types: object, args: object = (), kwargs: object = None) -> object:  # type: ignore[override]  # torch's stub omits func
+        raise AssertionError("an Opaque tensor answers nothing")
+
+
+def test_a_parameter_whose_memory_cannot_be_read_is_refused() -> None:
+    optimizer = big_adamw()
+    params = optimizer.param_groups[0]["params"]
+    opaque = Opaque(params[-1])
+    optimizer.state[opaque] = optimizer.state.pop(params[-1])
+    params[-1] = opaque
+    before = snapshot(optimizer)
+
+    problems = opttree.validate(optimizer)
+    assert [(p.kind, p.key) for p in problems] == [(opttree.ProblemKind.UNSUPPORTED_STATE, None)]
+    assert "memory opttree cannot read" in problems[0].message
+    assert "AdamW" in opttree.describe(optimizer)
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="memory opttree cannot read"):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before)
+
+
+def test_one_entry_held_for_two_parameters_is_refused_even_without_tensors() -> None:
+    """An old checkpoint's ``momentum_buffer: None``: there is no memory to overlap, and the
+    entry reached twice would have the key dropped twice."""
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    params = list(net.parameters())
+    shared: dict[str, object] = {"momentum_buffer": None}
+    optimizer.state[params[0]] = optimizer.state[params[1]] = shared
+
+    assert [p.kind for p in opttree.validate(optimizer)] == [opttree.ProblemKind.ALIASED_STATE]
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="holds a state entry that the state of another parameter"):
+        opttree.reset(optimizer)
+    assert shared == {"momentum_buffer": None}

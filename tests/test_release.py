@@ -10,6 +10,7 @@ checkpoint an emptied state.
 from __future__ import annotations
 
 import gc
+import types
 import weakref
 from pathlib import Path
 
@@ -152,3 +153,22 @@ def test_megatron_itself_cannot_checkpoint_an_emptied_state(tmp_path: Path) -> N
         leaf.state.clear()
     with distributed.device, pytest.raises(AssertionError):
         distributed.optimizer.state_dict()
+
+
+class Pair:
+    """A wrapper of the user's own, over two optimizers (Megatron's refuse a release)."""
+
+    def __init__(self, first: torch.optim.Optimizer, second: torch.optim.Optimizer) -> None:
+        self.first, self.second = first, second
+
+
+opttree.register_wrapper(Pair, children=lambda pair: [("first", pair.first), ("second", pair.second)] if isinstance(pair, Pair) else [])
+
+
+def test_a_release_from_a_read_only_state_is_refused_before_any_other_leaf_is_released() -> None:
+    first, second = stepped_adamw()[1], stepped_adamw()[1]
+    second.state = types.MappingProxyType(dict(second.state))  # type: ignore[assignment]  # a mapping, not a dict
+
+    with pytest.raises(opttree.ReleaseRefused, match="second: its state is a mappingproxy"):
+        opttree.reset(Pair(first, second), release=True)
+    assert len(first.state) > 0

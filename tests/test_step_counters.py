@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -179,3 +182,56 @@ def test_a_step_tensor_shared_where_the_optimizer_counts_in_ints_is_warned_of_an
     assert report.steps == 1
     assert [entry["step"] for entry in optimizer.state.values()] == [0, 0]
     assert all(type(entry["step"]) is int for entry in optimizer.state.values())
+
+
+class Stage(enum.IntEnum):
+    """An int subclass with no member 0."""
+
+    WARMUP = 1
+    MAIN = 2
+
+
+class Refusing(torch.Tensor):
+    """A subclass whose own dispatch refuses every operation."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # torch's own way to turn it off
+
+    @classmethod
+    def __torch_dispatch__(cls, func: object, types: object, args: object = (), kwargs: object = None) -> object:  # type: ignore[override]  # torch's stub omits func
+        raise AssertionError("a Refusing tensor refuses every operation")
+
+
+def stepped_pair() -> tuple[torch.optim.AdamW, torch.nn.Parameter, torch.nn.Parameter]:
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.AdamW([a, b])
+    a.grad, b.grad = torch.ones(3), torch.ones(2)
+    optimizer.step()
+    return optimizer, a, b
+
+
+ODD_STEPS: dict[str, Callable[[torch.optim.AdamW, torch.nn.Parameter], None]] = {
+    "complex per-parameter steps": lambda o, a: o.state[a].update(step=torch.tensor(1 + 0j)),
+    "a complex group step": lambda o, a: o.param_groups[0].update(step=torch.tensor(1 + 1j)),
+    "an int group step beyond a float": lambda o, a: o.param_groups[0].update(step=10**400),
+    "an int step beyond a float": lambda o, a: o.state[a].update(step=10**400),
+    "an IntEnum step": lambda o, a: o.state[a].update(step=Stage.MAIN),
+    "a group step that refuses every operation": lambda o, a: o.param_groups[0].update(
+        step=torch.Tensor._make_subclass(Refusing, torch.tensor(1.0))
+    ),
+}
+
+
+@pytest.mark.parametrize("odd", ODD_STEPS)
+def test_odd_step_counters_are_reported_or_reset_never_raised_raw(odd: str) -> None:
+    optimizer, a, _ = stepped_pair()
+    ODD_STEPS[odd](optimizer, a)
+
+    opttree.validate(optimizer)
+    assert "AdamW" in opttree.describe(optimizer)
+    try:
+        opttree.reset(optimizer)
+    except opttree.OptTreeError:
+        return
+    steps = [entry["step"] for entry in optimizer.state.values()]
+    assert all(not step.any() if isinstance(step, torch.Tensor) else step == 0 for step in steps)
+    assert all(type(step) in (int, float, torch.Tensor) for step in steps)  # an int subclass becomes the int 0

@@ -13,6 +13,7 @@ from typing import TypeVar
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import opttree
 from opttree import _zeroing
@@ -250,3 +251,29 @@ def test_threads_that_need_the_pool_at_once_share_one() -> None:
             pool.shutdown()
         _zeroing._pool = None
     assert made == [1] * 30
+
+
+class Refuse(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode is unannotated
+    """A dispatch mode that refuses every operation on the thread that enters it."""
+
+    def __torch_dispatch__(self, func: object, types: object, args: object = (), kwargs: object = None) -> object:
+        raise AssertionError(f"this mode refuses {func}")
+
+
+@pytest.mark.parametrize("count", [2, 400])
+def test_a_reset_under_a_dispatch_mode_runs_alike_on_every_thread(count: int) -> None:
+    """Modes are per thread, and the zeroing threads have none: the calling thread runs a
+    reset's reads and writes without its modes too, so the outcome is the same whether or
+    not the state is large enough for threads (400 NAdam parameters are)."""
+    params = [torch.nn.Parameter(torch.ones(3)) for _ in range(count)]
+    optimizer = torch.optim.NAdam(params)
+    for p in params:
+        p.grad = torch.ones(3)
+    optimizer.step()
+
+    with Refuse():  # type: ignore[no-untyped-call]  # as above
+        report = opttree.reset(optimizer)
+
+    assert report.tensors_zeroed == 2 * count and report.tensors_filled == count
+    entries = list(optimizer.state.values())
+    assert all(not e["exp_avg"].any() and not e["step"].any() and e["mu_product"].item() == 1.0 for e in entries)

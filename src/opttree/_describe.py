@@ -21,7 +21,7 @@ from attrs import evolve, field, frozen
 from opttree._containers import malformed, pooled
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._inspect import step_number
-from opttree._preflight import plain_reads
+from opttree._preflight import plain_reads, plain_torch
 from opttree._report import format_bytes
 from opttree._scalers import scaler_text
 from opttree._runs import alike_runs, sibling_groups
@@ -81,7 +81,7 @@ def _step_text(counters: list[object]) -> str:
     if set(map(type, counters)) == {torch.Tensor}:
         with contextlib.suppress(RuntimeError):  # a tensor of several steps, or of none
             numbers = list(map(torch.Tensor.item, cast(list[torch.Tensor], counters)))
-    if not numbers:
+    if not numbers or not set(map(type, numbers)) <= {int, float}:  # complex or bool steps
         numbers = [n for n in map(step_number, counters) if n is not None]
     if not numbers:
         return ""
@@ -92,7 +92,10 @@ def _step_text(counters: list[object]) -> str:
 def leaves_text(optimizers: Sequence[torch.optim.Optimizer]) -> str:
     """Parameters, state bytes by placement and the step range of some leaves, together."""
     with plain_reads():
-        return _leaves_text(optimizers)
+        try:
+            return _leaves_text(optimizers)
+        except Exception as error:  # noqa: BLE001  # a tensor subclass's own code may raise anything
+            return f"unreadable: {type(error).__name__}: {error}"
 
 
 def _leaves_text(optimizers: Sequence[torch.optim.Optimizer]) -> str:
@@ -183,8 +186,10 @@ class DescribeVisitor(NodeVisitor[Summary]):
         return Summary(text, (), node.path)
 
     def render(self, root: Node) -> str:
-        """The indented description of the tree under ``root``."""
-        return "\n".join(_lines(root.accept(self), depth=0))
+        """The indented description of the tree under ``root``, read as plain torch calls
+        (see :func:`~opttree._preflight.plain_torch`)."""
+        with plain_torch():
+            return "\n".join(_lines(root.accept(self), depth=0))
 
 
 def _collapsed(summaries: list[Summary]) -> tuple[Summary, ...]:

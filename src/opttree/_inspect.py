@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
-from itertools import chain, repeat
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from itertools import chain, compress, repeat
 from typing import cast
 
 import torch
@@ -21,7 +21,7 @@ from opttree._errors import OptTreeError
 from opttree._nodes import LeafNode
 from opttree._containers import malformed_outline, malformed_state, param_counts, pooled
 from opttree._plan import ResetPlan, StateEntry, StatePlan
-from opttree._preflight import plain_reads, ranges, writable_ranges
+from opttree._preflight import identities, plain_reads, ranges, writable_ranges
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import KeyAction, ScaleLookup, StateSchema, StepType
 from opttree._selection import EVERYTHING, Selection
@@ -67,25 +67,40 @@ def _held_for_own_params(
 
 def step_number(value: object) -> float | None:
     """A step counter's value (the largest, for a tensor of several), or None if it is
-    none or cannot be read (a meta tensor, say)."""
+    none or cannot be read as a real number (a meta or complex tensor, an int beyond a
+    float, a tensor subclass whose own code refuses)."""
     if isinstance(value, torch.Tensor):
         try:
             with plain_reads():
                 if value.numel() == 1:
                     return float(value.item())
                 return float(value.max()) if value.numel() else None
-        except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        except Exception:  # noqa: BLE001  # a subclass's __torch_dispatch__ may raise anything
             return None
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value) if isinstance(value, (int, float)) else None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
+
+
+def key_label(key: object) -> str:
+    """A state key as problems name it: a key that is not a string may fail to print."""
+    if isinstance(key, str):
+        return key
+    try:
+        return repr(key)
+    except Exception:  # noqa: BLE001  # a key's own __repr__ may raise anything
+        return f"<a {type(key).__qualname__}>"
 
 
 def _zero_like(value: object) -> int | float | None:
-    """The zero that replaces a step counter kept as a Python number, of its own type."""
+    """The zero that replaces a step counter kept as a Python number: the int 0 or the
+    float 0.0 a fresh optimizer starts from, whatever subclass of them it held."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return type(value)(0)
+    return 0 if isinstance(value, int) else 0.0
 
 
 class LeafInspector:
@@ -169,7 +184,7 @@ class LeafInspector:
         part = StatePlan()
         owner = (f"{leaves[0].path} .. {leaves[-1].path}", type(optimizers[0]).__qualname__)
         self.plan_entries(leaves[0], owner, held, list(entries), _placement(params), part)
-        part.kept_ranges.extend(ranges(params).owned((*owner, None)))
+        self.plan_kept(leaves[0], owner, params, None, part)
         if len(self.problems) > problems_before:
             del self.problems[problems_before:]
             return False
@@ -223,7 +238,7 @@ class LeafInspector:
                 self.problem(node, ProblemKind.ORPHAN_STATE, f"holds state for {orphans} tensor(s) in no param group")
         owner = (node.path, type(node.optimizer).__qualname__)
         self.plan_entries(node, owner, held, list(state.values()), _placement(in_groups), into)
-        into.kept_ranges.extend(ranges(in_groups).owned((*owner, None)))
+        self.plan_kept(node, owner, in_groups, None, into)
 
     def plan_entries(
         self,
@@ -237,10 +252,12 @@ class LeafInspector:
         """Plan the state ``entries`` held for the tensors ``held``, key by key: each key's
         values are gathered and checked in one go, and reported once per leaf if wrong.
         ``owner`` is the path and class that the ranges recorded for aliasing name."""
+        into.entries.extend(identities(entries).owned((*owner, None)))
         chosen = self.selection.tensors
         if chosen is not None:
-            picked = [i for i, param in enumerate(held) if id(param) in chosen]
-            held, entries = [held[i] for i in picked], [entries[i] for i in picked]
+            picked = [param_id in chosen for param_id in map(id, held)]
+            self.plan_unselected(node, owner, list(compress(entries, map(operator.not_, picked))), into)
+            held, entries = list(compress(held, picked)), list(compress(entries, picked))
         for key, count in Counter(chain.from_iterable(entries)).items():
             action = self.actions.get(key)
             if action is None:
@@ -252,9 +269,7 @@ class LeafInspector:
             if action is KeyAction.KEEP:
                 into.kept_keys.add(key)
                 into.kept += len(tensors)
-                kept = ranges(tensors).owned((*owner, key))
-                into.bytes_kept += kept.nbytes
-                into.kept_ranges.extend(kept)
+                into.bytes_kept += self.plan_kept(node, owner, tensors, key, into)
                 continue
             if action is KeyAction.STEP:
                 self.plan_steps(node, owner, key, having, tensors, placement, into)
@@ -286,9 +301,36 @@ class LeafInspector:
             if scale_of is not None:
                 self.plan_scales(node, owner, scale_of, held, entries, key, into)
 
+    def plan_unselected(self, node: LeafNode, owner: tuple[str, str], entries: list[StateEntry], into: StatePlan) -> None:
+        """A partial reset keeps the state of the parameters it does not select: its memory
+        counts as kept, so history shared with it (a step tensor held for a selected and an
+        unselected parameter) is refused rather than reset for both."""
+        for key in dict.fromkeys(chain.from_iterable(entries)):
+            values = [entry[key] for entry in entries if key in entry]
+            tensors = [value for value in values if isinstance(value, torch.Tensor)]
+            if tensors:
+                self.plan_kept(node, owner, tensors, key_label(key), into)
+
+    def plan_kept(
+        self, node: LeafNode, owner: tuple[str, str], tensors: Sequence[torch.Tensor], key: str | None, into: StatePlan
+    ) -> int:
+        """Record the memory of tensors a reset must leave alone (parameters, where ``key``
+        is None), for the aliasing check, and return their bytes; one whose memory cannot
+        be read is refused, since nothing could then tell that zeroing leaves it alone."""
+        kept = ranges(tensors)
+        if kept.unseen:
+            what = "parameter" if key is None else "tensor"
+            message = (
+                f"{kept.unseen} {what}(s) to keep have memory opttree cannot read (a tensor subclass that neither "
+                "has storage nor says what it wraps): it cannot tell that zeroing history leaves them alone"
+            )
+            self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
+        into.kept_ranges.extend(kept.owned((*owner, key)))
+        return kept.nbytes
+
     def unknown_key(self, node: LeafNode, key: object) -> None:
         known = ", ".join(sorted(self.actions)) or "no keys"
-        self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"not in the schema ({known})", str(key))
+        self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"not in the schema ({known})", key_label(key))
 
     def plan_release(self, node: LeafNode, into: StatePlan) -> None:
         """Delete the selected entries, which the optimizer builds again on its next step as
@@ -305,10 +347,15 @@ class LeafInspector:
             message = "it is capturable: a captured CUDA graph may hold its state's addresses, which must not move"
             self.problem(node, ProblemKind.UNRELEASABLE_STATE, message)
             return
-        state = optimizer.state
+        state: object = optimizer.state  # typed a defaultdict; an optimizer may hold any mapping
+        if not isinstance(state, MutableMapping):
+            message = f"its state is a {type(state).__qualname__}, which has no entries to delete: reset it without release"
+            self.problem(node, ProblemKind.UNRELEASABLE_STATE, message)
+            return
         chosen = self.selection.tensors
         held = [param for param in state if chosen is None or id(param) in chosen]
         entries = [state[param] for param in held]
+        into.entries.extend(identities(entries).owned((node.path, type(optimizer).__qualname__, None)))
         problems_before = len(self.problems)
         actions = self.schema.actions  # what a full reset does: kept there is lost here
         for key in dict.fromkeys(chain.from_iterable(entries)):
@@ -317,7 +364,7 @@ class LeafInspector:
                 self.unknown_key(node, key)
             elif action is KeyAction.KEEP:
                 message = "is kept by a reset (not history): deleting its entry would lose it, so it cannot be released"
-                self.problem(node, ProblemKind.UNRELEASABLE_STATE, message, str(key))
+                self.problem(node, ProblemKind.UNRELEASABLE_STATE, message, key_label(key))
         if len(self.problems) > problems_before or not held:
             return
         into.release.append((optimizer, held))

@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 from attrs import define, field
 
-from opttree._preflight import Extents
+from opttree._preflight import Extents, plain_torch
 from opttree._report import ResetReport
 from opttree._scalers import ScalerReset
 from opttree._zeroing import zero_lists
@@ -55,6 +55,8 @@ class StatePlan:
     written: Extents = field(factory=Extents)
     step_ranges: Extents = field(factory=Extents)
     kept_ranges: Extents = field(factory=Extents)
+    entries: Extents = field(factory=Extents)
+    """The state entries planned, by identity (see :func:`~opttree._preflight.identities`)."""
 
     def zero_list(self, key: ListKey) -> list[torch.Tensor]:
         found = self.lists.get(key)
@@ -90,6 +92,7 @@ class StatePlan:
         self.written.extend(other.written)
         self.step_ranges.extend(other.step_ranges)
         self.kept_ranges.extend(other.kept_ranges)
+        self.entries.extend(other.entries)
 
 
 @define
@@ -104,7 +107,7 @@ class ResetPlan:
     scalers: list[ScalerReset] = field(factory=list)
     scalers_kept: int = 0
 
-    def ranges(self, name: Literal["written", "step_ranges", "kept_ranges"]) -> Extents:
+    def ranges(self, name: Literal["written", "step_ranges", "kept_ranges", "entries"]) -> Extents:
         """A copy of the ranges ``name``, to be extended without touching the plan."""
         copied = Extents()
         copied.extend(getattr(self.state, name))
@@ -112,7 +115,7 @@ class ResetPlan:
 
     def execute(self) -> ResetReport:
         state = self.state
-        with torch.no_grad():
+        with torch.no_grad(), plain_torch():
             zero_lists(list(state.lists.values()), total_bytes=state.bytes_reset)
             for (_, value), tensors in state.fills.items():
                 for tensor in tensors:  # as full_like makes it: complex history is (v, v)

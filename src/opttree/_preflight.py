@@ -16,20 +16,51 @@ from __future__ import annotations
 
 import bisect
 import operator
-from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from itertools import accumulate, compress, count, repeat
+from typing import cast
 
 import torch
 from attrs import define, field
+from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 
-_DATA_PTR = torch.Tensor.data_ptr
-_NBYTES = operator.attrgetter("nbytes")
-_DTYPE = operator.attrgetter("dtype")
-_STORAGE = torch.Tensor.untyped_storage
+_Tensor = torch._C.TensorBase
+_IS_WRAPPER: Callable[[object], bool] = is_traceable_wrapper_subclass  # a plain bool, not a narrowing guard
+
+
+def _getter(name: str) -> Callable[[torch.Tensor], object]:
+    """The C getter of a tensor attribute, which a subclass's own Python property of
+    that name does not replace (it could report a size or type the memory does not have)."""
+    return cast(Callable[[torch.Tensor], object], _Tensor.__dict__[name].__get__)
+
+
+_DATA_PTR = cast(Callable[[torch.Tensor], int], _Tensor.data_ptr)
+_NBYTES = cast(Callable[[torch.Tensor], int], _getter("nbytes"))
+_DTYPE = cast(Callable[[torch.Tensor], torch.dtype], _getter("dtype"))
+_LAYOUT = cast(Callable[[torch.Tensor], torch.layout], _getter("layout"))
+_IS_META = cast(Callable[[torch.Tensor], bool], _getter("is_meta"))
+_IS_NESTED = cast(Callable[[torch.Tensor], bool], _getter("is_nested"))
+_IS_CONTIGUOUS = cast(Callable[[torch.Tensor], bool], _Tensor.is_contiguous)
+_IS_INFERENCE = cast(Callable[[torch.Tensor], bool], _Tensor.is_inference)
+_IS_NEG = cast(Callable[[torch.Tensor], bool], _Tensor.is_neg)
+_IS_CONJ = cast(Callable[[torch.Tensor], bool], _Tensor.is_conj)
+_STORAGE = cast(Callable[[torch.Tensor], torch.UntypedStorage], _Tensor.untyped_storage)
 _STORAGE_START = torch.UntypedStorage.data_ptr
 _STORAGE_NBYTES = torch.UntypedStorage.nbytes
 _QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+_COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
+
+
+@contextmanager
+def plain_torch() -> Iterator[None]:
+    """Run torch as plain calls: no torch function mode or subclass override, and no
+    dispatch mode. Modes are per thread and the zeroing threads have none, so one active
+    on the calling thread would see, change or refuse some of a reset's reads and writes
+    and not others; a reset's checks and writes run under this on every thread alike."""
+    with torch._C.DisableTorchFunction(), _disable_current_modes():
+        yield
+
 
 def plain_reads() -> AbstractContextManager[None]:
     """Read tensors' metadata as their C++ objects hold it: a subclass's own
@@ -45,7 +76,7 @@ of a few hundred tensors before moving on pays that miss once per tensor, where 
 one field of all of them at a time pays it once per field."""
 
 
-def _plain_dispatch(cls: type) -> bool:
+def plain_dispatch(cls: type) -> bool:
     """Whether a tensor class zeroes as a plain tensor does: ``Parameter``, or a
     subclass that overrides neither ``__torch_function__`` nor ``__torch_dispatch__``."""
     if cls is torch.Tensor or cls is torch.nn.Parameter:
@@ -66,26 +97,32 @@ def _span(tensor: torch.Tensor) -> int:
 
 
 def unwritable_reason(tensor: torch.Tensor) -> str | None:
-    """Why ``tensor`` cannot be zeroed in place here, or None."""
+    """Why ``tensor`` cannot be zeroed in place here, or None: the checks of
+    :func:`_surely_writable`, one tensor at a time, to say which."""
     cls = type(tensor)
-    if not _plain_dispatch(cls):
+    if not plain_dispatch(cls):
         return f"a {cls.__qualname__} (a tensor subclass with its own dispatch: opttree cannot tell that zeroing it is exact)"
-    if tensor.layout is not torch.strided:
-        return f"a {str(tensor.layout).removeprefix('torch.')} tensor (only dense tensors are zeroed in place)"
-    if tensor.is_quantized:
+    layout = _LAYOUT(tensor)
+    if layout is not torch.strided:
+        return f"a {str(layout).removeprefix('torch.')} tensor (only dense tensors are zeroed in place)"
+    if _IS_NESTED(tensor):
+        return "a nested tensor (it has no in-place zero of its own)"
+    if _DTYPE(tensor) in _QUANTIZED:
         return "a quantized tensor (it has no in-place zero)"
-    if tensor.is_meta:
+    if _IS_META(tensor):
         return "a meta tensor (it has no data to zero)"
-    if tensor.is_inference() and not torch.is_inference_mode_enabled():
+    if _IS_INFERENCE(tensor) and not torch.is_inference_mode_enabled():
         return "an inference tensor (it can only be written inside torch.inference_mode())"
+    if _IS_CONJ(tensor) or _IS_NEG(tensor):
+        return "a conjugate or negative view (zeroing through it leaves -0 in memory, where a fresh optimizer has +0)"
     if tensor.numel() and _storage_short(tensor):
         return "a tensor whose storage is freed or smaller than the tensor"
     return None
 
 
 def _storage_short(tensor: torch.Tensor) -> bool:
-    storage = tensor.untyped_storage()
-    return bool(tensor.storage_offset() * tensor.element_size() + _span(tensor) > storage.nbytes())
+    storage = _STORAGE(tensor)
+    return bool(tensor.storage_offset() * tensor.element_size() + _span(tensor) > _STORAGE_NBYTES(storage))
 
 
 Owner = tuple[str, str, str | None]
@@ -95,18 +132,21 @@ Owner = tuple[str, str, str | None]
 @define
 class Extents:
     """The address ranges ``[start, end)`` of some tensors, their bytes in all, and whose
-    they are: ``owners`` holds ``(end index, owner)`` for each consecutive segment."""
+    they are: ``owners`` holds ``(end index, owner)`` for each consecutive segment.
+    ``unseen`` counts the tensors whose memory could not be read (see :func:`ranges`)."""
 
     starts: list[int] = field(factory=list)
     ends: list[int] = field(factory=list)
     nbytes: int = 0
     owners: list[tuple[int, Owner]] = field(factory=list)
+    unseen: int = 0
 
     def extend(self, other: Extents) -> None:
         base = len(self.starts)
         self.starts.extend(other.starts)
         self.ends.extend(other.ends)
         self.nbytes += other.nbytes
+        self.unseen += other.unseen
         self.owners.extend((base + end, owner) for end, owner in other.owners)
 
     def owned(self, owner: Owner) -> Extents:
@@ -124,30 +164,72 @@ def _chunks(tensors: Sequence[torch.Tensor]) -> list[Sequence[torch.Tensor]]:
 
 
 def ranges(tensors: Sequence[torch.Tensor]) -> Extents:
-    """The address ranges of ``tensors``; none for a tensor without plain storage (a
-    sparse tensor kept or dropped, never written)."""
+    """The address ranges of ``tensors``, which a reset keeps or drops.
+
+    A wrapper subclass (DTensor, a float8 tensor) is placed by the tensors it wraps, and a
+    sparse tensor by its indices and values. A tensor whose memory cannot be read otherwise
+    counts in ``unseen``: a kept one is refused by the caller, since opttree cannot tell
+    that zeroing history leaves it alone.
+    """
     found = Extents()
     with plain_reads():
-        for chunk in _chunks(tensors):
-            try:
-                starts = list(map(_DATA_PTR, chunk))
-            except (RuntimeError, NotImplementedError):
-                chunk = [t for t in chunk if _has_data(t)]
-                starts = list(map(_DATA_PTR, chunk))
-            sizes = list(map(_NBYTES, chunk))
-            spans = sizes if all(map(torch.Tensor.is_contiguous, chunk)) else list(map(_span, chunk))
-            found.starts.extend(starts)
-            found.ends.extend(map(operator.add, starts, spans))
-            found.nbytes += sum(sizes)
+        if all(map(plain_dispatch, set(map(type, tensors)))):
+            for chunk in _chunks(tensors):
+                try:
+                    _add_plain(found, chunk)
+                except (RuntimeError, NotImplementedError):  # sparse tensors have no data pointer
+                    for tensor in chunk:
+                        _add_any(found, tensor)
+        else:
+            for tensor in tensors:
+                _add_any(found, tensor)
     return found
 
 
-def _has_data(tensor: torch.Tensor) -> bool:
+def _add_plain(found: Extents, tensors: Sequence[torch.Tensor]) -> None:
+    starts = list(map(_DATA_PTR, tensors))
+    sizes = list(map(_NBYTES, tensors))
+    spans = sizes if all(map(_IS_CONTIGUOUS, tensors)) else list(map(_span, tensors))
+    found.starts.extend(starts)
+    found.ends.extend(map(operator.add, starts, spans))
+    found.nbytes += sum(sizes)
+
+
+def _parts(tensor: torch.Tensor) -> list[torch.Tensor] | None:
+    """The tensors that hold a wrapper subclass's or a sparse tensor's memory, or None."""
+    if _IS_WRAPPER(tensor):
+        names, _ = getattr(tensor, "__tensor_flatten__")()
+        inner = [getattr(tensor, name) for name in names]
+        return [part for part in inner if isinstance(part, torch.Tensor)]  # DTensor lists its mesh too
+    layout = _LAYOUT(tensor)
+    if layout is torch.sparse_coo:
+        return [tensor._indices(), tensor._values()]
+    if layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [tensor.crow_indices(), tensor.col_indices(), tensor.values()]
+    if layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [tensor.ccol_indices(), tensor.row_indices(), tensor.values()]
+    return None
+
+
+def _add_any(found: Extents, tensor: torch.Tensor, depth: int = 0) -> None:
+    """Add ``tensor``'s ranges, whatever its class, layout or dispatch: any error its own
+    code raises means its memory cannot be read, and it counts as unseen."""
     try:
-        tensor.data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return False
-    return True
+        parts = _parts(tensor)
+        if parts is None:
+            if not plain_dispatch(type(tensor)) and _DATA_PTR(tensor) == 0 and _NBYTES(tensor):
+                found.unseen += 1  # a wrapper with no storage of its own, which it does not name
+                return
+            _add_plain(found, [tensor])
+            return
+    except Exception:  # noqa: BLE001  # a subclass's own code may raise anything
+        found.unseen += 1
+        return
+    if depth >= 8 or not parts:
+        found.unseen += 1
+        return
+    for part in parts:
+        _add_any(found, part, depth + 1)
 
 
 def writable_ranges(tensors: Sequence[torch.Tensor]) -> Extents | tuple[int, str]:
@@ -156,7 +238,8 @@ def writable_ranges(tensors: Sequence[torch.Tensor]) -> Extents | tuple[int, str
     found = _surely_writable(tensors)
     if found is not None:
         return found
-    reasons = [reason for reason in map(unwritable_reason, tensors) if reason is not None]
+    with plain_reads():
+        reasons = [reason for reason in map(unwritable_reason, tensors) if reason is not None]
     if reasons:
         return len(reasons), reasons[0]
     return ranges(tensors)
@@ -170,7 +253,7 @@ def _surely_writable(tensors: Sequence[torch.Tensor]) -> Extents | None:
     storage freed by ``untyped_storage().resize_(0)`` or shrunk in place has no room, and
     zeroing through it would write outside any allocation.
     """
-    if not all(map(_plain_dispatch, set(map(type, tensors)))):
+    if not all(map(plain_dispatch, set(map(type, tensors)))):
         return None
     outside_inference = not torch.is_inference_mode_enabled()
     found = Extents()
@@ -185,11 +268,14 @@ def _surely_writable(tensors: Sequence[torch.Tensor]) -> Extents | None:
         sizes = list(map(_NBYTES, chunk))
         if 0 in starts and any(compress(sizes, map(operator.not_, starts))):
             return None  # meta tensors and freed storages show no address
-        if not _QUANTIZED.isdisjoint(map(_DTYPE, chunk)):
+        dtypes = set(map(_DTYPE, chunk))
+        if not _QUANTIZED.isdisjoint(dtypes) or any(map(_IS_NEG, chunk)) or any(map(_IS_NESTED, chunk)):
             return None
-        if outside_inference and any(map(torch.Tensor.is_inference, chunk)):
+        if not _COMPLEX.isdisjoint(dtypes) and any(map(_IS_CONJ, chunk)):
             return None
-        contiguous = all(map(torch.Tensor.is_contiguous, chunk))
+        if outside_inference and any(map(_IS_INFERENCE, chunk)):
+            return None
+        contiguous = all(map(_IS_CONTIGUOUS, chunk))
         ends = list(map(operator.add, starts, sizes if contiguous else map(_span, chunk)))
         if any(map(operator.gt, map(operator.sub, ends, bases), capacities)):
             return None
@@ -197,6 +283,13 @@ def _surely_writable(tensors: Sequence[torch.Tensor]) -> Extents | None:
         found.ends.extend(ends)
         found.nbytes += sum(sizes)
     return found
+
+
+def identities(objects: Sequence[object]) -> Extents:
+    """Objects as one-byte ranges at their identity hashes (unique among live objects, as
+    ``id()`` is, without its audit event): :func:`duplicates` then finds one reached twice."""
+    starts = list(map(object.__hash__, objects))
+    return Extents(starts, [start + 1 for start in starts])
 
 
 def duplicates(ranges: Extents) -> tuple[int, int | None]:

@@ -13,7 +13,7 @@ from opttree._identity import identity_key, identity_keys
 from opttree._inspect import LeafInspector
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._plan import ResetPlan
-from opttree._preflight import Owner, duplicates, overlap, unique_ranges
+from opttree._preflight import Owner, duplicates, overlap, plain_torch, unique_ranges
 from opttree._problems import Problem, ProblemKind
 from opttree._scalers import loss_scaler, plan_scaler
 from opttree._runs import alike_runs, sibling_groups
@@ -39,9 +39,12 @@ class ValidateVisitor(TraverserVisitor):
     for a partial reset, optimizers hidden in wrappers, and memory shared by state.
     """
 
-    def __init__(self, *, keep_loss_scale: bool = False) -> None:
-        """A visitor of the whole state; ``keep_loss_scale`` leaves fp16 loss scalers alone."""
+    def __init__(self, *, keep_loss_scale: bool = False, pooling: bool = True) -> None:
+        """A visitor of the whole state; ``keep_loss_scale`` leaves fp16 loss scalers alone,
+        and ``pooling=False`` inspects every leaf on its own (the reference pooling must equal)."""
         self._keep_loss_scale = keep_loss_scale
+        self._pooling = pooling
+        self._pooled = False
         self.problems: list[Problem] = []
         """What :meth:`check` found, in the order it found it."""
         self._plan = ResetPlan()
@@ -66,12 +69,26 @@ class ValidateVisitor(TraverserVisitor):
         return visitor
 
     def check(self, root: Node) -> None:
-        """Walk ``root`` and run the tree-wide checks."""
-        self._contained.append(root.optimizer)
-        root.accept(self)
-        self._check_keys(root)
-        self._check_held()
-        self._check_memory()
+        """Walk ``root`` and run the tree-wide checks, as plain torch calls (see
+        :func:`~opttree._preflight.plain_torch`)."""
+        with plain_torch():
+            self._contained.append(root.optimizer)
+            root.accept(self)
+            self._check_keys(root)
+            self._check_held()
+            found = len(self.problems)
+            self._check_memory()
+            if self._pooled and len(self.problems) > found:
+                self._check_leaf_by_leaf(root)
+
+    def _check_leaf_by_leaf(self, root: Node) -> None:
+        """Check ``root`` again with every leaf on its own, and take its problems and plan:
+        a problem the tree-wide memory check finds in a pooled run then names its leaf."""
+        again = type(self)(keep_loss_scale=self._keep_loss_scale, pooling=False)
+        again._selection = self._selection
+        again.check(root)
+        self.problems[:] = again.problems  # the inspectors hold this list
+        self._plan = again._plan
 
     def _check_keys(self, root: Node) -> None:
         """Keys named for a partial reset must be history in at least one leaf."""
@@ -115,7 +132,8 @@ class ValidateVisitor(TraverserVisitor):
 
     def _check_memory(self) -> None:
         """Step tensors held for several parameters are counted once, with a warning;
-        anything written that shares memory with other state or a parameter is refused."""
+        anything written that shares memory with other state or a parameter is refused, and
+        so is a state entry reached twice."""
         plan = self._plan
         steps = plan.ranges("step_ranges")
         repeats, first = duplicates(steps)
@@ -135,6 +153,15 @@ class ValidateVisitor(TraverserVisitor):
             (path, cls, key), other = clash
             message = f"shares memory with {_owner_text(other)}: zeroing it would change that too"
             self.problems.append(Problem(ProblemKind.ALIASED_STATE, path, cls, message, key))
+        entries = plan.ranges("entries")
+        _, again = duplicates(entries)
+        if again is not None:  # even where its values hold no memory to overlap (None, numbers)
+            path, cls, _ = entries.owner(again)
+            message = (
+                "holds a state entry that the state of another parameter, or of another optimizer, holds too: "
+                "resetting one would reset both, and a key dropped from it would be dropped twice"
+            )
+            self.problems.append(Problem(ProblemKind.ALIASED_STATE, path, cls, message))
 
     def _inspector_for(self, cls: type) -> LeafInspector | None:
         if cls in self._inspectors:
@@ -158,10 +185,12 @@ class ValidateVisitor(TraverserVisitor):
             if isinstance(item, Node):
                 item.accept(self)
                 continue
-            inspector = self._inspector_for(type(item[0].optimizer))
-            if inspector is None or not inspector.inspect_alike(item):
-                for leaf in item:
-                    self.visit_leaf(leaf)
+            inspector = self._inspector_for(type(item[0].optimizer)) if self._pooling else None
+            if inspector is not None and inspector.inspect_alike(item):
+                self._pooled = True
+                continue
+            for leaf in item:
+                self.visit_leaf(leaf)
 
     def visit_chained(self, node: ChainedNode) -> None:
         """Check the chain's step unit and a release under it, then its members."""
