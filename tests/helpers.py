@@ -58,3 +58,12 @@ def stepped_adamw(count: int, numel: int = 3) -> torch.optim.AdamW:
     optimizer = torch.optim.AdamW(params)
     optimizer.step()
     return optimizer
+
+
+def stepped_pair(first: int = 3, second: int = 3) -> tuple[torch.optim.AdamW, torch.nn.Parameter, torch.nn.Parameter]:
+    """An AdamW over two parameters of ones, of these sizes, stepped once with gradients of ones."""
+    a, b = torch.nn.Parameter(torch.ones(first)), torch.nn.Parameter(torch.ones(second))
+    optimizer = torch.optim.AdamW([a, b])
+    a.grad, b.grad = torch.ones(first), torch.ones(second)
+    optimizer.step()
+    return optimizer, a, b

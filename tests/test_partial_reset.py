@@ -9,7 +9,7 @@ import opttree
 from megatron.core.transformer.module import MegatronModule
 from opttree import testing
 from tests import megatron_parts
-from tests.helpers import model, snapshot, train, unchanged
+from tests.helpers import model, snapshot, stepped_pair, train, unchanged
 from tests.standins import TEFusedAdam
 
 K = 2
@@ -247,18 +247,10 @@ def test_per_group_steps_of_one_chained_member_are_refused_and_megatron_shows_wh
         synchronize()
 
 
-def two_parameter_adamw() -> tuple[torch.optim.AdamW, torch.nn.Parameter, torch.nn.Parameter]:
-    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
-    optimizer = torch.optim.AdamW([a, b])
-    a.grad, b.grad = torch.ones(3), torch.ones(3)
-    optimizer.step()
-    return optimizer, a, b
-
-
 def test_a_step_tensor_shared_with_an_unselected_parameter_is_not_reset_for_it() -> None:
     """Megatron's CPU load path leaves several parameters on one step tensor: resetting one
     parameter's step would reset the others' too."""
-    optimizer, a, b = two_parameter_adamw()
+    optimizer, a, b = stepped_pair()
     optimizer.state[b]["step"] = optimizer.state[a]["step"]
 
     with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'step': shares memory with 'step' of AdamW"):
@@ -267,7 +259,7 @@ def test_a_step_tensor_shared_with_an_unselected_parameter_is_not_reset_for_it()
 
 
 def test_history_shared_with_an_unselected_parameter_is_refused() -> None:
-    optimizer, a, b = two_parameter_adamw()
+    optimizer, a, b = stepped_pair()
     optimizer.state[b]["exp_avg"] = optimizer.state[a]["exp_avg"]
     kept = optimizer.state[b]["exp_avg"].clone()
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import opttree
-from tests.helpers import model, snapshot, train, unchanged
+from tests.helpers import model, snapshot, stepped_pair, train, unchanged
 
 
 class GroupClockAdamW(torch.optim.AdamW):
@@ -201,14 +201,6 @@ class Refusing(torch.Tensor):
         raise AssertionError("a Refusing tensor refuses every operation")
 
 
-def stepped_pair() -> tuple[torch.optim.AdamW, torch.nn.Parameter, torch.nn.Parameter]:
-    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
-    optimizer = torch.optim.AdamW([a, b])
-    a.grad, b.grad = torch.ones(3), torch.ones(2)
-    optimizer.step()
-    return optimizer, a, b
-
-
 ODD_STEPS: dict[str, Callable[[torch.optim.AdamW, torch.nn.Parameter], None]] = {
     "complex per-parameter steps": lambda o, a: o.state[a].update(step=torch.tensor(1 + 0j)),
     "a complex group step": lambda o, a: o.param_groups[0].update(step=torch.tensor(1 + 1j)),
@@ -223,7 +215,7 @@ ODD_STEPS: dict[str, Callable[[torch.optim.AdamW, torch.nn.Parameter], None]] = 
 
 @pytest.mark.parametrize("odd", ODD_STEPS)
 def test_odd_step_counters_are_reported_or_reset_never_raised_raw(odd: str) -> None:
-    optimizer, a, _ = stepped_pair()
+    optimizer, a, _ = stepped_pair(3, 2)
     ODD_STEPS[odd](optimizer, a)
 
     opttree.validate(optimizer)
