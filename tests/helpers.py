@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -67,3 +68,10 @@ def stepped_pair(first: int = 3, second: int = 3) -> tuple[torch.optim.AdamW, to
     a.grad, b.grad = torch.ones(first), torch.ones(second)
     optimizer.step()
     return optimizer, a, b
+
+
+class Refuse(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode is unannotated
+    """A dispatch mode that refuses every operation on the thread that enters it."""
+
+    def __torch_dispatch__(self, func: object, types: object, args: object = (), kwargs: object = None) -> object:
+        raise AssertionError(f"this mode refuses {func}")

@@ -11,6 +11,8 @@ import torch
 import opttree
 from opttree import testing
 from tests import megatron_parts
+from tests.copying import CopyingWrapper
+from tests.helpers import Refuse
 
 K = 3
 
@@ -84,3 +86,64 @@ def test_a_hybrid_sub_optimizers_master_param_is_checked_too() -> None:
     with stack.device:
         report = opttree.sync_masters(stack.optimizer, model=stack.model)
     assert report.stale == 1 and opttree.validate(stack.optimizer, model=stack.model) == ()
+
+
+def test_validate_and_sync_masters_run_under_none_of_the_callers_modes() -> None:
+    """A dispatch mode active where training code calls opttree (one that refuses every
+    operation, here) sees none of the comparisons and writes: they run as plain torch
+    calls, as a reset's do, so validate reports and sync writes as without the mode."""
+    optimizer, params, device = megatron_parts.hybrid([8, 5])
+    megatron_parts.train_hybrid((optimizer, params, device), 0, 2)
+    with torch.no_grad():
+        for p in params:
+            p.mul_(2.0)
+    model = torch.nn.ParameterList(params)
+    outside = opttree.validate(optimizer, model=model)
+
+    with Refuse():  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode is unannotated
+        inside = opttree.validate(optimizer, model=model)
+        report = opttree.sync_masters(optimizer, model=model)
+
+    assert [p.kind for p in inside] == [opttree.ProblemKind.STALE_MASTER] * 2 and inside == outside
+    assert len(report.written) == 2 and opttree.validate(optimizer, model=model) == ()
+
+
+def _holder(second: torch.Tensor) -> CopyingWrapper:
+    """Two parameters whose copies are both stale: the first a plain tensor, the second ``second``."""
+    params = [torch.nn.Parameter(torch.full((4,), 2.0)), torch.nn.Parameter(torch.full((3,), 2.0))]
+    return CopyingWrapper(params, [torch.ones(4), second])
+
+
+def test_a_sync_that_cannot_write_a_stale_copy_writes_none() -> None:
+    """An inference tensor cannot be written outside inference mode: had sync copied the
+    first stale copy before reaching it, it would have left the stack half synced."""
+    with torch.inference_mode():
+        frozen = torch.ones(3)
+    holder = _holder(frozen)
+    model = torch.nn.ParameterList(holder.params)
+    assert [p.kind for p in opttree.validate(holder, model=model)] == [opttree.ProblemKind.STALE_MASTER] * 2
+
+    with pytest.raises(opttree.StaleMaster, match=r"CopyingWrapper.*copy of 1 .* cannot be written in place: it is an inference tensor"):
+        opttree.sync_masters(holder, model=model)
+
+    assert holder.copies[0].tolist() == [1.0] * 4 and frozen.tolist() == [1.0] * 3
+    with torch.inference_mode():  # where it can be written, the same sync writes both
+        report = opttree.sync_masters(holder, model=model)
+    assert len(report.written) == 2 and holder.copies[0].tolist() == [2.0] * 4 and frozen.tolist() == [2.0] * 3
+
+
+def test_a_copy_that_cannot_be_compared_is_reported_and_refused_not_raised_from() -> None:
+    """A meta copy has no values to compare: validate warns about it (torch itself would
+    raise from the comparison), and sync refuses, having written nothing."""
+    holder = _holder(torch.empty(3, device="meta"))
+    model = torch.nn.ParameterList(holder.params)
+
+    problems = opttree.validate(holder, model=model)
+
+    kinds = sorted(p.kind.value for p in problems)
+    assert kinds == ["stale-master", "unchecked-master"]
+    unchecked = next(p for p in problems if p.kind is opttree.ProblemKind.UNCHECKED_MASTER)
+    assert unchecked.severity is opttree.Severity.WARNING and "copy of 1 cannot be compared with the model's weights" in unchecked.message
+    with pytest.raises(opttree.StaleMaster, match="cannot be compared"):
+        opttree.sync_masters(holder, model=model)
+    assert holder.copies[0].tolist() == [1.0] * 4

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import opttree
+from tests.copying import CopyingWrapper
 from tests.helpers import clone_model, model, train, weights_equal
 
 
@@ -123,29 +124,6 @@ print(report.tensors_zeroed, report.tensors_kept)
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
     assert done.stdout.split() == ["2", "2"]
-
-
-class CopyingWrapper:
-    """A wrapper that steps fp32 copies of its parameters, as Megatron's mixed-precision ones do."""
-
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        self.params = params
-        self.copies = [p.detach().clone() for p in params]
-        self.optimizer = torch.optim.AdamW(self.copies)
-
-
-def copying_children(wrapper: object) -> Iterator[tuple[str, object]]:
-    assert isinstance(wrapper, CopyingWrapper)
-    yield "optimizer", wrapper.optimizer
-
-
-def copying_inner(wrapper: object, path: str) -> Iterator[tuple[torch.Tensor, list[torch.Tensor]]]:
-    assert isinstance(wrapper, CopyingWrapper)
-    for param, copy in zip(wrapper.params, wrapper.copies, strict=True):
-        yield param, [copy]
-
-
-opttree.register_wrapper(CopyingWrapper, children=copying_children, inner_params=copying_inner)
 
 
 def test_a_partial_reset_follows_a_registered_wrappers_inner_params() -> None:

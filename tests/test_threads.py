@@ -13,11 +13,11 @@ from typing import TypeVar
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import opttree
 from opttree import _zeroing
 from opttree._dispatch import LazyDispatch, dotted_name
+from tests.helpers import Refuse
 
 T = TypeVar("T")
 
@@ -253,13 +253,6 @@ def test_threads_that_need_the_pool_at_once_share_one() -> None:
     assert made == [1] * 30
 
 
-class Refuse(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode is unannotated
-    """A dispatch mode that refuses every operation on the thread that enters it."""
-
-    def __torch_dispatch__(self, func: object, types: object, args: object = (), kwargs: object = None) -> object:
-        raise AssertionError(f"this mode refuses {func}")
-
-
 @pytest.mark.parametrize("count", [2, 400])
 def test_a_reset_under_a_dispatch_mode_runs_alike_on_every_thread(count: int) -> None:
     """Modes are per thread, and the zeroing threads have none: the calling thread runs a
@@ -271,7 +264,7 @@ def test_a_reset_under_a_dispatch_mode_runs_alike_on_every_thread(count: int) ->
         p.grad = torch.ones(3)
     optimizer.step()
 
-    with Refuse():  # type: ignore[no-untyped-call]  # as above
+    with Refuse():  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode is unannotated
         report = opttree.reset(optimizer)
 
     assert report.tensors_zeroed == 2 * count and report.tensors_filled == count

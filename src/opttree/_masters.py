@@ -7,6 +7,10 @@ shards, ``HybridDeviceOptimizer``'s fp32 or CPU copies) keep the old values, and
 step writes them back over the new weights. A copy is stale when it does not round to the
 model parameter it stands for: the same comparison Megatron's copy from main to model
 makes true after every step.
+
+opttree's own comparisons and writes run as plain torch calls, under no mode of the
+caller's (see :func:`~opttree._preflight.plain_torch`); a copy it cannot read is reported,
+not raised from, and a sync checks every copy it will write before it writes any.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from attrs import frozen
 from opttree._dispatch import LazyDispatch
 from opttree._errors import OptTreeError
 from opttree._nodes import Node
+from opttree._preflight import plain_torch, unwritable_reason
 from opttree._problems import Problem, ProblemKind
 from opttree._selection import INNER_PARAMS, InnerParams
 
@@ -80,17 +85,26 @@ def _model_slice(wrapper: object, param: torch.Tensor, copy: torch.Tensor) -> to
     start, end = getattr(span, "start", None), getattr(span, "end", None)
     if not isinstance(start, int) or not isinstance(end, int) or end - start != copy.numel():
         return None
-    return param.detach().view(-1)[start:end].reshape(copy.shape)
+    return param.detach().reshape(-1)[start:end].reshape(copy.shape)
+
+
+@frozen(eq=False)
+class _Pair:
+    path: str
+    cls: str
+    name: str
+    copy: torch.Tensor
+    part: torch.Tensor
 
 
 @frozen(eq=False)
 class MasterCheck:
-    """What :func:`check_masters` compared, and what it found; ``stale`` pairs each stale
+    """What :func:`check_masters` compared, and what it found; ``stale`` holds each stale
     copy with the part of the model parameter it stands for."""
 
     copies: int
     problems: tuple[Problem, ...]
-    stale: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    stale: tuple[_Pair, ...]
 
 
 @frozen
@@ -105,32 +119,38 @@ class SyncReport:
     written: tuple[str, ...]
 
 
-@frozen(eq=False)
-class _Pair:
-    path: str
-    cls: str
-    name: str
-    copy: torch.Tensor
-    part: torch.Tensor
+def _differing(pair: _Pair) -> int | str:
+    """How many elements of a copy differ from its part of the parameter, or why they
+    cannot be compared (a meta copy, a tensor subclass whose own code refuses)."""
+    try:
+        rounded = pair.copy.detach().to(device=pair.part.device, dtype=pair.part.dtype)
+        return int((rounded != pair.part).sum())
+    except Exception as error:  # noqa: BLE001  # a tensor subclass's own code may raise anything
+        return f"{type(error).__name__}: {error}"
 
 
-def _differing(pair: _Pair) -> int:
-    rounded = pair.copy.detach().to(device=pair.part.device, dtype=pair.part.dtype)
-    return int((rounded != pair.part).sum())
+def _group_equal(group: list[_Pair]) -> bool:
+    """Whether every copy of a group alike in dtype and device rounds to its part, in one
+    comparison; False where that comparison cannot run, so the pairs are compared one by one."""
+    dtype, device = group[0].part.dtype, group[0].part.device
+    try:
+        copies = torch.cat([pair.copy.detach().reshape(-1) for pair in group]).to(device=device, dtype=dtype)
+        return torch.equal(copies, torch.cat([pair.part.reshape(-1) for pair in group]))
+    except Exception:  # noqa: BLE001  # as in _differing
+        return False
 
 
-def _stale_pairs(pairs: list[_Pair]) -> Iterator[tuple[_Pair, int]]:
-    """The stale pairs with how many elements differ: one comparison per group of copies
-    alike in dtype and device, and tensor by tensor only in a group that differs."""
+def _stale_pairs(pairs: list[_Pair]) -> Iterator[tuple[_Pair, int | str]]:
+    """The stale pairs with how many elements differ, or why they cannot be compared: one
+    comparison per group of copies alike in dtype and device, and tensor by tensor only
+    in a group that differs."""
     groups: dict[tuple[torch.dtype, torch.device, torch.dtype, torch.device], list[_Pair]] = {}
     for pair in pairs:
         key = (pair.copy.dtype, pair.copy.device, pair.part.dtype, pair.part.device)
         groups.setdefault(key, []).append(pair)
     with torch.no_grad():
-        for (_, _, dtype, device), group in groups.items():
-            copies = torch.cat([pair.copy.detach().reshape(-1) for pair in group]).to(device=device, dtype=dtype)
-            parts = torch.cat([pair.part.reshape(-1) for pair in group])
-            if torch.equal(copies, parts):
+        for group in groups.values():
+            if _group_equal(group):
                 continue
             for pair in group:
                 differ = _differing(pair)
@@ -140,6 +160,11 @@ def _stale_pairs(pairs: list[_Pair]) -> Iterator[tuple[_Pair, int]]:
 
 def check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
     """Compare every master copy in the tree with the model parameter it stands for."""
+    with plain_torch():
+        return _check_masters(root, model)
+
+
+def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
     names: dict[int, str] = {} if model is None else {id(p): name for name, p in model.named_parameters()}
     problems: list[Problem] = []
     seen: set[int] = set()  # a copy reached twice (a GPU sub-optimizer's fp32 copy) is compared once
@@ -162,40 +187,60 @@ def check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
                     continue
                 seen.add(id(copy))
                 names.setdefault(id(copy), name)  # a copy's own copies, further in, stand for it too
-                part = _model_slice(node.optimizer, param, copy)
+                try:
+                    part = _model_slice(node.optimizer, param, copy)
+                except Exception:  # noqa: BLE001  # as in _differing
+                    part = None
                 if part is None:
                     message = f"cannot tell which part of {name} its copy of {copy.numel()} elements stands for"
                     problems.append(Problem(ProblemKind.UNCHECKED_MASTER, node.path, cls, message))
                     continue
                 compared.append(_Pair(node.path, cls, name, copy, part))
-    stale: list[tuple[torch.Tensor, torch.Tensor]] = []
+    stale: list[_Pair] = []
     for pair, differ in _stale_pairs(compared):
+        if isinstance(differ, str):
+            message = f"its copy of {pair.name} cannot be compared with the model's weights: {differ}"
+            problems.append(Problem(ProblemKind.UNCHECKED_MASTER, pair.path, pair.cls, message))
+            continue
         message = (
             f"its copy of {pair.name} differs from the model's weights in {differ} of {pair.copy.numel()} "
             "elements: the next step writes the copy back over them (opttree.sync_masters)"
         )
         problems.append(Problem(ProblemKind.STALE_MASTER, pair.path, pair.cls, message))
-        stale.append((pair.copy, pair.part))
+        stale.append(pair)
     return MasterCheck(len(compared), tuple(problems), tuple(stale))
+
+
+def _unwritable(stale: Sequence[_Pair]) -> list[Problem]:
+    """The stale copies that cannot be written in place, each as a problem naming why."""
+    problems: list[Problem] = []
+    with plain_torch():
+        for pair in stale:
+            reason = unwritable_reason(pair.copy)
+            if reason is not None:
+                message = f"its copy of {pair.name} is stale and cannot be written in place: it is {reason}"
+                problems.append(Problem(ProblemKind.STALE_MASTER, pair.path, pair.cls, message))
+    return problems
 
 
 def sync_masters(root: Node, model: torch.nn.Module | None) -> SyncReport:
     """Make every master copy equal to the model's weights: Megatron's own
     ``reload_model_params()`` where the stack has it, then opttree's own copy for what is
-    still stale, named in the report. Unknown layouts are refused before anything is
-    written."""
+    still stale, named in the report. Refused before anything is written: a copy whose
+    part of its parameter is not known, one it cannot compare, or a stale one it cannot
+    write in place."""
     before = check_masters(root, model)
-    unchecked = [p for p in before.problems if p.kind is not ProblemKind.STALE_MASTER]
-    if unchecked:
-        raise unchecked[0].to_error(others=len(unchecked) - 1)
+    refused = [p for p in before.problems if p.kind is not ProblemKind.STALE_MASTER] or _unwritable(before.stale)
+    if refused:
+        raise refused[0].to_error(others=len(refused) - 1)
     reload = getattr(root.optimizer, "reload_model_params", None)
     reloaded = False
     if before.stale and callable(reload):
         reload()
         reloaded = True
     after = check_masters(root, model) if reloaded else before
-    with torch.no_grad():
-        for copy, part in after.stale:
-            copy.copy_(part)
+    with torch.no_grad(), plain_torch():
+        for pair in after.stale:
+            pair.copy.copy_(pair.part)
     return SyncReport(before.copies, len(before.stale), reloaded, tuple(str(p) for p in after.problems))
 
