@@ -4,13 +4,15 @@ quantile) on torch leaves and a Megatron recipe."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import opttree
 from opttree import testing
-from tests.helpers import model, train
+from tests.helpers import Refuse, model, train
 
 HISTORY = ("exp_avg", "exp_avg_sq")
 
@@ -48,12 +50,24 @@ def test_magnitude_pruning_matches_the_per_tensor_quantile_and_keeps_steps(fract
     assert steps(optimizer) == before_steps == [3.0] * len(before_steps)
 
 
-def test_pruning_everything_equals_a_reset_of_the_history_keys() -> None:
+def bits(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """Tensors' bits, which tell -0 from +0 and one NaN from another, as torch.equal does not."""
+    return [t.view(torch.int32).tolist() for t in tensors]
+
+
+@pytest.mark.parametrize("by", ["magnitude", "random"])
+def test_pruning_everything_equals_a_reset_of_the_history_keys_bitwise(by: Literal["magnitude", "random"]) -> None:
+    """Pruned elements are set to +0, as a reset sets them, where a mask multiplied in
+    would leave negative history at -0 and NaN history at NaN."""
     _, pruned = trained()
     _, reset = trained()
-    opttree.prune(pruned, 1.0)
+    for optimizer in (pruned, reset):
+        first = next(iter(optimizer.state.values()))
+        first["exp_avg"].view(-1)[0] = float("nan")
+        assert (first["exp_avg"] < 0).any()
+    opttree.prune(pruned, 1.0, by=by)
     opttree.reset(reset, keys=list(HISTORY))
-    assert all(torch.equal(a, b) for a, b in zip(history(pruned), history(reset), strict=True))
+    assert bits(history(pruned)) == bits(history(reset))
     assert not any(t.any() for t in history(pruned))
 
 
@@ -68,6 +82,19 @@ def test_random_pruning_is_reproducible_with_a_generator_and_matches_its_referen
 
     after = [entry[key] for key in HISTORY for entry in optimizer.state.values()]
     assert all(torch.equal(a, b) for a, b in zip(after, expected, strict=True))
+
+
+def test_prune_and_scale_run_under_none_of_the_callers_modes() -> None:
+    """As a reset's, their writes are plain torch calls: a dispatch mode of the caller's
+    (one that refuses everything, here) sees none of them."""
+    _, optimizer = trained()
+    _, reference = trained()
+    with Refuse():  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode is unannotated
+        opttree.prune(optimizer, 0.5)
+        opttree.scale(optimizer, 0.5, keys=["exp_avg"])
+    opttree.prune(reference, 0.5)
+    opttree.scale(reference, 0.5, keys=["exp_avg"])
+    assert bits(history(optimizer)) == bits(history(reference))
 
 
 def test_scale_halves_the_first_moment_only() -> None:
@@ -110,6 +137,17 @@ def test_what_prune_cannot_change_in_place_is_refused_with_nothing_changed() -> 
     assert all(torch.equal(entry["momentum_buffer"], b) for entry, b in zip(sgd.state.values(), buffers, strict=True))
     with pytest.raises(opttree.PartialResetRefused, match="fraction must be between 0 and 1"):
         opttree.prune(optimizer, 1.5)
+    with pytest.raises(opttree.PartialResetRefused, match="fraction must be between 0 and 1, got '0.5'"):
+        opttree.prune(optimizer, "0.5")  # type: ignore[arg-type]  # what an untyped config may pass
+
+
+@pytest.mark.parametrize("factor", [-0.5, float("nan"), float("inf"), True, "0.5"])
+def test_scale_refuses_a_factor_that_would_break_the_next_step(factor: object) -> None:
+    _, optimizer = trained()
+    before = history(optimizer)
+    with pytest.raises(opttree.PartialResetRefused, match="factor must be a finite number >= 0"):
+        opttree.scale(optimizer, factor)  # type: ignore[arg-type]  # as above
+    assert bits(history(optimizer)) == bits(before)
 
 
 def pruned_shard_matches_its_own_quantile() -> tuple[int, int, bool]:

@@ -5,10 +5,13 @@ ReLoRA prunes optimizer state at each merge: in each history tensor the elements
 in magnitude (or a random share of them) are set to zero; SPAM-style recipes scale moments.
 "Each tensor" is each tensor a leaf holds: on a ``DistributedOptimizer`` that is this
 rank's shard, so a magnitude threshold is this shard's, not the whole parameter's.
+Both write as plain torch calls (see :func:`~opttree._preflight.plain_torch`), as a reset
+does, over tensors its checks found writable.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Literal
 
@@ -17,6 +20,7 @@ import torch
 from opttree._api import tree
 from opttree._errors import PartialResetRefused
 from opttree._plan import ResetPlan
+from opttree._preflight import plain_torch
 from opttree._problems import Severity
 from opttree._report import ResetReport
 from opttree._selection import ParamsArg, Selection, select
@@ -46,6 +50,10 @@ def _plan(
     return plan
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _tensors(plan: ResetPlan) -> list[torch.Tensor]:
     return [t for tensors in plan.state.lists.values() for t in tensors]
 
@@ -71,15 +79,17 @@ def prune(
     """Set ``fraction`` of each selected history tensor's elements to zero: those smallest in
     magnitude (below the tensor's ``fraction`` quantile, as ReLoRA computes it) or a random
     share, drawn from ``generator`` tensor by tensor, key by key and then in the leaf's
-    parameter order. ``fraction=1.0`` zeroes them, as a reset of those keys does; step
+    parameter order. Pruned elements become +0 (multiplying by a mask would leave -0, and
+    NaN), and a NaN element, whose magnitude is above no threshold, is pruned by
+    magnitude; so ``fraction=1.0`` zeroes them bitwise as a reset of those keys does; step
     counters are kept. Raises as ``reset`` does, having changed nothing.
 
     "Each tensor" is each tensor a leaf holds. Under a ``DistributedOptimizer`` that is this
     rank's shard of a parameter's history, so the magnitude threshold is the shard's own
     quantile, not the whole parameter's: ranks prune their shards independently, without
     communicating."""
-    if not 0.0 <= fraction <= 1.0:
-        raise PartialResetRefused(f"fraction must be between 0 and 1, got {fraction}")
+    if not _is_number(fraction) or not 0.0 <= fraction <= 1.0:
+        raise PartialResetRefused(f"fraction must be between 0 and 1, got {fraction!r}")
     if by not in ("magnitude", "random"):
         raise PartialResetRefused(f"by must be 'magnitude' or 'random', got {by!r}")
     plan = _plan(optimizer, params, keys, model, "prune")
@@ -92,10 +102,10 @@ def prune(
         return torch.rand(t.shape, generator=generator, device=t.device) > fraction
 
     keep = by_magnitude if by == "magnitude" else at_random
-    with torch.no_grad():
+    with torch.no_grad(), plain_torch():
         for tensor in _tensors(plan):
             if tensor.numel():
-                tensor.mul_(keep(tensor).to(tensor.dtype))
+                tensor.masked_fill_(keep(tensor).logical_not_(), 0)
     return plan.report()
 
 
@@ -108,10 +118,14 @@ def scale(
     model: torch.nn.Module | None = None,
 ) -> ResetReport:
     """Multiply each selected history tensor by ``factor`` in place (a run that halved its
-    first moment after a spike: ``keys=["exp_avg"], factor=0.5``); step counters are kept."""
+    first moment after a spike: ``keys=["exp_avg"], factor=0.5``); step counters are kept.
+    ``factor`` must be a finite number >= 0: a negative second moment, or a NaN one, makes
+    the next step's update NaN."""
+    if not _is_number(factor) or not 0.0 <= factor < math.inf:
+        raise PartialResetRefused(f"factor must be a finite number >= 0, got {factor!r}")
     plan = _plan(optimizer, params, keys, model, "scale")
     tensors = _tensors(plan)
-    with torch.no_grad():
+    with torch.no_grad(), plain_torch():
         if tensors:
             torch._foreach_mul_(tensors, factor)
     return plan.report()
