@@ -88,3 +88,40 @@ def test_the_gathered_tree_shape_counts_equal_neighbours() -> None:
     text = opttree.describe(stack[0], group=dist.group.WORLD)
 
     assert "HybridDeviceOptimizer[AdamW*30]" in text
+
+
+def test_a_malformed_leaf_in_a_long_run_is_counted_beside_the_totals_of_the_rest() -> None:
+    optimizer, _, _ = stack = hybrid(sizes(20))
+    train_hybrid(stack, 0, 2)
+    broken = optimizer.cpu_optimizers[3]
+    broken.state[next(iter(broken.state))] = None
+    elements = sum(sizes(20)) - sizes(20)[3]
+
+    lines = opttree.describe(optimizer).splitlines()
+
+    assert lines[1] == (
+        f"  20 x AdamW, in all: params=19 ({elements:,} elements) "
+        f"state={format_bytes(state_bytes(elements, 19))} [float32@cpu {format_bytes(state_bytes(elements, 19))}] "
+        "step=2; 1 of 20 leaves malformed, the first: a state entry is a NoneType, expected a dict"
+        "  @ sub_optimizers[0] .. sub_optimizers[19]"
+    )
+
+
+def test_state_is_totalled_by_its_own_device_and_nan_steps_are_counted() -> None:
+    """A meta tensor, which reports no device index as a CPU one does, is shown as meta;
+    NaN steps are counted apart from the range of the others."""
+    params = [torch.nn.Parameter(torch.ones(4)) for _ in range(3)]
+    optimizer = torch.optim.AdamW(params)
+    for p in params:
+        p.grad = torch.ones(4)
+    optimizer.step()
+    first, second, third = optimizer.state.values()
+    first["exp_avg"] = torch.empty(4, device="meta")
+    third["step"].fill_(float("nan"))
+
+    text = opttree.describe(optimizer)
+
+    assert "state=108 B [float32@cpu 92 B, float32@meta 16 B] step=1 (1 NaN)" in text
+    for entry in (first, second):
+        entry["step"].fill_(float("nan"))
+    assert opttree.describe(optimizer).endswith("step=NaN  @ <root>")

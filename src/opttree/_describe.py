@@ -30,7 +30,7 @@ from opttree._visitor import NodeVisitor
 DETAIL_LIMIT = 8
 """Runs of more alike sibling leaves than this are described by their totals."""
 
-_DTYPE = operator.attrgetter("dtype")
+_PLACEMENT = operator.attrgetter("dtype", "device")
 _NBYTES = operator.attrgetter("nbytes")
 
 
@@ -46,23 +46,17 @@ class Summary:
     last_path: str = field(eq=False, default="")
 
 
-def _placement(dtype: torch.dtype, device_index: int) -> str:
-    device = "cpu" if device_index < 0 else f"cuda:{device_index}"
-    return f"{str(dtype).removeprefix('torch.')}@{device}"
-
-
-def _bytes_by_placement(tensors: list[torch.Tensor]) -> dict[tuple[torch.dtype, int], int]:
-    """Bytes per ``(dtype, get_device())``, which costs less than a ``torch.device`` per
-    tensor; read at C speed where all share one placement, as they usually do. Tensors
-    without a byte size (sparse ones) count their dense size."""
-    dtypes = set(map(_DTYPE, tensors))
-    devices = set(map(torch.Tensor.get_device, tensors))
-    if len(dtypes) == 1 and len(devices) == 1:
+def _bytes_by_placement(tensors: list[torch.Tensor]) -> dict[tuple[torch.dtype, torch.device], int]:
+    """Bytes per dtype and device (``meta`` and ``npu:0`` as themselves); read at C speed
+    where all share one placement, as they usually do. Tensors without a byte size
+    (sparse ones) count their dense size."""
+    placements = set(map(_PLACEMENT, tensors))
+    if len(placements) == 1:
         with contextlib.suppress(RuntimeError):
-            return {(dtypes.pop(), devices.pop()): sum(map(_NBYTES, tensors))}
-    totals: defaultdict[tuple[torch.dtype, int], int] = defaultdict(int)
+            return {placements.pop(): sum(map(_NBYTES, tensors))}
+    totals: defaultdict[tuple[torch.dtype, torch.device], int] = defaultdict(int)
     for tensor in tensors:
-        totals[(tensor.dtype, tensor.get_device())] += nbytes(tensor)
+        totals[(tensor.dtype, tensor.device)] += nbytes(tensor)
     return dict(totals)
 
 
@@ -75,22 +69,26 @@ def nbytes(tensor: torch.Tensor) -> int:
 
 
 def _step_text(counters: list[object]) -> str:
-    """The range of step counters. Where all are tensors, the usual per-parameter steps,
-    they are read in one ``map``; anything else goes through :func:`step_number`."""
+    """The range of step counters, and how many are NaN. Where all are tensors, the usual
+    per-parameter steps, they are read in one ``map``; anything else goes through
+    :func:`step_number`."""
     numbers: list[float] = []
     if set(map(type, counters)) == {torch.Tensor}:
         with contextlib.suppress(RuntimeError):  # a tensor of several steps, or of none
             numbers = list(map(torch.Tensor.item, cast(list[torch.Tensor], counters)))
     if not numbers or not set(map(type, numbers)) <= {int, float}:  # complex or bool steps
         numbers = [n for n in map(step_number, counters) if n is not None]
-    if not numbers:
-        return ""
-    low, high = min(numbers), max(numbers)
-    return f" step={low:g}" if low == high else f" step={low:g}..{high:g}"
+    real = [n for n in numbers if n == n]  # NaN is the one number unequal to itself
+    nan = f" ({len(numbers) - len(real)} NaN)" if len(real) < len(numbers) else ""
+    if not real:
+        return " step=NaN" if numbers else ""
+    low, high = min(real), max(real)
+    return (f" step={low:g}" if low == high else f" step={low:g}..{high:g}") + nan
 
 
 def leaves_text(optimizers: Sequence[torch.optim.Optimizer]) -> str:
-    """Parameters, state bytes by placement and the step range of some leaves, together."""
+    """Parameters, state bytes by placement and the step range of some leaves, together;
+    malformed ones are counted and the first one's fault named."""
     with plain_reads():
         try:
             return _leaves_text(optimizers)
@@ -100,13 +98,18 @@ def leaves_text(optimizers: Sequence[torch.optim.Optimizer]) -> str:
 
 def _leaves_text(optimizers: Sequence[torch.optim.Optimizer]) -> str:
     found = pooled(optimizers)
+    faults = ""
     if found is None:
-        reasons = [reason for reason in map(malformed, optimizers) if reason is not None]
-        if reasons:
-            return f"malformed: {reasons[0]}" + (f" ({len(reasons)} leaves)" if len(optimizers) > 1 else "")
-        groups = [group for optimizer in optimizers for group in optimizer.param_groups]
+        reasons = list(map(malformed, optimizers))
+        bad = [reason for reason in reasons if reason is not None]
+        if len(bad) == len(optimizers):
+            return f"malformed: {bad[0]}" + (f" ({len(bad)} leaves)" if len(bad) > 1 else "")
+        if bad:
+            faults = f"; {len(bad)} of {len(optimizers)} leaves malformed, the first: {bad[0]}"
+        sound = [optimizer for optimizer, reason in zip(optimizers, reasons, strict=True) if reason is None]
+        groups = [group for optimizer in sound for group in optimizer.param_groups]
         params = [param for group in groups for param in group["params"]]
-        entries = [entry for optimizer in optimizers for entry in optimizer.state.values()]
+        entries = [entry for optimizer in sound for entry in optimizer.state.values()]
         values = [value for entry in entries for value in entry.values()]
     else:
         groups, params, _, _, entries = found
@@ -116,11 +119,11 @@ def _leaves_text(optimizers: Sequence[torch.optim.Optimizer]) -> str:
     counters += [entry["step"] for entry in entries if "step" in entry]
     by_placement = _bytes_by_placement(tensors) if tensors else {}
     detail = ", ".join(
-        sorted(f"{_placement(dtype, index)} {format_bytes(n)}" for (dtype, index), n in by_placement.items())
+        sorted(f"{str(dtype).removeprefix('torch.')}@{device} {format_bytes(n)}" for (dtype, device), n in by_placement.items())
     )
     state = f" state={format_bytes(sum(by_placement.values()))} [{detail}]" if by_placement else " state=empty"
     elements = sum(map(torch.Tensor.numel, params))
-    return f"params={len(params)} ({elements:,} elements){state}{_step_text(counters)}"
+    return f"params={len(params)} ({elements:,} elements){state}{_step_text(counters)}{faults}"
 
 
 def leaf_text(optimizer: torch.optim.Optimizer) -> str:
