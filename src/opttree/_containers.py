@@ -10,13 +10,21 @@ import operator
 from collections import defaultdict
 from collections.abc import Mapping, MutableMapping, Sequence
 from itertools import accumulate, chain, repeat
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
 
 def _tensor_classes(classes: set[type]) -> bool:
     return all(issubclass(cls, torch.Tensor) for cls in classes)
+
+
+def tensors_in(values: list[object]) -> list[torch.Tensor]:
+    """The tensors among ``values``: the list itself where all are, as they usually are,
+    which is checked at C speed."""
+    if all(map(isinstance, values, repeat(torch.Tensor))):
+        return cast(list[torch.Tensor], values)
+    return [value for value in values if isinstance(value, torch.Tensor)]
 
 
 def malformed(optimizer: torch.optim.Optimizer) -> str | None:

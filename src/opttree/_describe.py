@@ -12,13 +12,13 @@ import contextlib
 import operator
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
-from itertools import chain, repeat
+from itertools import chain
 from typing import cast
 
 import torch
 from attrs import evolve, field, frozen
 
-from opttree._containers import malformed, pooled
+from opttree._containers import malformed, pooled, tensors_in
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._inspect import step_number
 from opttree._preflight import plain_reads, plain_torch
@@ -114,7 +114,7 @@ def _leaves_text(optimizers: Sequence[torch.optim.Optimizer]) -> str:
     else:
         groups, params, _, _, entries = found
         values = list(chain.from_iterable(map(dict.values, found.entries)))
-    tensors = values if all(map(isinstance, values, repeat(torch.Tensor))) else [v for v in values if isinstance(v, torch.Tensor)]
+    tensors = tensors_in(values)
     counters: list[object] = [group["step"] for group in groups if group.get("step") is not None]
     counters += [entry["step"] for entry in entries if "step" in entry]
     by_placement = _bytes_by_placement(tensors) if tensors else {}

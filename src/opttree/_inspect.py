@@ -19,7 +19,7 @@ import torch
 
 from opttree._errors import OptTreeError
 from opttree._nodes import LeafNode
-from opttree._containers import malformed_outline, malformed_state, param_counts, pooled
+from opttree._containers import malformed_outline, malformed_state, param_counts, pooled, tensors_in
 from opttree._plan import ResetPlan, StateEntry, StatePlan
 from opttree._preflight import identities, plain_reads, ranges, writable_ranges
 from opttree._problems import Problem, ProblemKind
@@ -63,6 +63,12 @@ def _held_for_own_params(
         return True
     owned = {(i, id(p)) for i, opt in enumerate(optimizers) for group in opt.param_groups for p in group["params"]}
     return {(i, id(p)) for i, state in enumerate(states) for p in state} <= owned
+
+
+def _holding(entries: list[StateEntry], key: str, count: int) -> tuple[list[StateEntry], list[object]]:
+    """The entries that hold ``key``, which ``count`` of them do, and their values of it."""
+    having = entries if count == len(entries) else [entry for entry in entries if key in entry]
+    return having, list(map(operator.itemgetter(key), having))
 
 
 def step_number(value: object) -> float | None:
@@ -263,9 +269,8 @@ class LeafInspector:
             if action is None:
                 self.unknown_key(node, key)
                 continue
-            having = entries if count == len(entries) else [entry for entry in entries if key in entry]
-            values = list(map(operator.itemgetter(key), having))
-            tensors = values if all(map(isinstance, values, repeat(torch.Tensor))) else [v for v in values if isinstance(v, torch.Tensor)]
+            having, values = _holding(entries, key, count)
+            tensors = tensors_in(values)
             if action is KeyAction.KEEP:
                 into.kept_keys.add(key)
                 into.kept += len(tensors)
@@ -305,9 +310,8 @@ class LeafInspector:
         """A partial reset keeps the state of the parameters it does not select: its memory
         counts as kept, so history shared with it (a step tensor held for a selected and an
         unselected parameter) is refused rather than reset for both."""
-        for key in dict.fromkeys(chain.from_iterable(entries)):
-            values = [entry[key] for entry in entries if key in entry]
-            tensors = [value for value in values if isinstance(value, torch.Tensor)]
+        for key, count in Counter(chain.from_iterable(entries)).items():
+            tensors = tensors_in(_holding(entries, key, count)[1])
             if tensors:
                 self.plan_kept(node, owner, tensors, key_label(key), into)
 
