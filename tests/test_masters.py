@@ -123,7 +123,7 @@ def test_a_sync_that_cannot_write_a_stale_copy_writes_none() -> None:
     model = torch.nn.ParameterList(holder.params)
     assert [p.kind for p in opttree.validate(holder, model=model)] == [opttree.ProblemKind.STALE_MASTER] * 2
 
-    with pytest.raises(opttree.StaleMaster, match=r"CopyingWrapper.*copy of 1 .* cannot be written in place: it is an inference tensor"):
+    with pytest.raises(opttree.StaleMaster, match=r"CopyingWrapper at <root>: its copy of 1 is stale and cannot be written: it is an inference tensor"):
         opttree.sync_masters(holder, model=model)
 
     assert holder.copies[0].tolist() == [1.0] * 4 and frozen.tolist() == [1.0] * 3
@@ -147,3 +147,69 @@ def test_a_copy_that_cannot_be_compared_is_reported_and_refused_not_raised_from(
     with pytest.raises(opttree.StaleMaster, match="cannot be compared"):
         opttree.sync_masters(holder, model=model)
     assert holder.copies[0].tolist() == [1.0] * 4
+
+
+def _expanded() -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
+    return [torch.nn.Parameter(torch.full((4,), 2.0)), torch.nn.Parameter(torch.arange(3.0))], [torch.ones(4), torch.ones(1).expand(3)]
+
+
+def _over_another_parameter() -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
+    first, second = torch.nn.Parameter(torch.full((3,), 5.0)), torch.nn.Parameter(torch.full((3,), 7.0))
+    return [first, second], [second.detach(), torch.full((3,), 7.0)]
+
+
+def _over_each_other() -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
+    buffer = torch.zeros(4)
+    return [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.full((3,), 2.0))], [buffer[0:3], buffer[1:4]]
+
+
+def _too_narrow() -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
+    return [torch.nn.Parameter(torch.full((4,), 2.0)), torch.nn.Parameter(torch.tensor([1.0001, 2.0003]))], [
+        torch.ones(4),
+        torch.ones(2, dtype=torch.bfloat16),
+    ]
+
+
+UNSYNCABLE = {
+    "expanded": (_expanded, "elements share memory"),
+    "over-another-parameter": (_over_another_parameter, "shares memory with the model's parameter 1"),
+    "over-each-other": (_over_each_other, "shares memory with the copy of"),
+    "too-narrow": (_too_narrow, "a torch.bfloat16 tensor, which cannot hold the model's torch.float32 values"),
+}
+
+
+@pytest.mark.parametrize("kind", UNSYNCABLE)
+def test_a_sync_whose_writes_would_fail_or_go_wrong_writes_nothing(kind: str) -> None:
+    """Each of these, written, raised half-way (an expanded copy), wrote into a model
+    weight or another copy, or stayed stale while sync reported it written."""
+    build, reason = UNSYNCABLE[kind]
+    params, copies = build()
+    holder = CopyingWrapper(params, copies)
+    model = torch.nn.ParameterList(params)
+    before = [t.detach().clone() for t in (*params, *copies)]
+    assert any(p.kind is opttree.ProblemKind.STALE_MASTER for p in opttree.validate(holder, model=model))
+
+    with pytest.raises(opttree.StaleMaster, match=reason):
+        opttree.sync_masters(holder, model=model)
+
+    assert all(torch.equal(a, b) for a, b in zip((*params, *copies), before, strict=True))
+
+
+def test_nan_weights_held_by_their_copies_are_not_stale() -> None:
+    params = [torch.nn.Parameter(torch.tensor([float("nan"), 1.0]))]
+    holder = CopyingWrapper(params)
+    assert opttree.validate(holder, model=torch.nn.ParameterList(params)) == ()
+    holder.copies[0][1] = 2.0
+    (problem,) = opttree.validate(holder, model=torch.nn.ParameterList(params))
+    assert problem.kind is opttree.ProblemKind.STALE_MASTER and "in 1 of 2 elements" in problem.message
+
+
+def test_a_wrapper_naming_something_else_as_a_parameter_is_reported() -> None:
+    holder = CopyingWrapper([torch.nn.Parameter(torch.ones(2))])
+    holder.params = [None]  # type: ignore[list-item]  # what a faulty inner_params may yield
+
+    (problem,) = opttree.validate(holder, model=torch.nn.Linear(1, 1))
+
+    assert problem.kind is opttree.ProblemKind.UNCHECKED_MASTER and "names a NoneType as a parameter" in problem.message
+    with pytest.raises(opttree.StaleMaster, match="names a NoneType"):
+        opttree.sync_masters(holder)

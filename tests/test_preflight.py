@@ -81,6 +81,7 @@ BAD: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "nested": lambda like: torch.nested.nested_tensor([torch.ones(2), torch.ones(like.numel() - 2)]),
     "conjugate": lambda like: torch.ones(like.numel(), dtype=torch.complex64).conj(),
     "negative": lambda like: torch.ones(like.numel(), dtype=torch.complex64).conj().imag,
+    "expanded": lambda like: torch.ones(1).expand(like.numel()),
 }
 REASON = {
     "inference": "an inference tensor",
@@ -95,6 +96,7 @@ REASON = {
     "nested": "a nested tensor",
     "conjugate": "a conjugate or negative view",
     "negative": "a conjugate or negative view",
+    "expanded": "elements share memory",
 }
 
 

@@ -24,7 +24,7 @@ from attrs import frozen
 from opttree._dispatch import LazyDispatch
 from opttree._errors import OptTreeError
 from opttree._nodes import Node
-from opttree._preflight import plain_torch, unwritable_reason
+from opttree._preflight import Extents, overlap, plain_torch, ranges, unwritable_reason
 from opttree._problems import Problem, ProblemKind
 from opttree._selection import INNER_PARAMS, InnerParams
 
@@ -105,6 +105,8 @@ class MasterCheck:
     copies: int
     problems: tuple[Problem, ...]
     stale: tuple[_Pair, ...]
+    params: tuple[tuple[str, torch.Tensor], ...]
+    """The model parameters the copies stand for, with their names."""
 
 
 @frozen
@@ -119,14 +121,23 @@ class SyncReport:
     written: tuple[str, ...]
 
 
+def _count_differing(first: torch.Tensor, second: torch.Tensor) -> int:
+    """How many elements of two tensors of one dtype differ; NaN equals NaN, as a copy
+    of a NaN weight holds NaN."""
+    differ = first != second
+    if first.is_floating_point() or first.is_complex():
+        differ &= ~(first.isnan() & second.isnan())
+    return int(differ.sum())
+
+
 def _differing(pair: _Pair) -> int | str:
     """How many elements of a copy differ from its part of the parameter, or why they
     cannot be compared (a meta copy, a tensor subclass whose own code refuses)."""
     try:
         rounded = pair.copy.detach().to(device=pair.part.device, dtype=pair.part.dtype)
-        return int((rounded != pair.part).sum())
+        return _count_differing(rounded, pair.part)
     except Exception as error:  # noqa: BLE001  # a tensor subclass's own code may raise anything
-        return f"{type(error).__name__}: {error}"
+        return f"{type(error).__name__}: {error}"[:300]
 
 
 def _group_equal(group: list[_Pair]) -> bool:
@@ -164,11 +175,22 @@ def check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
         return _check_masters(root, model)
 
 
+def _param_name(names: dict[int, str], param: torch.Tensor) -> str:
+    name = names.get(id(param))
+    if name is not None:
+        return name
+    try:
+        return f"a parameter of shape {tuple(param.shape)}"
+    except Exception:  # noqa: BLE001  # as in _differing
+        return f"a {type(param).__qualname__}"
+
+
 def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
     names: dict[int, str] = {} if model is None else {id(p): name for name, p in model.named_parameters()}
     problems: list[Problem] = []
     seen: set[int] = set()  # a copy reached twice (a GPU sub-optimizer's fp32 copy) is compared once
     compared: list[_Pair] = []
+    params: dict[int, tuple[str, torch.Tensor]] = {}
     for node in _walk(root):
         cls = type(node.optimizer).__qualname__
         try:
@@ -177,7 +199,12 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
             problems.append(Problem(ProblemKind.MALFORMED_WRAPPER, node.path, cls, str(error)))
             continue
         for param, inner in pairs:
-            name = names.get(id(param), f"a parameter of shape {tuple(param.shape)}")
+            if not isinstance(cast(object, param), torch.Tensor):
+                message = f"it names a {type(param).__qualname__} as a parameter its copies stand for, expected a tensor"
+                problems.append(Problem(ProblemKind.UNCHECKED_MASTER, node.path, cls, message))
+                continue
+            name = _param_name(names, param)
+            params.setdefault(id(param), (name, param))
             for copy in cast(Sequence[object], inner):  # what a wrapper holds, checked here
                 if copy is None or copy is param or id(copy) in seen:
                     continue  # precision-aware shards have no separate main copy
@@ -192,7 +219,7 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
                 except Exception:  # noqa: BLE001  # as in _differing
                     part = None
                 if part is None:
-                    message = f"cannot tell which part of {name} its copy of {copy.numel()} elements stands for"
+                    message = f"cannot tell which part of {name} its copy of {_elements(copy)} stands for"
                     problems.append(Problem(ProblemKind.UNCHECKED_MASTER, node.path, cls, message))
                     continue
                 compared.append(_Pair(node.path, cls, name, copy, part))
@@ -203,24 +230,58 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
             problems.append(Problem(ProblemKind.UNCHECKED_MASTER, pair.path, pair.cls, message))
             continue
         message = (
-            f"its copy of {pair.name} differs from the model's weights in {differ} of {pair.copy.numel()} "
-            "elements: the next step writes the copy back over them (opttree.sync_masters)"
+            f"its copy of {pair.name} differs from the model's weights in {differ} of {_elements(pair.copy)}: "
+            "the next step writes the copy back over them (opttree.sync_masters)"
         )
         problems.append(Problem(ProblemKind.STALE_MASTER, pair.path, pair.cls, message))
         stale.append(pair)
-    return MasterCheck(len(compared), tuple(problems), tuple(stale))
+    return MasterCheck(len(compared), tuple(problems), tuple(stale), tuple(params.values()))
 
 
-def _unwritable(stale: Sequence[_Pair]) -> list[Problem]:
-    """The stale copies that cannot be written in place, each as a problem naming why."""
+def _elements(tensor: torch.Tensor) -> str:
+    try:
+        return f"{tensor.numel()} elements"
+    except Exception:  # noqa: BLE001  # as in _differing
+        return "unknown size"
+
+
+_PARAMETER = "parameter"
+"""The class that the memory of a model parameter is owned by, in the check before a sync."""
+
+
+def _unwritable(check: MasterCheck) -> list[Problem]:
+    """What makes writing the stale copies of ``check`` fail or go wrong, found before
+    any is written: a copy that cannot be written in place, one whose dtype cannot hold
+    the weights (written, it would still differ), and one sharing memory with a model
+    parameter or another copy written (writing it would change that too)."""
     problems: list[Problem] = []
+    written, kept = Extents(), Extents()
     with plain_torch():
-        for pair in stale:
+        for pair in check.stale:
             reason = unwritable_reason(pair.copy)
+            if reason is None and not _holds(pair):
+                reason = f"a {pair.copy.dtype} tensor, which cannot hold the model's {pair.part.dtype} values: written, it would still differ"
             if reason is not None:
-                message = f"its copy of {pair.name} is stale and cannot be written in place: it is {reason}"
+                message = f"its copy of {pair.name} is stale and cannot be written: it is {reason}"
                 problems.append(Problem(ProblemKind.STALE_MASTER, pair.path, pair.cls, message))
+                continue
+            written.extend(ranges([pair.copy]).owned((pair.path, pair.cls, pair.name)))
+        for name, param in check.params:
+            kept.extend(ranges([param]).owned(("", _PARAMETER, name)))
+    clash = overlap(written, kept)
+    if clash is not None:
+        (path, cls, copy_of), (_, other_cls, other) = clash
+        what = f"the model's parameter {other}" if other_cls == _PARAMETER else f"the copy of {other}"
+        message = f"its copy of {copy_of} shares memory with {what}: writing it would change that too"
+        problems.append(Problem(ProblemKind.STALE_MASTER, path, cls, message))
     return problems
+
+
+def _holds(pair: _Pair) -> bool:
+    """Whether the copy's dtype holds its part of the weights exactly, so that a written
+    copy rounds back to them."""
+    held = pair.part.to(pair.copy.dtype).to(pair.part.dtype)
+    return _count_differing(held, pair.part) == 0
 
 
 def sync_masters(root: Node, model: torch.nn.Module | None) -> SyncReport:
@@ -230,7 +291,7 @@ def sync_masters(root: Node, model: torch.nn.Module | None) -> SyncReport:
     part of its parameter is not known, one it cannot compare, or a stale one it cannot
     write in place."""
     before = check_masters(root, model)
-    refused = [p for p in before.problems if p.kind is not ProblemKind.STALE_MASTER] or _unwritable(before.stale)
+    refused = [p for p in before.problems if p.kind is not ProblemKind.STALE_MASTER] or _unwritable(before)
     if refused:
         raise refused[0].to_error(others=len(refused) - 1)
     reload = getattr(root.optimizer, "reload_model_params", None)

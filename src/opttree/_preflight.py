@@ -3,7 +3,8 @@
 Everything that would make zeroing fail half-way, or silently do nothing, is found
 here: tensors that cannot be written in place (inference tensors outside inference mode,
 quantized, sparse and meta tensors, tensors whose storage is freed or smaller than the
-tensor, tensor subclasses with their own dispatch) and history that shares memory with
+tensor, expanded views whose elements share memory, tensor subclasses with their own
+dispatch) and history that shares memory with
 other state or with a parameter (zeroing it would zero them too).
 
 Each check runs over a list at once, through ``map`` at C speed, a few hundred tensors at
@@ -48,6 +49,7 @@ _IS_CONJ = cast(Callable[[torch.Tensor], bool], _Tensor.is_conj)
 _STORAGE = cast(Callable[[torch.Tensor], torch.UntypedStorage], _Tensor.untyped_storage)
 _STORAGE_START = torch.UntypedStorage.data_ptr
 _STORAGE_NBYTES = torch.UntypedStorage.nbytes
+_INTERNAL_OVERLAP = cast(Callable[[torch.Tensor], int], torch._debug_has_internal_overlap)
 _QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
 _COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
 
@@ -117,7 +119,15 @@ def unwritable_reason(tensor: torch.Tensor) -> str | None:
         return "a conjugate or negative view (zeroing through it leaves -0 in memory, where a fresh optimizer has +0)"
     if tensor.numel() and _storage_short(tensor):
         return "a tensor whose storage is freed or smaller than the tensor"
+    if _overlaps_itself(tensor):
+        return "a tensor whose elements share memory (an expanded view: no in-place step can write it, torch's own included)"
     return None
+
+
+def _overlaps_itself(tensor: torch.Tensor) -> bool:
+    """Whether some elements of ``tensor`` surely share memory, as torch's in-place
+    operations refuse; only a tensor that is not contiguous can."""
+    return _INTERNAL_OVERLAP(tensor) == 1
 
 
 def _storage_short(tensor: torch.Tensor) -> bool:
@@ -276,6 +286,8 @@ def _surely_writable(tensors: Sequence[torch.Tensor]) -> Extents | None:
         if outside_inference and any(map(_IS_INFERENCE, chunk)):
             return None
         contiguous = all(map(_IS_CONTIGUOUS, chunk))
+        if not contiguous and any(map(_overlaps_itself, chunk)):
+            return None
         ends = list(map(operator.add, starts, sizes if contiguous else map(_span, chunk)))
         if any(map(operator.gt, map(operator.sub, ends, bases), capacities)):
             return None
