@@ -135,13 +135,19 @@ def test_what_prune_cannot_change_in_place_is_refused_with_nothing_changed() -> 
     with pytest.raises(opttree.PartialResetRefused, match="'momentum_buffer' is not zero at the start"):
         opttree.prune(sgd, 0.5)
     assert all(torch.equal(entry["momentum_buffer"], b) for entry, b in zip(sgd.state.values(), buffers, strict=True))
-    with pytest.raises(opttree.PartialResetRefused, match="fraction must be between 0 and 1"):
+    with pytest.raises(opttree.PartialResetRefused, match="fraction must be a number between 0 and 1"):
         opttree.prune(optimizer, 1.5)
-    with pytest.raises(opttree.PartialResetRefused, match="fraction must be between 0 and 1, got '0.5'"):
+    with pytest.raises(opttree.PartialResetRefused, match=r"fraction must be a number between 0 and 1, got '0.5' \(a str\)"):
         opttree.prune(optimizer, "0.5")  # type: ignore[arg-type]  # what an untyped config may pass
+    with pytest.raises(opttree.PartialResetRefused, match="generator must be a torch.Generator or None, got 0"):
+        opttree.prune(optimizer, 0.5, by="random", generator=0)  # type: ignore[arg-type]  # as above
 
 
-@pytest.mark.parametrize("factor", [-0.5, float("nan"), float("inf"), True, "0.5"])
+@pytest.mark.parametrize(
+    "factor",
+    [-0.5, float("nan"), float("inf"), 10**400, True, "0.5", torch.tensor([0.5, 0.5])],
+    ids=["negative", "nan", "inf", "int-beyond-float", "bool", "str", "two-element-tensor"],
+)
 def test_scale_refuses_a_factor_that_would_break_the_next_step(factor: object) -> None:
     _, optimizer = trained()
     before = history(optimizer)
@@ -166,3 +172,48 @@ def test_on_two_ranks_each_shard_is_pruned_by_its_own_threshold() -> None:
     results = testing.run_ranks(pruned_shard_matches_its_own_quantile, 2)
     assert [rank for rank, _, _ in results] == [0, 1]
     assert all(shard > 0 for _, shard, _ in results) and all(ok for _, _, ok in results)
+
+
+def test_numpy_and_tensor_numbers_are_numbers() -> None:
+    """What a config or a schedule hands over: NumPy scalars and one-element tensors."""
+    numpy = pytest.importorskip("numpy")
+    _, optimizer = trained()
+    _, reference = trained()
+    opttree.prune(optimizer, numpy.float32(0.5))
+    opttree.scale(optimizer, torch.tensor(0.5), keys=["exp_avg"])  # type: ignore[arg-type]  # what an untyped schedule may pass
+    opttree.prune(reference, 0.5)
+    opttree.scale(reference, 0.5, keys=["exp_avg"])
+    assert bits(history(optimizer)) == bits(history(reference))
+
+
+def test_history_of_a_dtype_prune_or_scale_cannot_change_is_refused_before_any_write() -> None:
+    """Complex history has no magnitude order, and integer history no fractional scale:
+    torch raised from the last parameter's tensor after pruning or scaling the others."""
+    params = [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4, dtype=torch.complex64))]
+    optimizer = torch.optim.AdamW(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    before = history(optimizer)
+    with pytest.raises(opttree.PartialResetRefused, match="prune changes real floating-point history, and 'exp_avg' holds torch.complex64"):
+        opttree.prune(optimizer, 0.5)
+    assert bits(history(optimizer)) == bits(before)
+    opttree.scale(optimizer, 0.5)  # complex history scales
+    assert all(torch.equal(a, 0.5 * b) for a, b in zip(history(optimizer), before, strict=True))
+    _, trained_adamw = trained()
+    last = list(trained_adamw.state.values())[-1]
+    last["exp_avg"] = torch.ones(3, dtype=torch.int32)
+    kept = history(trained_adamw)
+    with pytest.raises(opttree.PartialResetRefused, match="scale changes floating-point or complex history, and 'exp_avg' holds torch.int32"):
+        opttree.scale(trained_adamw, 0.5)
+    assert bits(history(trained_adamw)) == bits(kept)
+
+
+def test_scale_refuses_a_factor_that_would_make_history_infinite() -> None:
+    _, optimizer = trained()
+    before = history(optimizer)
+    with pytest.raises(opttree.PartialResetRefused, match="scale by 1e\\+300 would carry a torch.float32 history value"):
+        opttree.scale(optimizer, 1e300)
+    assert bits(history(optimizer)) == bits(before)
+    opttree.scale(optimizer, 2.0)
+    assert all(torch.equal(a, 2 * b) for a, b in zip(history(optimizer), before, strict=True))

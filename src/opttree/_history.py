@@ -12,8 +12,10 @@ does, over tensors its checks found writable.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Literal
+import numbers
+import operator
+from collections.abc import Callable, Iterable
+from typing import Literal, cast
 
 import torch
 
@@ -28,8 +30,16 @@ from opttree._validate import ValidateVisitor
 
 
 def _plan(
-    optimizer: object, params: ParamsArg | None, keys: Iterable[str] | None, model: torch.nn.Module | None, what: str
+    optimizer: object,
+    params: ParamsArg | None,
+    keys: Iterable[str] | None,
+    model: torch.nn.Module | None,
+    what: str,
+    dtypes: tuple[str, Callable[[torch.dtype], bool]],
 ) -> ResetPlan:
+    """The checked plan of a partial reset of ``keys``, whose history ``what`` changes in
+    place: refused, as a reset is, for anything a reset refuses, and for history that is
+    not zero at the start or whose dtype ``what`` cannot change (``dtypes``: its name and test)."""
     key_list = None if keys is None else [keys] if isinstance(keys, str) else list(keys)
     if key_list is not None and "step" in key_list:
         raise PartialResetRefused(f"{what} keeps step counters: leave 'step' out of keys")
@@ -47,11 +57,36 @@ def _plan(
         name = changed_otherwise[0] if changed_otherwise else "a scaled moment (TE)"
         msg = f"{what} changes history in place, and {name!r} is not zero at the start (its schema drops, fills, scales or starts it as an identity): leave it out of keys"
         raise PartialResetRefused(msg)
+    kind, accepts = dtypes
+    for (key, _, _), tensors in state.lists.items():
+        wrong = next((dtype for dtype in set(map(_DTYPE, tensors)) if not accepts(dtype)), None)
+        if wrong is not None:
+            raise PartialResetRefused(f"{what} changes {kind} history, and {key!r} holds {wrong} tensors: leave it out of keys")
     return plan
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+_DTYPE = operator.attrgetter("dtype")
+_REAL_FLOATS = ("real floating-point", lambda dtype: dtype.is_floating_point)
+_FLOATS = ("floating-point or complex", lambda dtype: dtype.is_floating_point or dtype.is_complex)
+
+
+def _real(value: object) -> float | None:
+    """``value`` as a float where it is a real number (Python's, NumPy's, a one-element
+    real tensor), else None: not a bool, a string or a number beyond a float."""
+    try:
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1 or value.dtype is torch.bool or value.is_complex():
+                return None
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return None
+        return float(value)
+    except (OverflowError, RuntimeError):  # an int beyond a float; a meta tensor
+        return None
+
+
+def _described(value: object) -> str:
+    return f"{value!r} (a {type(value).__qualname__})"
 
 
 def _tensors(plan: ResetPlan) -> list[torch.Tensor]:
@@ -77,7 +112,9 @@ def prune(
     model: torch.nn.Module | None = None,
 ) -> ResetReport:
     """Set ``fraction`` of each selected history tensor's elements to zero: those smallest in
-    magnitude (below the tensor's ``fraction`` quantile, as ReLoRA computes it) or a random
+    magnitude (at or below the tensor's ``fraction`` quantile, as ReLoRA computes it, so
+    that ties at the quantile can prune more than ``fraction``, and ``fraction=0`` prunes
+    each tensor's smallest elements) or a random
     share, drawn from ``generator`` tensor by tensor, key by key and then in the leaf's
     parameter order. Pruned elements become +0 (multiplying by a mask would leave -0, and
     NaN), and a NaN element, whose magnitude is above no threshold, is pruned by
@@ -88,22 +125,31 @@ def prune(
     rank's shard of a parameter's history, so the magnitude threshold is the shard's own
     quantile, not the whole parameter's: ranks prune their shards independently, without
     communicating."""
-    if not _is_number(fraction) or not 0.0 <= fraction <= 1.0:
-        raise PartialResetRefused(f"fraction must be between 0 and 1, got {fraction!r}")
+    share = _real(fraction)
+    if share is None or not 0.0 <= share <= 1.0:
+        raise PartialResetRefused(f"fraction must be a number between 0 and 1, got {_described(fraction)}")
     if by not in ("magnitude", "random"):
         raise PartialResetRefused(f"by must be 'magnitude' or 'random', got {by!r}")
-    plan = _plan(optimizer, params, keys, model, "prune")
+    if generator is not None and not isinstance(cast(object, generator), torch.Generator):
+        raise PartialResetRefused(f"generator must be a torch.Generator or None, got {_described(generator)}")
+    plan = _plan(optimizer, params, keys, model, "prune", _REAL_FLOATS)
+    tensors = _tensors(plan)
+    if by == "random" and generator is not None:
+        devices = {tensor.device.type for tensor in tensors} - {generator.device.type}
+        if devices:
+            msg = f"prune draws from a {generator.device.type} generator, which cannot draw for the {devices.pop()} history it selects"
+            raise PartialResetRefused(msg)
 
     def by_magnitude(t: torch.Tensor) -> torch.Tensor:
         magnitude = t.abs()
-        return magnitude > _threshold(magnitude, fraction).to(t.dtype)
+        return magnitude > _threshold(magnitude, share).to(t.dtype)
 
     def at_random(t: torch.Tensor) -> torch.Tensor:
-        return torch.rand(t.shape, generator=generator, device=t.device) > fraction
+        return torch.rand(t.shape, generator=generator, device=t.device) > share
 
     keep = by_magnitude if by == "magnitude" else at_random
     with torch.no_grad(), plain_torch():
-        for tensor in _tensors(plan):
+        for tensor in tensors:
             if tensor.numel():
                 tensor.masked_fill_(keep(tensor).logical_not_(), 0)
     return plan.report()
@@ -120,12 +166,27 @@ def scale(
     """Multiply each selected history tensor by ``factor`` in place (a run that halved its
     first moment after a spike: ``keys=["exp_avg"], factor=0.5``); step counters are kept.
     ``factor`` must be a finite number >= 0: a negative second moment, or a NaN one, makes
-    the next step's update NaN."""
-    if not _is_number(factor) or not 0.0 <= factor < math.inf:
-        raise PartialResetRefused(f"factor must be a finite number >= 0, got {factor!r}")
-    plan = _plan(optimizer, params, keys, model, "scale")
+    the next step's update NaN; and one above 1 must not carry any element past its dtype's
+    largest value, which would make it infinite."""
+    ratio = _real(factor)
+    if ratio is None or not 0.0 <= ratio < math.inf:
+        raise PartialResetRefused(f"factor must be a finite number >= 0, got {_described(factor)}")
+    plan = _plan(optimizer, params, keys, model, "scale", _FLOATS)
     tensors = _tensors(plan)
     with torch.no_grad(), plain_torch():
+        if ratio > 1.0 and tensors:
+            _refuse_overflow(tensors, ratio)
         if tensors:
-            torch._foreach_mul_(tensors, factor)
+            torch._foreach_mul_(tensors, ratio)
     return plan.report()
+
+
+def _refuse_overflow(tensors: list[torch.Tensor], ratio: float) -> None:
+    """Refuse a scale by ``ratio`` that would carry an element of ``tensors`` past the
+    largest value of its dtype."""
+    peaks = torch._foreach_norm(tensors, math.inf)
+    for tensor, peak in zip(tensors, peaks, strict=True):
+        largest = torch.finfo(tensor.dtype).max
+        if float(peak) * ratio > largest:
+            msg = f"scale by {ratio:g} would carry a {tensor.dtype} history value of {float(peak):g} past its largest, {largest:g}"
+            raise PartialResetRefused(msg)
