@@ -3,7 +3,7 @@ with an opttree error and changes nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 
 import pytest
 import torch
@@ -36,12 +36,33 @@ def state_keyed_by_index(optimizer: torch.optim.Optimizer) -> None:
     optimizer.state = {0: {"exp_avg": torch.ones(3)}}  # type: ignore[assignment]
 
 
+class RefusingIteration(Mapping[torch.Tensor, object]):
+    """A state mapping whose own ``__iter__`` raises, as a lazily loaded one might."""
+
+    def __init__(self, values: Mapping[torch.Tensor, object]) -> None:
+        self.values_ = dict(values)
+
+    def __getitem__(self, key: torch.Tensor) -> object:
+        return self.values_[key]
+
+    def __len__(self) -> int:
+        return len(self.values_)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        raise RuntimeError("iteration refused")
+
+
+def state_refusing_iteration(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.state = RefusingIteration(optimizer.state)  # type: ignore[assignment]
+
+
 MALFORMED: dict[str, Callable[[torch.optim.Optimizer], None]] = {
     "none-entry": none_entry,
     "tensor-entry": tensor_entry,
     "group-without-params": group_without_params,
     "state-not-a-mapping": state_not_a_mapping,
     "state-keyed-by-index": state_keyed_by_index,
+    "state-refusing-iteration": state_refusing_iteration,
 }
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
-from collections.abc import Mapping, MutableMapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from itertools import accumulate, chain, repeat
-from typing import NamedTuple, cast
+from typing import NamedTuple, TypeVar, cast
 
 import torch
 
@@ -27,12 +28,30 @@ def tensors_in(values: list[object]) -> list[torch.Tensor]:
     return [value for value in values if isinstance(value, torch.Tensor)]
 
 
+_Read = TypeVar("_Read")
+
+
+def _guarded(check: Callable[[_Read], str | None]) -> Callable[[_Read], str | None]:
+    """``check``, with an error that a container's own code raises while it is read (a
+    mapping whose ``__iter__`` refuses) reported as what is wrong, not raised."""
+
+    @functools.wraps(check)
+    def guarded(value: _Read) -> str | None:
+        try:
+            return check(value)
+        except Exception as error:  # noqa: BLE001  # a container's own code may raise anything
+            return f"reading its param groups or state raised {type(error).__name__}: {error}"
+
+    return guarded
+
+
 def malformed(optimizer: torch.optim.Optimizer) -> str | None:
     """What is wrong with a leaf's containers, or None: ``param_groups`` a list of dicts
     each holding a ``"params"`` list of tensors, ``state`` a mapping from tensors to dicts."""
     return malformed_outline(optimizer) or malformed_state(optimizer.state)
 
 
+@_guarded
 def malformed_outline(optimizer: torch.optim.Optimizer) -> str | None:
     """:func:`malformed` but for the keys and entries of ``state``, which are checked
     apart, once the groups have been read."""
@@ -53,6 +72,7 @@ def malformed_outline(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
+@_guarded
 def malformed_state(state: Mapping[torch.Tensor, object]) -> str | None:
     if not _tensor_classes(set(map(type, state))):
         return "state is keyed by something other than tensors (a state_dict's layout?)"
