@@ -4,12 +4,14 @@ with an opttree error and changes nothing."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from typing import TypeVar
 
 import pytest
 import torch
 
 import opttree
-from tests.helpers import stepped_adamw
+from tests.helpers import snapshot, stepped_adamw, unchanged
+from tests.megatron_parts import hybrid, train_hybrid
 
 
 def stepped(count: int = 4) -> torch.optim.AdamW:
@@ -142,3 +144,69 @@ def test_an_unknown_key_that_cannot_be_printed_is_still_named() -> None:
     assert problem.kind is opttree.ProblemKind.UNSUPPORTED_STATE and problem.key == "<a Unprintable>"
     with pytest.raises(opttree.UnsupportedOptimizerState, match="key '<a Unprintable>'"):
         opttree.reset(optimizer)
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def refusing(values: Mapping[K, V], name: str) -> dict[K, V]:
+    """A dict whose own ``name`` method raises: what a lazily loaded container might do."""
+
+    def refuse(self: object, *args: object) -> object:
+        raise RuntimeError(f"{name} refused")
+
+    cls: type[dict[K, V]] = type("Refusing", (dict,), {name: refuse})
+    return cls(values)
+
+
+def refuse_in_state(name: str) -> Callable[[torch.optim.Optimizer], None]:
+    def apply(optimizer: torch.optim.Optimizer) -> None:
+        optimizer.state = refusing(optimizer.state, name)  # type: ignore[assignment]
+
+    return apply
+
+
+def refuse_in_entry(name: str) -> Callable[[torch.optim.Optimizer], None]:
+    def apply(optimizer: torch.optim.Optimizer) -> None:
+        param = list(optimizer.state)[-1]
+        optimizer.state[param] = refusing(optimizer.state[param], name)
+
+    return apply
+
+
+def refuse_in_group(name: str) -> Callable[[torch.optim.Optimizer], None]:
+    def apply(optimizer: torch.optim.Optimizer) -> None:
+        optimizer.param_groups[0] = refusing(optimizer.param_groups[0], name)
+
+    return apply
+
+
+PARTLY_BROKEN = {
+    "state-__len__": refuse_in_state("__len__"),
+    "entry-__getitem__": refuse_in_entry("__getitem__"),
+    "entry-__iter__": refuse_in_entry("__iter__"),
+    "group-__getitem__": refuse_in_group("__getitem__"),
+}
+
+
+@pytest.mark.parametrize("name", PARTLY_BROKEN)
+def test_containers_whose_own_code_raises_are_malformed_state_alone_or_in_a_run(name: str) -> None:
+    """Methods a container overrides run its own code, which may raise anywhere planning
+    reads it: validate reports the leaf, reset refuses with nothing changed, describe
+    describes. Alone, and as one leaf of a long run, which is first planned pooled."""
+    alone = stepped()
+    stack = hybrid([1 + i % 7 for i in range(12)])
+    train_hybrid(stack, 0, 2)
+    in_run = stack[0].cpu_optimizers[5]
+    for optimizer, root in ((alone, alone), (in_run, stack[0])):
+        PARTLY_BROKEN[name](optimizer)
+        before = snapshot(optimizer)
+
+        problems = opttree.validate(root)
+        with pytest.raises(opttree.UnsupportedOptimizerState, match=f"{name.split('-')[1]} refused"):
+            opttree.reset(root)
+
+        assert [p.kind for p in problems] == [opttree.ProblemKind.MALFORMED_STATE]
+        assert "reading its param groups or state raised RuntimeError" in problems[0].message
+        assert unchanged(optimizer, before) and "AdamW" in opttree.describe(root)

@@ -171,7 +171,7 @@ def _too_narrow() -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
 
 
 UNSYNCABLE = {
-    "expanded": (_expanded, "elements share memory"),
+    "expanded": (_expanded, "elements share or may share memory"),
     "over-another-parameter": (_over_another_parameter, "shares memory with the model's parameter 1"),
     "over-each-other": (_over_each_other, "shares memory with the copy of"),
     "too-narrow": (_too_narrow, "a torch.bfloat16 tensor, which cannot hold the model's torch.float32 values"),

@@ -40,9 +40,14 @@ def _guarded(check: Callable[[_Read], str | None]) -> Callable[[_Read], str | No
         try:
             return check(value)
         except Exception as error:  # noqa: BLE001  # a container's own code may raise anything
-            return f"reading its param groups or state raised {type(error).__name__}: {error}"
+            return reading_fault(error)
 
     return guarded
+
+
+def reading_fault(error: Exception) -> str:
+    """What is wrong with a leaf whose containers raised ``error`` while read."""
+    return f"reading its param groups or state raised {type(error).__name__}: {error}"
 
 
 def malformed(optimizer: torch.optim.Optimizer) -> str | None:
@@ -109,7 +114,7 @@ def pooled(optimizers: Sequence[torch.optim.Optimizer]) -> Pooled | None:
     try:
         group_lists = list(map(_PARAM_GROUPS, optimizers))
         states = list(map(_STATE, optimizers))
-    except AttributeError:
+    except Exception:  # noqa: BLE001  # a missing attribute, or a property whose own code raises
         return None
     if not set(map(type, group_lists)) <= {list, tuple}:
         return None

@@ -19,7 +19,7 @@ import torch
 
 from opttree._errors import OptTreeError
 from opttree._nodes import LeafNode
-from opttree._containers import malformed_outline, malformed_state, param_counts, pooled, tensors_in
+from opttree._containers import malformed_outline, malformed_state, param_counts, pooled, reading_fault, tensors_in
 from opttree._plan import ResetPlan, StateEntry, StatePlan
 from opttree._preflight import identities, plain_reads, ranges, writable_ranges
 from opttree._problems import Problem, ProblemKind
@@ -130,6 +130,15 @@ class LeafInspector:
         self.problems.append(Problem(kind, node.path, cls, message, key))
 
     def inspect(self, node: LeafNode) -> None:
+        """Plan one leaf. A container whose own code raises while read (a mapping whose
+        ``__len__`` refuses) is malformed state: planning writes nothing, and the error
+        recorded makes a reset refuse whatever this leaf had planned so far."""
+        try:
+            self._inspect(node)
+        except Exception as error:  # noqa: BLE001  # a container's own code may raise anything
+            self.problem(node, ProblemKind.MALFORMED_STATE, reading_fault(error))
+
+    def _inspect(self, node: LeafNode) -> None:
         optimizer = node.optimizer
         reason = malformed_outline(optimizer)
         if reason is not None:
@@ -174,29 +183,37 @@ class LeafInspector:
         """
         if self.schema.scale_of is not None or self.schema.fill or self.selection.release:
             return False  # scales and fills are looked up, and releases planned, leaf by leaf
-        optimizers = list(map(_OPTIMIZER, leaves))
-        found = pooled(optimizers)
-        if found is None:
-            return False
-        groups, params, states, held, entries = found
-        if any(map(operator.contains, groups, repeat("step"))) and any(group.get("step") is not None for group in groups):
-            return False
-        with plain_reads():
-            if len(set(map(_DTYPE_AND_DEVICE, params))) > 1:
-                return False
-        if not _held_for_own_params(optimizers, states, held, params, lambda: param_counts(optimizers, groups)):
-            return False
         problems_before = len(self.problems)
-        part = StatePlan()
-        owner = (f"{leaves[0].path} .. {leaves[-1].path}", type(optimizers[0]).__qualname__)
-        self.plan_entries(leaves[0], owner, held, list(entries), _placement(params), part)
-        self.plan_kept(leaves[0], owner, params, None, part)
-        if len(self.problems) > problems_before:
+        try:
+            part = self._plan_alike(leaves)
+        except Exception:  # noqa: BLE001  # as in inspect: leaf by leaf, the leaf is named
+            part = None
+        if part is None or len(self.problems) > problems_before:
             del self.problems[problems_before:]
             return False
         self.plan.state.merge(part)
         self.plan.leaves += len(leaves)
         return True
+
+    def _plan_alike(self, leaves: Sequence[LeafNode]) -> StatePlan | None:
+        """The plan of a run of leaves pooled, or None where pooling does not apply."""
+        optimizers = list(map(_OPTIMIZER, leaves))
+        found = pooled(optimizers)
+        if found is None:
+            return None
+        groups, params, states, held, entries = found
+        if any(map(operator.contains, groups, repeat("step"))) and any(group.get("step") is not None for group in groups):
+            return None
+        with plain_reads():
+            if len(set(map(_DTYPE_AND_DEVICE, params))) > 1:
+                return None
+        if not _held_for_own_params(optimizers, states, held, params, lambda: param_counts(optimizers, groups)):
+            return None
+        part = StatePlan()
+        owner = (f"{leaves[0].path} .. {leaves[-1].path}", type(optimizers[0]).__qualname__)
+        self.plan_entries(leaves[0], owner, held, list(entries), _placement(params), part)
+        self.plan_kept(leaves[0], owner, params, None, part)
+        return part
 
     def plan_group_step(
         self, node: LeafNode, index: int, group: StateEntry, params: list[torch.Tensor], step: object

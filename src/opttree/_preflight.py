@@ -120,14 +120,16 @@ def unwritable_reason(tensor: torch.Tensor) -> str | None:
     if tensor.numel() and _storage_short(tensor):
         return "a tensor whose storage is freed or smaller than the tensor"
     if _overlaps_itself(tensor):
-        return "a tensor whose elements share memory (an expanded view: no in-place step can write it, torch's own included)"
+        return "a tensor whose elements share or may share memory (an expanded or overlapping strided view: an in-place step through it is not a fresh one's)"
     return None
 
 
 def _overlaps_itself(tensor: torch.Tensor) -> bool:
-    """Whether some elements of ``tensor`` surely share memory, as torch's in-place
-    operations refuse; only a tensor that is not contiguous can."""
-    return _INTERNAL_OVERLAP(tensor) == 1
+    """Whether some elements of ``tensor`` may share memory: surely (torch's in-place
+    operations refuse it) or where torch cannot tell (they run, and an optimizer's step
+    through it then differs from a fresh one's). Only a tensor that is not contiguous can;
+    one dense in another memory format torch tells apart."""
+    return _INTERNAL_OVERLAP(tensor) != 0
 
 
 def _storage_short(tensor: torch.Tensor) -> bool:
