@@ -195,7 +195,7 @@ def test_history_of_a_dtype_prune_or_scale_cannot_change_is_refused_before_any_w
         p.grad = torch.ones_like(p)
     optimizer.step()
     before = history(optimizer)
-    with pytest.raises(opttree.PartialResetRefused, match="prune changes real floating-point history, and 'exp_avg' holds torch.complex64"):
+    with pytest.raises(opttree.PartialResetRefused, match="prune changes float16, bfloat16, float32 or float64 history, and 'exp_avg' holds torch.complex64"):
         opttree.prune(optimizer, 0.5)
     assert bits(history(optimizer)) == bits(before)
     opttree.scale(optimizer, 0.5)  # complex history scales
@@ -212,8 +212,66 @@ def test_history_of_a_dtype_prune_or_scale_cannot_change_is_refused_before_any_w
 def test_scale_refuses_a_factor_that_would_make_history_infinite() -> None:
     _, optimizer = trained()
     before = history(optimizer)
-    with pytest.raises(opttree.PartialResetRefused, match="scale by 1e\\+300 would carry a torch.float32 history value"):
+    with pytest.raises(opttree.PartialResetRefused, match=r"scale by 1e\+300 would carry torch.float32 history \(up to .*\) past its largest value"):
         opttree.scale(optimizer, 1e300)
     assert bits(history(optimizer)) == bits(before)
     opttree.scale(optimizer, 2.0)
     assert all(torch.equal(a, 2 * b) for a, b in zip(history(optimizer), before, strict=True))
+
+
+def one_adamw(history: torch.Tensor, key: str = "exp_avg") -> torch.optim.AdamW:
+    """An AdamW stepped once over a parameter, and then one more, an empty one, whose
+    ``key`` is ``history``."""
+    params = [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(0))]
+    optimizer = torch.optim.AdamW(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    optimizer.state[params[0]][key] = history
+    return optimizer
+
+
+@pytest.mark.parametrize(
+    ("history", "factor", "reason"),
+    [
+        (torch.tensor([0.0, 1e-39, 0.0, 0.0]), 1e39, "past its largest value"),  # the factor itself overflows float32
+        (torch.zeros(4, dtype=torch.float16), 1e6, "past its largest value"),
+        (torch.tensor([1.0, float("inf"), 0.0, 0.0]), 0.0, "holding inf or NaN"),  # 0 x inf is NaN
+        (torch.tensor([1.0, float("nan"), 0.0, 0.0]), 0.5, "holding inf or NaN"),
+    ],
+    ids=["factor-beyond-float32", "factor-beyond-float16", "zero-times-inf", "nan"],
+)
+def test_scale_refuses_what_would_not_be_finite(history: torch.Tensor, factor: float, reason: str) -> None:
+    optimizer = one_adamw(history)
+    before = bits([history.float()])
+    with pytest.raises(opttree.PartialResetRefused, match=reason):
+        opttree.scale(optimizer, factor, keys=["exp_avg"])
+    assert bits([history.float()]) == before
+
+
+def test_scale_passes_over_empty_history() -> None:
+    optimizer = one_adamw(torch.full((4,), 0.5))
+    opttree.scale(optimizer, 2.0, keys=["exp_avg"])
+    assert [entry["exp_avg"].tolist() for entry in optimizer.state.values()] == [[1.0] * 4, []]
+
+
+def test_float8_history_is_refused_by_prune_before_any_write() -> None:
+    """torch compares no float8 tensors: prune raised after pruning the tensors before."""
+    _, optimizer = trained()
+    list(optimizer.state.values())[-1]["exp_avg"] = torch.ones(3).to(torch.float8_e4m3fn)
+    before = [t.float() for t in history(optimizer)]
+    with pytest.raises(opttree.PartialResetRefused, match="'exp_avg' holds torch.float8_e4m3fn"):
+        opttree.prune(optimizer, 0.5)
+    with pytest.raises(opttree.PartialResetRefused, match="'exp_avg' holds torch.float8_e4m3fn"):
+        opttree.scale(optimizer, 0.5)
+    assert bits([t.float() for t in history(optimizer)]) == bits(before)
+
+
+def test_float64_history_is_pruned_by_a_float64_threshold() -> None:
+    """A float32 threshold rounds 1 - k * 1e-9 to 1 and pruned all ten, where three are
+    at or below the 0.3 quantile."""
+    values = torch.tensor([1 - k * 1e-9 for k in range(10)], dtype=torch.float64)
+    optimizer = one_adamw(values.clone())
+    opttree.prune(optimizer, 0.3, keys=["exp_avg"])
+    pruned = next(iter(optimizer.state.values()))["exp_avg"]
+    assert int((pruned == 0).sum()) == 3 and torch.equal(pruned, values * (values > torch.quantile(values, 0.3)))

@@ -66,8 +66,12 @@ def _plan(
 
 
 _DTYPE = operator.attrgetter("dtype")
-_REAL_FLOATS = ("real floating-point", lambda dtype: dtype.is_floating_point)
-_FLOATS = ("floating-point or complex", lambda dtype: dtype.is_floating_point or dtype.is_complex)
+_PRUNABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+"""What prune orders by magnitude: the floating dtypes torch compares and sorts on every
+device (not float8, whose comparisons it does not implement)."""
+_SCALABLE = _PRUNABLE | {torch.complex64, torch.complex128}
+_REAL_FLOATS = ("float16, bfloat16, float32 or float64", _PRUNABLE.__contains__)
+_FLOATS = ("floating-point or complex", _SCALABLE.__contains__)
 
 
 def _real(value: object) -> float | None:
@@ -94,8 +98,9 @@ def _tensors(plan: ResetPlan) -> list[torch.Tensor]:
 
 
 def _threshold(magnitude: torch.Tensor, fraction: float) -> torch.Tensor:
-    """``torch.quantile(magnitude, fraction)`` (linear), without quantile's size limit."""
-    ordered = magnitude.flatten().float().sort().values
+    """``torch.quantile(magnitude, fraction)`` (linear), without quantile's size limit,
+    in float32 or, for float64 history, in float64."""
+    ordered = magnitude.flatten().to(torch.promote_types(magnitude.dtype, torch.float32)).sort().values
     position = fraction * (ordered.numel() - 1)
     low, high = int(position), min(int(position) + 1, ordered.numel() - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
@@ -125,7 +130,8 @@ def prune(
     rank's shard of a parameter's history, so the magnitude threshold is the shard's own
     quantile, not the whole parameter's: ranks prune their shards independently, without
     communicating."""
-    share = _real(fraction)
+    with plain_torch():
+        share = _real(fraction)
     if share is None or not 0.0 <= share <= 1.0:
         raise PartialResetRefused(f"fraction must be a number between 0 and 1, got {_described(fraction)}")
     if by not in ("magnitude", "random"):
@@ -166,27 +172,32 @@ def scale(
     """Multiply each selected history tensor by ``factor`` in place (a run that halved its
     first moment after a spike: ``keys=["exp_avg"], factor=0.5``); step counters are kept.
     ``factor`` must be a finite number >= 0: a negative second moment, or a NaN one, makes
-    the next step's update NaN; and one above 1 must not carry any element past its dtype's
-    largest value, which would make it infinite."""
-    ratio = _real(factor)
+    the next step's update NaN. It is refused where the product would not be finite: a
+    factor or an element carried past the largest value of the history's dtype, or
+    history that holds inf or NaN already."""
+    with plain_torch():
+        ratio = _real(factor)
     if ratio is None or not 0.0 <= ratio < math.inf:
         raise PartialResetRefused(f"factor must be a finite number >= 0, got {_described(factor)}")
     plan = _plan(optimizer, params, keys, model, "scale", _FLOATS)
-    tensors = _tensors(plan)
+    tensors = [tensor for tensor in _tensors(plan) if tensor.numel()]
     with torch.no_grad(), plain_torch():
-        if ratio > 1.0 and tensors:
-            _refuse_overflow(tensors, ratio)
         if tensors:
+            _refuse_non_finite(tensors, ratio)
             torch._foreach_mul_(tensors, ratio)
     return plan.report()
 
 
-def _refuse_overflow(tensors: list[torch.Tensor], ratio: float) -> None:
-    """Refuse a scale by ``ratio`` that would carry an element of ``tensors`` past the
-    largest value of its dtype."""
+def _refuse_non_finite(tensors: list[torch.Tensor], ratio: float) -> None:
+    """Refuse a scale by ``ratio`` whose product is not finite somewhere: history that
+    holds inf or NaN already (no factor makes it finite, and 0 makes inf NaN), a factor
+    beyond what the history's dtype holds (torch rounds the factor to it), or one that
+    carries an element past the largest value of its dtype."""
     peaks = torch._foreach_norm(tensors, math.inf)
     for tensor, peak in zip(tensors, peaks, strict=True):
-        largest = torch.finfo(tensor.dtype).max
-        if float(peak) * ratio > largest:
-            msg = f"scale by {ratio:g} would carry a {tensor.dtype} history value of {float(peak):g} past its largest, {largest:g}"
+        largest, highest = torch.finfo(tensor.dtype).max, float(peak)
+        if not math.isfinite(highest):
+            raise PartialResetRefused(f"scale found {tensor.dtype} history holding inf or NaN, which no factor makes finite: reset it instead")
+        if ratio > largest or highest * ratio > largest:
+            msg = f"scale by {ratio:g} would carry {tensor.dtype} history (up to {highest:g}) past its largest value, {largest:g}"
             raise PartialResetRefused(msg)
