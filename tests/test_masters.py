@@ -5,6 +5,8 @@ a reset trains like a stack freshly built over the new weights."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -213,3 +215,55 @@ def test_a_wrapper_naming_something_else_as_a_parameter_is_reported() -> None:
     assert problem.kind is opttree.ProblemKind.UNCHECKED_MASTER and "names a NoneType as a parameter" in problem.message
     with pytest.raises(opttree.StaleMaster, match="names a NoneType"):
         opttree.sync_masters(holder)
+
+
+def test_a_sync_never_writes_over_a_copy_left_alone_or_a_parameter_the_wrappers_do_not_hold() -> None:
+    """The memory a sync must leave alone is every model parameter, held by a wrapper or
+    not (a frozen one), and every copy that is not stale."""
+    shared = torch.full((3,), 2.0)
+    first, second = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.full((3,), 2.0))
+    holder = CopyingWrapper([first, second], [shared[:], shared.view(3)])  # the second is not stale
+    with pytest.raises(opttree.StaleMaster, match="its copy of 0 shares memory with the copy of 1"):
+        opttree.sync_masters(holder, model=torch.nn.ParameterList([first, second]))
+    assert shared.tolist() == [2.0] * 3
+
+    trained_weight, frozen = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.full((3,), 9.0), requires_grad=False)
+    holder = CopyingWrapper([trained_weight], [frozen.detach()])
+    model = torch.nn.ParameterDict({"trained": trained_weight, "frozen": frozen})
+    with pytest.raises(opttree.StaleMaster, match="shares memory with the model's parameter frozen"):
+        opttree.sync_masters(holder, model=model)
+    assert frozen.tolist() == [9.0] * 3
+
+
+class FailingCopies(CopyingWrapper):
+    """A wrapper whose registered inner_params fails: it has more copies than parameters,
+    which CopyingWrapper's pairs strictly."""
+
+
+def test_a_failing_inner_params_function_is_a_malformed_wrapper_everywhere_it_is_read() -> None:
+    params = [torch.nn.Parameter(torch.ones(2))]
+    holder = FailingCopies(params, [torch.ones(2), torch.ones(2)])
+    model = torch.nn.ParameterList(params)
+
+    (problem,) = opttree.validate(holder, model=model)
+
+    assert problem.kind is opttree.ProblemKind.MALFORMED_WRAPPER and "its inner_params function failed: ValueError" in problem.message
+    with pytest.raises(opttree.MalformedWrapper, match="inner_params function failed"):
+        opttree.sync_masters(holder, model=model)
+    with pytest.raises(opttree.MalformedWrapper, match="inner_params function failed"):
+        opttree.reset(holder, params=params)
+
+
+class Sharded(CopyingWrapper):
+    """A wrapper keeping a shard of each parameter, which says where in a range map, as
+    DistributedOptimizer's ``_get_model_param_range_map`` does."""
+
+    def _get_model_param_range_map(self, param: torch.Tensor) -> dict[str, object]:
+        return {"param": types.SimpleNamespace(start=-4, end=-1)}
+
+
+def test_a_shard_outside_its_parameter_is_not_known() -> None:
+    params = [torch.nn.Parameter(torch.ones(8))]
+    holder = Sharded(params, [torch.zeros(3)])
+    (problem,) = opttree.validate(holder, model=torch.nn.ParameterList(params))
+    assert problem.kind is opttree.ProblemKind.UNCHECKED_MASTER and "cannot tell which part of 0" in problem.message

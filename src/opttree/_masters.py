@@ -85,6 +85,8 @@ def _model_slice(wrapper: object, param: torch.Tensor, copy: torch.Tensor) -> to
     start, end = getattr(span, "start", None), getattr(span, "end", None)
     if not isinstance(start, int) or not isinstance(end, int) or end - start != copy.numel():
         return None
+    if not 0 <= start <= end <= param.numel():
+        return None
     return param.detach().reshape(-1)[start:end].reshape(copy.shape)
 
 
@@ -105,6 +107,8 @@ class MasterCheck:
     copies: int
     problems: tuple[Problem, ...]
     stale: tuple[_Pair, ...]
+    fresh: tuple[_Pair, ...]
+    """The copies compared that are not stale."""
     params: tuple[tuple[str, torch.Tensor], ...]
     """The model parameters the copies stand for, with their names."""
 
@@ -224,7 +228,9 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
                     continue
                 compared.append(_Pair(node.path, cls, name, copy, part))
     stale: list[_Pair] = []
+    stale_ids: set[int] = set()
     for pair, differ in _stale_pairs(compared):
+        stale_ids.add(id(pair))
         if isinstance(differ, str):
             message = f"its copy of {pair.name} cannot be compared with the model's weights: {differ}"
             problems.append(Problem(ProblemKind.UNCHECKED_MASTER, pair.path, pair.cls, message))
@@ -235,7 +241,8 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
         )
         problems.append(Problem(ProblemKind.STALE_MASTER, pair.path, pair.cls, message))
         stale.append(pair)
-    return MasterCheck(len(compared), tuple(problems), tuple(stale), tuple(params.values()))
+    fresh = tuple(pair for pair in compared if id(pair) not in stale_ids)
+    return MasterCheck(len(compared), tuple(problems), tuple(stale), fresh, tuple(params.values()))
 
 
 def _elements(tensor: torch.Tensor) -> str:
@@ -249,11 +256,11 @@ _PARAMETER = "parameter"
 """The class that the memory of a model parameter is owned by, in the check before a sync."""
 
 
-def _unwritable(check: MasterCheck) -> list[Problem]:
+def _unwritable(check: MasterCheck, model: torch.nn.Module | None) -> list[Problem]:
     """What makes writing the stale copies of ``check`` fail or go wrong, found before
     any is written: a copy that cannot be written in place, one whose dtype cannot hold
-    the weights (written, it would still differ), and one sharing memory with a model
-    parameter or another copy written (writing it would change that too)."""
+    the weights (written, it would still differ), and one sharing memory with a parameter
+    of the model or the wrappers, or with another copy (writing it would change that too)."""
     problems: list[Problem] = []
     written, kept = Extents(), Extents()
     with plain_torch():
@@ -266,8 +273,11 @@ def _unwritable(check: MasterCheck) -> list[Problem]:
                 problems.append(Problem(ProblemKind.STALE_MASTER, pair.path, pair.cls, message))
                 continue
             written.extend(ranges([pair.copy]).owned((pair.path, pair.cls, pair.name)))
-        for name, param in check.params:
+        named = [*check.params, *(model.named_parameters() if model is not None else ())]
+        for name, param in named:
             kept.extend(ranges([param]).owned(("", _PARAMETER, name)))
+        for pair in check.fresh:
+            kept.extend(ranges([pair.copy]).owned((pair.path, pair.cls, pair.name)))
     clash = overlap(written, kept)
     if clash is not None:
         (path, cls, copy_of), (_, other_cls, other) = clash
@@ -291,7 +301,7 @@ def sync_masters(root: Node, model: torch.nn.Module | None) -> SyncReport:
     part of its parameter is not known, one it cannot compare, or a stale one it cannot
     write in place."""
     before = check_masters(root, model)
-    refused = [p for p in before.problems if p.kind is not ProblemKind.STALE_MASTER] or _unwritable(before)
+    refused = [p for p in before.problems if p.kind is not ProblemKind.STALE_MASTER] or _unwritable(before, model)
     if refused:
         raise refused[0].to_error(others=len(refused) - 1)
     reload = getattr(root.optimizer, "reload_model_params", None)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import cast
 
-from opttree._adapter import ChildrenFn, Expander, builtin_kinds, children_expander
+import torch
+
+from opttree._adapter import ChildrenFn, Expander, builtin_kinds, children_expander, refusal
 from opttree._dispatch import LazyDispatch, dotted_name
-from opttree._errors import RegistrationError
+from opttree._errors import OptTreeError, RegistrationError
 from opttree._schemas import builtin_schemas
+from opttree._problems import ProblemKind
 from opttree._schema import StateSchema, StepLocation
 from opttree._selection import INNER_PARAMS, InnerParams
 
@@ -82,8 +86,24 @@ def register_wrapper(
     if isinstance(cls_or_dotted, str):
         _user_kinds.register_lazy(cls_or_dotted, expand)
         if inner_params is not None:
-            INNER_PARAMS.register_lazy(cls_or_dotted, inner_params)
+            INNER_PARAMS.register_lazy(cls_or_dotted, guarded_inner_params(inner_params))
     else:
         _user_kinds.register(cls_or_dotted, expand)
         if inner_params is not None:
-            INNER_PARAMS.register(cls_or_dotted, inner_params)
+            INNER_PARAMS.register(cls_or_dotted, guarded_inner_params(inner_params))
+
+
+def guarded_inner_params(inner_params: InnerParams) -> InnerParams:
+    """A user-registered ``inner_params`` function, whose failure is refused as a malformed
+    wrapper, as a failing children function is, not raised from wherever it is read."""
+
+    def pairs(wrapper: object, path: str) -> list[tuple[torch.Tensor, Sequence[torch.Tensor]]]:
+        try:
+            return list(inner_params(wrapper, path))
+        except OptTreeError:
+            raise
+        except Exception as error:
+            message = f"its inner_params function failed: {type(error).__name__}: {error}"
+            raise refusal(ProblemKind.MALFORMED_WRAPPER, wrapper, path, message) from error
+
+    return pairs
