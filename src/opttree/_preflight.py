@@ -125,11 +125,20 @@ def unwritable_reason(tensor: torch.Tensor) -> str | None:
 
 
 def _overlaps_itself(tensor: torch.Tensor) -> bool:
-    """Whether some elements of ``tensor`` may share memory: surely (torch's in-place
-    operations refuse it) or where torch cannot tell (they run, and an optimizer's step
-    through it then differs from a fresh one's). Only a tensor that is not contiguous can;
-    one dense in another memory format torch tells apart."""
-    return _INTERNAL_OVERLAP(tensor) != 0
+    """Whether some elements of ``tensor`` may share memory, where an in-place step
+    through it is not a fresh optimizer's (torch's own operations refuse some such views
+    and run through others). Torch tells a dense tensor, in any memory format, from one
+    that surely overlaps; any other view (a slice of columns) is looked at here: its
+    elements are apart if, its dimensions taken by stride, each stride passes the reach
+    of the dimensions before it."""
+    if _INTERNAL_OVERLAP(tensor) == 0:
+        return False
+    reach = 0
+    for stride, size in sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size > 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
 
 
 def _storage_short(tensor: torch.Tensor) -> bool:
