@@ -174,7 +174,7 @@ def _too_narrow() -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
 
 UNSYNCABLE = {
     "expanded": (_expanded, "elements share or may share memory"),
-    "over-another-parameter": (_over_another_parameter, "shares memory with the model's parameter 1"),
+    "over-another-parameter": (_over_another_parameter, "shares memory with the parameter 1"),
     "over-each-other": (_over_each_other, "shares memory with the copy of"),
     "too-narrow": (_too_narrow, "a torch.bfloat16 tensor, which cannot hold the model's torch.float32 values"),
 }
@@ -230,7 +230,7 @@ def test_a_sync_never_writes_over_a_copy_left_alone_or_a_parameter_the_wrappers_
     trained_weight, frozen = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.full((3,), 9.0), requires_grad=False)
     holder = CopyingWrapper([trained_weight], [frozen.detach()])
     model = torch.nn.ParameterDict({"trained": trained_weight, "frozen": frozen})
-    with pytest.raises(opttree.StaleMaster, match="shares memory with the model's parameter frozen"):
+    with pytest.raises(opttree.StaleMaster, match="shares memory with the parameter frozen"):
         opttree.sync_masters(holder, model=model)
     assert frozen.tolist() == [9.0] * 3
 
@@ -267,3 +267,43 @@ def test_a_shard_outside_its_parameter_is_not_known() -> None:
     holder = Sharded(params, [torch.zeros(3)])
     (problem,) = opttree.validate(holder, model=torch.nn.ParameterList(params))
     assert problem.kind is opttree.ProblemKind.UNCHECKED_MASTER and "cannot tell which part of 0" in problem.message
+
+
+def test_a_chain_of_copies_is_synced_link_by_link() -> None:
+    """An inner wrapper stepping copies of an outer wrapper's copies: the outer copy is
+    stale, and the inner one, equal to it until it is written, must follow it."""
+    param = torch.nn.Parameter(torch.ones(3))
+    outer = CopyingWrapper([param])
+    inner = CopyingWrapper([torch.nn.Parameter(outer.copies[0])])
+    inner.params = [outer.copies[0]]  # type: ignore[list-item]  # the inner wrapper's parameter is the outer's copy
+    outer.optimizer = inner  # type: ignore[assignment]  # the outer steps through the inner
+    model = torch.nn.ParameterList([param])
+    with torch.no_grad():
+        param.fill_(2.0)
+    (problem,) = opttree.validate(outer, model=model)
+    assert problem.kind is opttree.ProblemKind.STALE_MASTER and problem.path == "<root>"
+
+    report = opttree.sync_masters(outer, model=model)
+
+    assert outer.copies[0].tolist() == inner.copies[0].tolist() == [2.0] * 3
+    assert len(report.written) == 2 and "stands for a copy written before it" in report.written[1]
+    assert opttree.validate(outer, model=model) == ()
+
+
+def test_a_hybrid_whose_sub_optimizer_state_raises_is_reported_by_the_master_check() -> None:
+    optimizer, params, device = megatron_parts.hybrid([4, 3])
+    megatron_parts.train_hybrid((optimizer, params, device), 0, 1)
+
+    class Refusing(dict[torch.Tensor, object]):
+        def items(self) -> object:  # type: ignore[override]  # the point: it raises
+            raise RuntimeError("items refused")
+
+    sub = optimizer.cpu_optimizers[0]
+    sub.state = Refusing(sub.state)  # type: ignore[assignment]
+    model = torch.nn.ParameterList(params)
+
+    problems = opttree.validate(optimizer, model=model)
+
+    assert any(p.kind is opttree.ProblemKind.MALFORMED_WRAPPER and "reading the copies it keeps raised RuntimeError" in p.message for p in problems)
+    with pytest.raises(opttree.MalformedWrapper, match="items refused"):
+        opttree.sync_masters(optimizer, model=model)

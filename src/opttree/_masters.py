@@ -95,6 +95,7 @@ class _Pair:
     path: str
     cls: str
     name: str
+    param: torch.Tensor
     copy: torch.Tensor
     part: torch.Tensor
 
@@ -107,10 +108,10 @@ class MasterCheck:
     copies: int
     problems: tuple[Problem, ...]
     stale: tuple[_Pair, ...]
-    fresh: tuple[_Pair, ...]
-    """The copies compared that are not stale."""
+    compared: tuple[_Pair, ...]
+    """Every pair compared, outer wrappers' first."""
     params: tuple[tuple[str, torch.Tensor], ...]
-    """The model parameters the copies stand for, with their names."""
+    """The parameters the copies stand for, with their names."""
 
 
 @frozen
@@ -202,6 +203,10 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
         except OptTreeError as error:
             problems.append(Problem(ProblemKind.MALFORMED_WRAPPER, node.path, cls, str(error)))
             continue
+        except Exception as error:  # noqa: BLE001  # a wrapper's own containers may raise anything
+            message = f"reading the copies it keeps raised {type(error).__name__}: {error}"
+            problems.append(Problem(ProblemKind.MALFORMED_WRAPPER, node.path, cls, message))
+            continue
         for param, inner in pairs:
             if not isinstance(cast(object, param), torch.Tensor):
                 message = f"it names a {type(param).__qualname__} as a parameter its copies stand for, expected a tensor"
@@ -226,11 +231,9 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
                     message = f"cannot tell which part of {name} its copy of {_elements(copy)} stands for"
                     problems.append(Problem(ProblemKind.UNCHECKED_MASTER, node.path, cls, message))
                     continue
-                compared.append(_Pair(node.path, cls, name, copy, part))
+                compared.append(_Pair(node.path, cls, name, param, copy, part))
     stale: list[_Pair] = []
-    stale_ids: set[int] = set()
     for pair, differ in _stale_pairs(compared):
-        stale_ids.add(id(pair))
         if isinstance(differ, str):
             message = f"its copy of {pair.name} cannot be compared with the model's weights: {differ}"
             problems.append(Problem(ProblemKind.UNCHECKED_MASTER, pair.path, pair.cls, message))
@@ -241,8 +244,7 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
         )
         problems.append(Problem(ProblemKind.STALE_MASTER, pair.path, pair.cls, message))
         stale.append(pair)
-    fresh = tuple(pair for pair in compared if id(pair) not in stale_ids)
-    return MasterCheck(len(compared), tuple(problems), tuple(stale), fresh, tuple(params.values()))
+    return MasterCheck(len(compared), tuple(problems), tuple(stale), tuple(compared), tuple(params.values()))
 
 
 def _elements(tensor: torch.Tensor) -> str:
@@ -253,18 +255,33 @@ def _elements(tensor: torch.Tensor) -> str:
 
 
 _PARAMETER = "parameter"
-"""The class that the memory of a model parameter is owned by, in the check before a sync."""
+"""The class that the memory of a parameter is owned by, in the check before a sync."""
 
 
-def _unwritable(check: MasterCheck, model: torch.nn.Module | None) -> list[Problem]:
-    """What makes writing the stale copies of ``check`` fail or go wrong, found before
-    any is written: a copy that cannot be written in place, one whose dtype cannot hold
-    the weights (written, it would still differ), and one sharing memory with a parameter
-    of the model or the wrappers, or with another copy (writing it would change that too)."""
+def _writes(check: MasterCheck) -> list[_Pair]:
+    """The copies a sync writes, in the order it writes them: each stale copy, and each
+    copy further in that stands for a copy written before it (the next link of a chain of
+    copies, which its outer link's new values make stale)."""
+    stale = {id(pair) for pair in check.stale}
+    written: set[int] = set()
+    writes: list[_Pair] = []
+    for pair in check.compared:
+        if id(pair) in stale or id(pair.param) in written:
+            writes.append(pair)
+            written.add(id(pair.copy))
+    return writes
+
+
+def _unwritable(check: MasterCheck, writes: list[_Pair], model: torch.nn.Module | None) -> list[Problem]:
+    """What makes ``writes`` fail or go wrong, found before any is written: a copy that
+    cannot be written in place, one whose dtype cannot hold the weights (written, it would
+    still differ), and one sharing memory with a parameter of the model or the wrappers,
+    or with another copy (writing it would change that too)."""
     problems: list[Problem] = []
     written, kept = Extents(), Extents()
+    writing = {id(pair.copy) for pair in writes}
     with plain_torch():
-        for pair in check.stale:
+        for pair in writes:
             reason = unwritable_reason(pair.copy)
             if reason is None and not _holds(pair):
                 reason = f"a {pair.copy.dtype} tensor, which cannot hold the model's {pair.part.dtype} values: written, it would still differ"
@@ -275,13 +292,15 @@ def _unwritable(check: MasterCheck, model: torch.nn.Module | None) -> list[Probl
             written.extend(ranges([pair.copy]).owned((pair.path, pair.cls, pair.name)))
         named = [*check.params, *(model.named_parameters() if model is not None else ())]
         for name, param in named:
-            kept.extend(ranges([param]).owned(("", _PARAMETER, name)))
-        for pair in check.fresh:
-            kept.extend(ranges([pair.copy]).owned((pair.path, pair.cls, pair.name)))
+            if id(param) not in writing:  # a link of a chain, written as a copy
+                kept.extend(ranges([param]).owned(("", _PARAMETER, name)))
+        for pair in check.compared:
+            if id(pair.copy) not in writing:
+                kept.extend(ranges([pair.copy]).owned((pair.path, pair.cls, pair.name)))
     clash = overlap(written, kept)
     if clash is not None:
         (path, cls, copy_of), (_, other_cls, other) = clash
-        what = f"the model's parameter {other}" if other_cls == _PARAMETER else f"the copy of {other}"
+        what = f"the parameter {other}" if other_cls == _PARAMETER else f"the copy of {other}"
         message = f"its copy of {copy_of} shares memory with {what}: writing it would change that too"
         problems.append(Problem(ProblemKind.STALE_MASTER, path, cls, message))
     return problems
@@ -296,22 +315,42 @@ def _holds(pair: _Pair) -> bool:
 
 def sync_masters(root: Node, model: torch.nn.Module | None) -> SyncReport:
     """Make every master copy equal to the model's weights: Megatron's own
-    ``reload_model_params()`` where the stack has it, then opttree's own copy for what is
-    still stale, named in the report. Refused before anything is written: a copy whose
-    part of its parameter is not known, one it cannot compare, or a stale one it cannot
-    write in place."""
-    before = check_masters(root, model)
-    refused = [p for p in before.problems if p.kind is not ProblemKind.STALE_MASTER] or _unwritable(before, model)
+    ``reload_model_params()`` where the stack has it (which writes every master from the
+    model's weights, as a stack built over them starts), then opttree's own copy for what
+    is still stale and for the links of chains of copies further in, named in the report.
+    Refused before anything is written: a copy whose part of its parameter is not known,
+    one it cannot compare, or one it would write that it cannot write in place, that
+    cannot hold the weights, or that shares memory with a parameter or another copy."""
+    before = after = check_masters(root, model)
+    writes = _refuse(before, model)
+    reload: object = getattr(root.optimizer, "reload_model_params", None)
+    reloaded = bool(before.stale) and callable(reload)
+    if reloaded and callable(reload):
+        reload()
+        after = check_masters(root, model)
+        writes = _refuse(after, model)
+    stale = {id(pair): problem for pair, problem in zip(after.stale, _stale_problems(after), strict=True)}
+    with torch.no_grad(), plain_torch():
+        for pair in writes:
+            pair.copy.copy_(pair.part)
+    written = [stale.get(id(pair)) or _link_problem(pair) for pair in writes]
+    return SyncReport(before.copies, len(before.stale), reloaded, tuple(map(str, written)))
+
+
+def _refuse(check: MasterCheck, model: torch.nn.Module | None) -> list[_Pair]:
+    """The writes a sync makes from ``check``, or its refusal: every problem but a stale
+    copy, and anything that makes a write fail or go wrong."""
+    writes = _writes(check)
+    refused = [p for p in check.problems if p.kind is not ProblemKind.STALE_MASTER] or _unwritable(check, writes, model)
     if refused:
         raise refused[0].to_error(others=len(refused) - 1)
-    reload = getattr(root.optimizer, "reload_model_params", None)
-    reloaded = False
-    if before.stale and callable(reload):
-        reload()
-        reloaded = True
-    after = check_masters(root, model) if reloaded else before
-    with torch.no_grad(), plain_torch():
-        for pair in after.stale:
-            pair.copy.copy_(pair.part)
-    return SyncReport(before.copies, len(before.stale), reloaded, tuple(str(p) for p in after.problems))
+    return writes
 
+
+def _stale_problems(check: MasterCheck) -> list[Problem]:
+    return [p for p in check.problems if p.kind is ProblemKind.STALE_MASTER]
+
+
+def _link_problem(pair: _Pair) -> Problem:
+    message = f"its copy of {pair.name} stands for a copy written before it, and was written after it"
+    return Problem(ProblemKind.STALE_MASTER, pair.path, pair.cls, message)
