@@ -197,6 +197,12 @@ def expand_hybrid(builder: TreeBuilder, obj: object, path: str) -> Node:
     return HybridNode(path, hybrid, tuple(nodes[:-1]), nodes[-1])
 
 
+def function_failed(function: str, wrapper: object, path: str, error: Exception) -> OptTreeError:
+    """The refusal of a wrapper whose user-registered ``function`` raised ``error``."""
+    message = f"its {function} function failed: {type(error).__name__}: {error}"
+    return refusal(ProblemKind.MALFORMED_WRAPPER, wrapper, path, message)
+
+
 def children_expander(children: ChildrenFn) -> Expander:
     """An expander for a user-registered wrapper kind, guarding its children function."""
 
@@ -206,8 +212,7 @@ def children_expander(children: ChildrenFn) -> Expander:
         except OptTreeError:
             raise
         except Exception as error:
-            message = f"its children function failed: {type(error).__name__}: {error}"
-            raise refusal(ProblemKind.MALFORMED_WRAPPER, obj, path, message) from error
+            raise function_failed("children", obj, path, error) from error
         return WrapperNode(
             path, obj, tuple(builder.build(child, _paths.child(path, label)) for label, child in pairs)
         )

@@ -102,14 +102,12 @@ class _Pair:
 
 @frozen(eq=False)
 class MasterCheck:
-    """What :func:`check_masters` compared, and what it found; ``stale`` holds each stale
-    copy with the part of the model parameter it stands for."""
+    """What :func:`check_masters` compared, outer wrappers' copies first, and what it
+    found; ``stale`` holds each stale copy with its problem."""
 
-    copies: int
     problems: tuple[Problem, ...]
-    stale: tuple[_Pair, ...]
+    stale: tuple[tuple[_Pair, Problem], ...]
     compared: tuple[_Pair, ...]
-    """Every pair compared, outer wrappers' first."""
     params: tuple[tuple[str, torch.Tensor], ...]
     """The parameters the copies stand for, with their names."""
 
@@ -232,7 +230,7 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
                     problems.append(Problem(ProblemKind.UNCHECKED_MASTER, node.path, cls, message))
                     continue
                 compared.append(_Pair(node.path, cls, name, param, copy, part))
-    stale: list[_Pair] = []
+    stale: list[tuple[_Pair, Problem]] = []
     for pair, differ in _stale_pairs(compared):
         if isinstance(differ, str):
             message = f"its copy of {pair.name} cannot be compared with the model's weights: {differ}"
@@ -243,8 +241,8 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
             "the next step writes the copy back over them (opttree.sync_masters)"
         )
         problems.append(Problem(ProblemKind.STALE_MASTER, pair.path, pair.cls, message))
-        stale.append(pair)
-    return MasterCheck(len(compared), tuple(problems), tuple(stale), tuple(compared), tuple(params.values()))
+        stale.append((pair, problems[-1]))
+    return MasterCheck(tuple(problems), tuple(stale), tuple(compared), tuple(params.values()))
 
 
 def _elements(tensor: torch.Tensor) -> str:
@@ -262,7 +260,7 @@ def _writes(check: MasterCheck) -> list[_Pair]:
     """The copies a sync writes, in the order it writes them: each stale copy, and each
     copy further in that stands for a copy written before it (the next link of a chain of
     copies, which its outer link's new values make stale)."""
-    stale = {id(pair) for pair in check.stale}
+    stale = {id(pair) for pair, _ in check.stale}
     written: set[int] = set()
     writes: list[_Pair] = []
     for pair in check.compared:
@@ -323,18 +321,19 @@ def sync_masters(root: Node, model: torch.nn.Module | None) -> SyncReport:
     cannot hold the weights, or that shares memory with a parameter or another copy."""
     before = after = check_masters(root, model)
     writes = _refuse(before, model)
-    reload: object = getattr(root.optimizer, "reload_model_params", None)
-    reloaded = bool(before.stale) and callable(reload)
-    if reloaded and callable(reload):
+    reload = getattr(root.optimizer, "reload_model_params", None)
+    reloaded = False
+    if before.stale and callable(reload):
         reload()
+        reloaded = True
         after = check_masters(root, model)
         writes = _refuse(after, model)
-    stale = {id(pair): problem for pair, problem in zip(after.stale, _stale_problems(after), strict=True)}
     with torch.no_grad(), plain_torch():
         for pair in writes:
             pair.copy.copy_(pair.part)
+    stale = {id(pair): problem for pair, problem in after.stale}
     written = [stale.get(id(pair)) or _link_problem(pair) for pair in writes]
-    return SyncReport(before.copies, len(before.stale), reloaded, tuple(map(str, written)))
+    return SyncReport(len(before.compared), len(before.stale), reloaded, tuple(map(str, written)))
 
 
 def _refuse(check: MasterCheck, model: torch.nn.Module | None) -> list[_Pair]:
@@ -345,10 +344,6 @@ def _refuse(check: MasterCheck, model: torch.nn.Module | None) -> list[_Pair]:
     if refused:
         raise refused[0].to_error(others=len(refused) - 1)
     return writes
-
-
-def _stale_problems(check: MasterCheck) -> list[Problem]:
-    return [p for p in check.problems if p.kind is ProblemKind.STALE_MASTER]
 
 
 def _link_problem(pair: _Pair) -> Problem:

@@ -7,11 +7,10 @@ from typing import cast
 
 import torch
 
-from opttree._adapter import ChildrenFn, Expander, builtin_kinds, children_expander, refusal
+from opttree._adapter import ChildrenFn, Expander, builtin_kinds, children_expander, function_failed
 from opttree._dispatch import LazyDispatch, dotted_name
 from opttree._errors import OptTreeError, RegistrationError
 from opttree._schemas import builtin_schemas
-from opttree._problems import ProblemKind
 from opttree._schema import StateSchema, StepLocation
 from opttree._selection import INNER_PARAMS, InnerParams
 
@@ -103,7 +102,6 @@ def guarded_inner_params(inner_params: InnerParams) -> InnerParams:
         except OptTreeError:
             raise
         except Exception as error:
-            message = f"its inner_params function failed: {type(error).__name__}: {error}"
-            raise refusal(ProblemKind.MALFORMED_WRAPPER, wrapper, path, message) from error
+            raise function_failed("inner_params", wrapper, path, error) from error
 
     return pairs
