@@ -245,3 +245,32 @@ def test_prune_refuses_identity_history_and_a_schema_names_a_key_once() -> None:
         opttree.prune(optimizer, 0.5, keys=["Q"])
     with pytest.raises(opttree.RegistrationError, match="named in both 'zero' and 'identity'"):
         opttree.StateSchema(zero={"Q"}, identity={"Q"})
+
+
+class SnapshotLion(Lion):
+    """A Lion that keeps past moments in a list, as LBFGS keeps its directions."""
+
+
+opttree.register_schema(SnapshotLion, opttree.StateSchema(zero={"exp_avg"}, keep={"snapshots"}))
+
+
+def test_kept_state_in_a_list_that_shares_memory_with_history_is_refused() -> None:
+    """Zeroing ``exp_avg`` would zero the snapshot the schema says to keep, which a list
+    holds: its memory counts as kept as a top-level tensor's does."""
+    net = model()
+    optimizer = SnapshotLion(net.parameters(), lr=1e-2)
+    train(net, optimizer, 0, 2)
+    for entry in optimizer.state.values():
+        entry["snapshots"] = [torch.ones(1), entry["exp_avg"]]
+    moments = [entry["exp_avg"].clone() for entry in optimizer.state.values()]
+
+    problems = opttree.validate(optimizer)
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'exp_avg': shares memory with .*'snapshots'"):
+        opttree.reset(optimizer)
+
+    assert [problem.key for problem in problems] == ["exp_avg"]
+    assert all(torch.equal(entry["exp_avg"], moment) for entry, moment in zip(optimizer.state.values(), moments, strict=True))
+    for entry in optimizer.state.values():
+        entry["snapshots"] = [entry["exp_avg"].clone()]
+    report = opttree.reset(optimizer)
+    assert report.bytes_kept == sum(entry["snapshots"][0].nbytes for entry in optimizer.state.values())

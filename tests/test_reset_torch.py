@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import opttree
+from opttree._report import format_bytes
 from tests.helpers import OptimizerFactory, clone_model, model, state_tensors, train, weights_equal
 
 FACTORIES: dict[str, OptimizerFactory] = {
@@ -103,3 +104,36 @@ def test_report_dict_holds_numbers_only_and_the_kept_keys_stay_on_the_report() -
 
     assert all(type(value) is int for value in report.to_dict().values())
     assert "kept_keys" not in report.to_dict() and report.kept_keys == ("master_param",)
+
+
+def test_lbfgs_history_in_lists_counts_in_the_report_and_in_describe() -> None:
+    """LBFGS keeps its past directions and steps in lists of tensors: a reset drops them
+    with the rest, and both the report and ``describe`` count their tensors and bytes."""
+    net = model()
+    optimizer: torch.optim.Optimizer = torch.optim.LBFGS(net.parameters(), history_size=3, max_iter=4)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+
+    def closure() -> float:
+        optimizer.zero_grad()
+        loss: torch.Tensor = net(x).pow(2).mean()
+        torch.autograd.backward(loss)
+        return float(loss)
+
+    for _ in range(2):
+        optimizer.step(closure)
+    (entry,) = optimizer.state.values()
+    tensors = [v for v in entry.values() if isinstance(v, torch.Tensor)]
+    tensors += [t for v in entry.values() if isinstance(v, list) for t in v if isinstance(t, torch.Tensor)]
+    in_lists = len(tensors) - sum(isinstance(v, torch.Tensor) for v in entry.values())
+    assert in_lists >= 6  # old_dirs, old_stps and ro hold at least two each
+    total = sum(t.nbytes for t in tensors)
+    before = dict(entry)
+
+    assert f"state={format_bytes(total)} [float32@cpu {format_bytes(total)}]" in opttree.describe(optimizer)
+    assert opttree.validate(optimizer) == ()
+    assert entry.keys() == before.keys() and all(entry[key] is value for key, value in before.items())
+
+    report = opttree.reset(optimizer)
+
+    assert (report.tensors_dropped, report.bytes_reset, report.tensors_zeroed) == (len(tensors), total, 0)
+    assert entry == {}

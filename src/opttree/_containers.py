@@ -28,6 +28,16 @@ def tensors_in(values: list[object]) -> list[torch.Tensor]:
     return [value for value in values if isinstance(value, torch.Tensor)]
 
 
+def tensors_held(values: list[object]) -> list[torch.Tensor]:
+    """The tensors among ``values`` and inside those that are lists or tuples (LBFGS keeps
+    its past directions in lists): the memory that state dropped or kept holds."""
+    tensors = tensors_in(values)
+    if len(tensors) == len(values):
+        return tensors
+    inner = [item for value in values if isinstance(value, (list, tuple)) for item in value]
+    return [*tensors, *tensors_in(inner)]
+
+
 _Read = TypeVar("_Read")
 
 

@@ -18,7 +18,7 @@ from typing import cast
 import torch
 from attrs import evolve, field, frozen
 
-from opttree._containers import malformed, pooled, tensors_in
+from opttree._containers import malformed, pooled, tensors_held
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._inspect import step_number
 from opttree._preflight import plain_reads, plain_torch
@@ -114,7 +114,7 @@ def _leaves_text(optimizers: Sequence[torch.optim.Optimizer]) -> str:
     else:
         groups, params, _, _, entries = found
         values = list(chain.from_iterable(map(dict.values, found.entries)))
-    tensors = tensors_in(values)
+    tensors = tensors_held(values)
     counters: list[object] = [group["step"] for group in groups if group.get("step") is not None]
     counters += [entry["step"] for entry in entries if "step" in entry]
     by_placement = _bytes_by_placement(tensors) if tensors else {}

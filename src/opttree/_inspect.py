@@ -19,7 +19,7 @@ import torch
 
 from opttree._errors import OptTreeError
 from opttree._nodes import LeafNode
-from opttree._containers import malformed_outline, malformed_state, param_counts, pooled, reading_fault, tensors_in
+from opttree._containers import malformed_outline, malformed_state, param_counts, pooled, reading_fault, tensors_held, tensors_in
 from opttree._plan import ResetPlan, StateEntry, StatePlan
 from opttree._preflight import identities, plain_reads, ranges, writable_ranges
 from opttree._problems import Problem, ProblemKind
@@ -287,30 +287,36 @@ class LeafInspector:
                 self.unknown_key(node, key)
                 continue
             having, values = _holding(entries, key, count)
-            tensors = tensors_in(values)
             if action is KeyAction.KEEP:
+                kept = tensors_held(values)
                 into.kept_keys.add(key)
-                into.kept += len(tensors)
-                into.bytes_kept += self.plan_kept(node, owner, tensors, key, into)
+                into.kept += len(kept)
+                into.bytes_kept += self.plan_kept(node, owner, kept, key, into)
                 continue
+            if action is KeyAction.DROP:
+                dropped = tensors_held(values)
+                found = ranges(dropped)
+                into.bytes_reset += found.nbytes
+                into.written.extend(found.owned((*owner, key)))
+                into.drop.extend((entry, key) for entry in having)
+                into.dropped += len(dropped)
+                continue
+            tensors = tensors_in(values)
             if action is KeyAction.STEP:
                 self.plan_steps(node, owner, key, having, tensors, placement, into)
                 into.steps += count
                 continue
-            if len(tensors) < count and action is not KeyAction.DROP:
+            if len(tensors) < count:
                 wrong = next(value for value in values if not isinstance(value, torch.Tensor))
                 message = f"history is a {type(wrong).__qualname__}, expected a tensor"
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
                 continue
-            checked = ranges(tensors) if action is KeyAction.DROP else writable_ranges(tensors)
+            checked = writable_ranges(tensors)
             if isinstance(checked, tuple):
                 self.unwritable(node, key, checked, count)
                 continue
             into.bytes_reset += checked.nbytes
             into.written.extend(checked.owned((*owner, key)))
-            if action is KeyAction.DROP:
-                into.drop.extend((entry, key) for entry in having)
-                continue
             if action is KeyAction.FILL:
                 self.plan_fills(node, key, held, entries, placement, into)
                 continue
@@ -328,7 +334,7 @@ class LeafInspector:
         counts as kept, so history shared with it (a step tensor held for a selected and an
         unselected parameter) is refused rather than reset for both."""
         for key, count in Counter(chain.from_iterable(entries)).items():
-            tensors = tensors_in(_holding(entries, key, count)[1])
+            tensors = tensors_held(_holding(entries, key, count)[1])
             if tensors:
                 self.plan_kept(node, owner, tensors, key_label(key), into)
 
@@ -390,8 +396,7 @@ class LeafInspector:
             return
         into.release.append((optimizer, held))
         into.released += len(held)
-        tensors = [value for entry in entries for value in entry.values() if isinstance(value, torch.Tensor)]
-        into.bytes_released += ranges(tensors).nbytes
+        into.bytes_released += ranges(tensors_held([value for entry in entries for value in entry.values()])).nbytes
 
     def plan_fills(
         self,

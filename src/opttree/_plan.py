@@ -44,6 +44,8 @@ class StatePlan:
     drop: list[tuple[StateEntry, str]] = field(factory=list)
     scales: list[torch.Tensor] = field(factory=list)
     zeroed: int = 0
+    dropped: int = 0
+    """The tensors among the dropped values, and inside those that are lists."""
     filled: int = 0
     steps: int = 0
     kept: int = 0
@@ -83,6 +85,7 @@ class StatePlan:
         self.drop.extend(other.drop)
         self.scales.extend(other.scales)
         self.zeroed += other.zeroed
+        self.dropped += other.dropped
         self.filled += other.filled
         self.steps += other.steps
         self.kept += other.kept
@@ -142,7 +145,7 @@ class ResetPlan:
             leaves=self.leaves,
             tensors_zeroed=state.zeroed,
             tensors_filled=state.filled,
-            tensors_dropped=len(state.drop),
+            tensors_dropped=state.dropped,
             bytes_reset=state.bytes_reset,
             steps=state.steps - self.shared_steps,
             tensors_kept=state.kept,

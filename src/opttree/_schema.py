@@ -86,8 +86,9 @@ class StateSchema:
     when the entry is missing, as it builds a fresh one (torch's ``len(state) == 0``
     initialisation), so ``reset(..., release=True)`` may delete entries to free their memory.
 
-    Dropped keys may hold anything (LBFGS keeps lists and numbers); zeroed and filled ones
-    must be tensors that can be written in place.
+    Dropped and kept keys may hold anything (LBFGS keeps lists and numbers): the tensors
+    among them, and inside lists and tuples, count as dropped or kept memory. Zeroed and
+    filled ones must be tensors that can be written in place.
     """
 
     zero: frozenset[str] = field(converter=_frozen_keys, factory=frozenset)
