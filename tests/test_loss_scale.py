@@ -105,3 +105,17 @@ def test_a_scaler_of_unknown_class_is_refused() -> None:
     with pytest.raises(opttree.UnsupportedOptimizerState, match="HomegrownScaler: only DynamicGradScaler and ConstantGradScaler"):
         opttree.reset(stack.optimizer)
     assert "loss_scale=1 (HomegrownScaler)" in opttree.describe(stack.optimizer)
+
+
+def test_a_scale_tensor_that_cannot_hold_the_initial_scale_is_refused_with_nothing_changed() -> None:
+    """An fp16 scale tensor holds at most 65504, below the recipe's initial 2**20: filling
+    it would write inf, a scale no fresh optimizer starts from."""
+    stack, scaler = trained()
+    scaler._scale = scaler._scale.half()
+    before = [v.clone() for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values()]
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"key 'grad_scaler': its scale tensor cannot hold .*1\.04858e\+06 is beyond float16's"):
+        opttree.reset(stack.optimizer)
+
+    after = [v for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values()]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))

@@ -349,3 +349,22 @@ def test_history_that_is_a_slice_of_columns_is_reset_exactly() -> None:
         p.grad = torch.full((4, 8), 0.5)
         opt.step()
     assert torch.equal(param, fresh_param)
+
+
+def test_a_starting_value_the_history_cannot_hold_is_refused_before_any_write() -> None:
+    """Rprop fills ``step_size`` with the group's lr: 1e5 is beyond fp16, and ``fill_``
+    would refuse it after ``prev`` and ``step`` had been zeroed."""
+    param = torch.nn.Parameter(torch.randn(3).half())
+    optimizer = torch.optim.Rprop([param], lr=0.01)
+    param.grad = torch.ones(3).half()
+    optimizer.step()
+    optimizer.param_groups[0]["lr"] = 1e5
+    entry = optimizer.state[param]
+    before = {key: value.clone() for key, value in entry.items()}
+
+    problems = opttree.validate(optimizer)
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"Rprop at <root>: key 'step_size': .*100000 is beyond float16's largest value"):
+        opttree.reset(optimizer)
+
+    assert [(problem.kind, problem.key) for problem in problems] == [(opttree.ProblemKind.UNSUPPORTED_STATE, "step_size")]
+    assert all(torch.equal(entry[key], value) for key, value in before.items())

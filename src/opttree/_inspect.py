@@ -21,7 +21,7 @@ from opttree._errors import OptTreeError
 from opttree._nodes import LeafNode
 from opttree._containers import malformed_outline, malformed_state, param_counts, pooled, reading_fault, tensors_held, tensors_in
 from opttree._plan import ResetPlan, StateEntry, StatePlan
-from opttree._preflight import identities, plain_reads, ranges, writable_ranges
+from opttree._preflight import identities, plain_reads, ranges, unfillable_reason, writable_ranges
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import KeyAction, ScaleLookup, StateSchema, StepType
 from opttree._selection import EVERYTHING, Selection
@@ -423,7 +423,13 @@ class LeafInspector:
                 message = f"its starting value cannot be worked out: {type(error).__name__}: {error}"
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
                 return
-            into.fill_list((key, *placement), value).append(cast(torch.Tensor, entry[key]))
+            tensor = cast(torch.Tensor, entry[key])
+            with plain_reads():
+                fault = unfillable_reason(value, tensor.dtype)
+            if fault is not None:
+                self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"its starting value cannot be written: {fault}", key)
+                return
+            into.fill_list((key, *placement), value).append(tensor)
             into.filled += 1
 
     def plan_identities(

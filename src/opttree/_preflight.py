@@ -16,6 +16,7 @@ writes or must keep.
 from __future__ import annotations
 
 import bisect
+import math
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -121,6 +122,23 @@ def unwritable_reason(tensor: torch.Tensor) -> str | None:
         return "a tensor whose storage is freed or smaller than the tensor"
     if _overlaps_itself(tensor):
         return "a tensor whose elements share or may share memory (an expanded or overlapping strided view: an in-place step through it is not a fresh one's)"
+    return None
+
+
+def unfillable_reason(value: float, dtype: torch.dtype) -> str | None:
+    """Why a tensor of ``dtype`` cannot hold ``value``, or None. For a finite value beyond
+    the dtype's range (an fp16 ``step_size`` filled with an lr of 1e5) ``fill_`` either
+    raises, half-way through a reset, or writes inf where a fresh optimizer would refuse."""
+    if dtype.is_floating_point or dtype.is_complex:
+        largest = torch.finfo(dtype).max
+        if math.isfinite(value) and abs(value) > largest:
+            return f"{value:g} is beyond {str(dtype).removeprefix('torch.')}'s largest value, {largest:g}"
+        return None
+    if dtype is torch.bool:
+        return None
+    info = torch.iinfo(dtype)
+    if not math.isfinite(value) or not info.min <= value <= info.max:
+        return f"{value:g} is outside {str(dtype).removeprefix('torch.')}'s range"
     return None
 
 

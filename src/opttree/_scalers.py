@@ -19,7 +19,7 @@ import torch
 from attrs import frozen
 
 from opttree._dispatch import LazyDispatch
-from opttree._preflight import writable_ranges
+from opttree._preflight import unfillable_reason, writable_ranges
 
 
 @frozen(eq=False)
@@ -60,6 +60,9 @@ def _dynamic(scaler: object, config: object) -> Planned:
     initial = theirs.get("initial_loss_scale")
     if not isinstance(initial, (int, float)) or isinstance(initial, bool) or initial <= 0:
         return "the wrapper's config has no positive initial_loss_scale to start from"
+    fault = unfillable_reason(float(initial), scale.dtype)
+    if fault is not None:
+        return f"its scale tensor cannot hold the initial_loss_scale: {fault}"
     pairs = {
         "hysteresis": (mine.get("hysteresis"), theirs.get("hysteresis")),
         "growth_interval": (mine.get("growth_interval"), theirs.get("loss_scale_window")),
