@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -68,6 +69,14 @@ def stepped_pair(first: int = 3, second: int = 3) -> tuple[torch.optim.AdamW, to
     a.grad, b.grad = torch.ones(first), torch.ones(second)
     optimizer.step()
     return optimizer, a, b
+
+
+class RefuseCalls(TorchFunctionMode):
+    """A torch function mode that refuses every torch call on the thread that enters it,
+    ``torch.no_grad()``'s own included."""
+
+    def __torch_function__(self, func: object, types: object, args: object = (), kwargs: object = None) -> object:
+        raise AssertionError(f"this mode refuses {func}")
 
 
 class Refuse(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode is unannotated

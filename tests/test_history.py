@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import opttree
 from opttree import testing
-from tests.helpers import Refuse, model, train
+from tests.helpers import Refuse, RefuseCalls, model, train
 
 HISTORY = ("exp_avg", "exp_avg_sq")
 
@@ -94,6 +94,23 @@ def test_prune_and_scale_run_under_none_of_the_callers_modes() -> None:
         opttree.scale(optimizer, 0.5, keys=["exp_avg"])
     opttree.prune(reference, 0.5)
     opttree.scale(reference, 0.5, keys=["exp_avg"])
+    assert bits(history(optimizer)) == bits(history(reference))
+
+
+def test_reset_prune_and_scale_make_no_torch_call_a_function_mode_of_the_callers_sees() -> None:
+    """Not even ``torch.no_grad()``'s, which a mode entered before them would see."""
+    _, optimizer = trained()
+    _, reference = trained()
+    params = [next(iter(optimizer.state))]
+    with RefuseCalls():
+        opttree.prune(optimizer, 0.5)
+        opttree.scale(optimizer, 0.5, keys=["exp_avg"])
+        opttree.prune(optimizer, 0.5, by="random", generator=torch.Generator().manual_seed(0))
+        opttree.reset(optimizer, params=params)
+    opttree.prune(reference, 0.5)
+    opttree.scale(reference, 0.5, keys=["exp_avg"])
+    opttree.prune(reference, 0.5, by="random", generator=torch.Generator().manual_seed(0))
+    opttree.reset(reference, params=[next(iter(reference.state))])
     assert bits(history(optimizer)) == bits(history(reference))
 
 

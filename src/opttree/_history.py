@@ -59,7 +59,9 @@ def _plan(
         raise PartialResetRefused(msg)
     kind, accepts = dtypes
     for (key, _, _), tensors in state.lists.items():
-        wrong = next((dtype for dtype in set(map(_DTYPE, tensors)) if not accepts(dtype)), None)
+        with plain_torch():
+            dtypes_held = set(map(_DTYPE, tensors))
+        wrong = next((dtype for dtype in dtypes_held if not accepts(dtype)), None)
         if wrong is not None:
             raise PartialResetRefused(f"{what} changes {kind} history, and {key!r} holds {wrong} tensors: leave it out of keys")
     return plan
@@ -141,7 +143,8 @@ def prune(
     plan = _plan(optimizer, params, keys, model, "prune", _REAL_FLOATS)
     tensors = _tensors(plan)
     if by == "random" and generator is not None:
-        devices = {tensor.device.type for tensor in tensors} - {generator.device.type}
+        with plain_torch():
+            devices = {tensor.device.type for tensor in tensors} - {generator.device.type}
         if devices:
             msg = f"prune draws from a {generator.device.type} generator, which cannot draw for the {devices.pop()} history it selects"
             raise PartialResetRefused(msg)
@@ -154,7 +157,7 @@ def prune(
         return torch.rand(t.shape, generator=generator, device=t.device) > share
 
     keep = by_magnitude if by == "magnitude" else at_random
-    with torch.no_grad(), plain_torch():
+    with plain_torch(), torch.no_grad():
         for tensor in tensors:
             if tensor.numel():
                 tensor.masked_fill_(keep(tensor).logical_not_(), 0)
@@ -180,8 +183,8 @@ def scale(
     if ratio is None or not 0.0 <= ratio < math.inf:
         raise PartialResetRefused(f"factor must be a finite number >= 0, got {_described(factor)}")
     plan = _plan(optimizer, params, keys, model, "scale", _FLOATS)
-    tensors = [tensor for tensor in _tensors(plan) if tensor.numel()]
-    with torch.no_grad(), plain_torch():
+    with plain_torch(), torch.no_grad():
+        tensors = [tensor for tensor in _tensors(plan) if tensor.numel()]
         if tensors:
             _refuse_non_finite(tensors, ratio)
             torch._foreach_mul_(tensors, ratio)

@@ -118,7 +118,7 @@ class ResetPlan:
 
     def execute(self) -> ResetReport:
         state = self.state
-        with torch.no_grad(), plain_torch():
+        with plain_torch(), torch.no_grad():
             zero_lists(list(state.lists.values()), total_bytes=state.bytes_reset)
             for (_, value), tensors in state.fills.items():
                 for tensor in tensors:  # as full_like makes it: complex history is (v, v)
