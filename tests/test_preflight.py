@@ -51,6 +51,18 @@ def freed_view(like: torch.Tensor) -> torch.Tensor:
     return view
 
 
+def leaked_from_grad(like: torch.Tensor) -> torch.Tensor:
+    """A functorch wrapper kept past the ``torch.func.grad`` call that made it."""
+    leaked: list[torch.Tensor] = []
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        leaked.append(x * 1)
+        return x.sum()
+
+    torch.func.grad(loss)(torch.ones_like(like))
+    return leaked[0]
+
+
 class Traced(torch.Tensor):
     """A tensor subclass with its own dispatch, which opttree cannot vouch for."""
 
@@ -82,6 +94,8 @@ BAD: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "conjugate": lambda like: torch.ones(like.numel(), dtype=torch.complex64).conj(),
     "negative": lambda like: torch.ones(like.numel(), dtype=torch.complex64).conj().imag,
     "expanded": lambda like: torch.ones(1).expand(like.numel()),
+    "functional": lambda like: torch._to_functional_tensor(torch.ones_like(like)),
+    "functorch": leaked_from_grad,
 }
 REASON = {
     "inference": "an inference tensor",
@@ -97,6 +111,8 @@ REASON = {
     "conjugate": "a conjugate or negative view",
     "negative": "a conjugate or negative view",
     "expanded": "elements share or may share memory",
+    "functional": "shows no memory of its own",
+    "functorch": "memory cannot be read",
 }
 
 

@@ -101,7 +101,15 @@ def _span(tensor: torch.Tensor) -> int:
 
 def unwritable_reason(tensor: torch.Tensor) -> str | None:
     """Why ``tensor`` cannot be zeroed in place here, or None: the checks of
-    :func:`_surely_writable`, one tensor at a time, to say which."""
+    :func:`_surely_writable`, one tensor at a time, to say which. A tensor whose memory
+    torch refuses to show (a functorch wrapper leaked from ``torch.func.grad``) is one."""
+    try:
+        return _unwritable_reason(tensor)
+    except Exception as error:  # noqa: BLE001  # a wrapper tensor's own C++ code may raise anything
+        return f"a tensor whose memory cannot be read ({type(error).__name__}: {error})"
+
+
+def _unwritable_reason(tensor: torch.Tensor) -> str | None:
     cls = type(tensor)
     if not plain_dispatch(cls):
         return f"a {cls.__qualname__} (a tensor subclass with its own dispatch: opttree cannot tell that zeroing it is exact)"
@@ -120,6 +128,11 @@ def unwritable_reason(tensor: torch.Tensor) -> str | None:
         return "a conjugate or negative view (zeroing through it leaves -0 in memory, where a fresh optimizer has +0)"
     if tensor.numel() and _storage_short(tensor):
         return "a tensor whose storage is freed or smaller than the tensor"
+    if tensor.numel() and _DATA_PTR(tensor) == 0:
+        return (
+            "a tensor that shows no memory of its own (a functional tensor, as torch.func.functionalize "
+            "makes: opttree cannot tell that zeroing it writes the data it stands for)"
+        )
     if _overlaps_itself(tensor):
         return "a tensor whose elements share or may share memory (an expanded or overlapping strided view: an in-place step through it is not a fresh one's)"
     return None
