@@ -210,3 +210,94 @@ def test_containers_whose_own_code_raises_are_malformed_state_alone_or_in_a_run(
         assert [p.kind for p in problems] == [opttree.ProblemKind.MALFORMED_STATE]
         assert "reading its param groups or state raised RuntimeError" in problems[0].message
         assert unchanged(optimizer, before) and "AdamW" in opttree.describe(root)
+
+
+class ReadOnlyEntry(Entry):
+    """An entry that refuses to set or delete keys, as a mapping backed by a checkpoint
+    file might."""
+
+    def __setitem__(self, key: str, value: object) -> None:
+        raise RuntimeError("read-only entry")
+
+    def __delitem__(self, key: str) -> None:
+        raise RuntimeError("read-only entry")
+
+
+class ReadOnlyGroup(dict[str, object]):
+    def __setitem__(self, key: str, value: object) -> None:
+        raise RuntimeError("read-only group")
+
+
+def int_steps_in_read_only_entries(optimizer: torch.optim.Optimizer) -> None:
+    for param in list(optimizer.state):
+        entry = dict(optimizer.state[param])
+        entry["step"] = 3  # an int step, as some loaders leave it
+        optimizer.state[param] = ReadOnlyEntry(entry)
+
+
+def a_group_step_in_a_read_only_group(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.param_groups[0] = ReadOnlyGroup(optimizer.param_groups[0], step=5)
+
+
+def momentum_in_read_only_entries(optimizer: torch.optim.Optimizer) -> None:
+    for param in list(optimizer.state):
+        optimizer.state[param] = ReadOnlyEntry(optimizer.state[param])
+
+
+READ_ONLY: dict[str, tuple[Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], Callable[[torch.optim.Optimizer], None], str]] = {
+    "int steps": (torch.optim.AdamW, int_steps_in_read_only_entries, "key 'step': a state entry is a ReadOnlyEntry"),
+    "group step": (torch.optim.AdamW, a_group_step_in_a_read_only_group, "key 'step': param group 0 is a ReadOnlyGroup"),
+    "dropped key": (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), momentum_in_read_only_entries, "key 'momentum_buffer': a state entry"),
+}
+
+
+@pytest.mark.parametrize("name", READ_ONLY)
+def test_keys_of_containers_that_write_by_their_own_code_are_refused_before_any_write(name: str) -> None:
+    """A reset zeroes history, then sets and deletes keys: a container whose own
+    ``__setitem__`` or ``__delitem__`` may raise is refused while planning, not half-way."""
+    build, spoil, message = READ_ONLY[name]
+    params = [torch.nn.Parameter(torch.randn(4)) for _ in range(3)]
+    optimizer = build(params)
+    for param in params:
+        param.grad = torch.ones(4)
+    optimizer.step()
+    spoil(optimizer)
+    before = snapshot(optimizer)
+
+    (problem,) = opttree.validate(optimizer)
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=f"{message}.*sets and deletes keys by its own code"):
+        opttree.reset(optimizer)
+
+    assert problem.kind is opttree.ProblemKind.UNSUPPORTED_STATE
+    assert unchanged(optimizer, before)
+
+
+class ReadOnlyState(MutableMapping[torch.Tensor, dict[str, object]]):
+    def __init__(self, entries: Mapping[torch.Tensor, dict[str, object]]) -> None:
+        self.entries = dict(entries)
+
+    def __getitem__(self, key: torch.Tensor) -> dict[str, object]:
+        return self.entries[key]
+
+    def __setitem__(self, key: torch.Tensor, value: dict[str, object]) -> None:
+        raise RuntimeError("read-only state")
+
+    def __delitem__(self, key: torch.Tensor) -> None:
+        raise RuntimeError("read-only state")
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def test_a_release_from_a_state_that_deletes_by_its_own_code_is_refused() -> None:
+    optimizer = stepped(3)
+    optimizer.state = ReadOnlyState(optimizer.state)  # type: ignore[assignment]
+    count = len(optimizer.state)
+
+    with pytest.raises(opttree.ReleaseRefused, match="its state is a ReadOnlyState, which sets and deletes keys by its own code"):
+        opttree.reset(optimizer, release=True)
+
+    assert len(optimizer.state) == count

@@ -7,7 +7,7 @@ and a reset refuses it.
 from __future__ import annotations
 
 import operator
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 import functools
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from itertools import accumulate, chain, repeat
@@ -58,6 +58,23 @@ def _guarded(check: Callable[[_Read], str | None]) -> Callable[[_Read], str | No
 def reading_fault(error: Exception) -> str:
     """What is wrong with a leaf whose containers raised ``error`` while read."""
     return f"reading its param groups or state raised {type(error).__name__}: {error}"
+
+
+_DICT_SETITEMS = (dict.__setitem__, OrderedDict.__setitem__)
+_DICT_DELITEMS = (dict.__delitem__, OrderedDict.__delitem__)
+
+
+@functools.cache
+def _writes_as_dict(cls: type) -> bool:
+    return issubclass(cls, dict) and getattr(cls, "__setitem__") in _DICT_SETITEMS and getattr(cls, "__delitem__") in _DICT_DELITEMS
+
+
+def own_writes(containers: Sequence[object]) -> type | None:
+    """The first class among ``containers`` that sets or deletes keys by code of its own,
+    or None. A reset deletes keys and sets step counters after it has zeroed history, so
+    it writes only into containers that do so as a dict does (a ``defaultdict``, an
+    ``OrderedDict``), which cannot fail for a key they hold; it refuses the others first."""
+    return next((cls for cls in set(map(type, containers)) if not _writes_as_dict(cls)), None)
 
 
 def malformed(optimizer: torch.optim.Optimizer) -> str | None:

@@ -19,7 +19,16 @@ import torch
 
 from opttree._errors import OptTreeError
 from opttree._nodes import LeafNode
-from opttree._containers import malformed_outline, malformed_state, param_counts, pooled, reading_fault, tensors_held, tensors_in
+from opttree._containers import (
+    malformed_outline,
+    malformed_state,
+    own_writes,
+    param_counts,
+    pooled,
+    reading_fault,
+    tensors_held,
+    tensors_in,
+)
 from opttree._plan import ResetPlan, StateEntry, StatePlan
 from opttree._preflight import identities, plain_reads, ranges, unfillable_reason, writable_ranges
 from opttree._problems import Problem, ProblemKind
@@ -247,6 +256,8 @@ class LeafInspector:
                 message = f"param group {index}'s step counter is a {type(step).__qualname__}, expected a number or tensor"
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, "step")
                 return
+            if self.written_by_own_code(node, [group], f"param group {index}", "step"):
+                return
             state.number_steps.append((group, zero))
         state.steps += 1
 
@@ -294,6 +305,8 @@ class LeafInspector:
                 into.bytes_kept += self.plan_kept(node, owner, kept, key, into)
                 continue
             if action is KeyAction.DROP:
+                if self.written_by_own_code(node, having, "a state entry", key):
+                    continue
                 dropped = tensors_held(values)
                 found = ranges(dropped)
                 into.bytes_reset += found.nbytes
@@ -392,7 +405,7 @@ class LeafInspector:
             elif action is KeyAction.KEEP:
                 message = "is kept by a reset (not history): deleting its entry would lose it, so it cannot be released"
                 self.problem(node, ProblemKind.UNRELEASABLE_STATE, message, key_label(key))
-        if len(self.problems) > problems_before or not held:
+        if len(self.problems) > problems_before or not held or self.written_by_own_code(node, [state], "its state", None, ProblemKind.UNRELEASABLE_STATE):
             return
         into.release.append((optimizer, held))
         into.released += len(held)
@@ -469,6 +482,8 @@ class LeafInspector:
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
                 return
             zeros.append((entry, zero))
+        if self.written_by_own_code(node, having if self.schema.step_type is StepType.INT else numbers, "a state entry", key):
+            return
         if self.schema.step_type is StepType.INT:
             # replaced, not written; their ranges still show a step tensor shared by several
             into.step_ranges.extend(ranges(tensors).owned((*owner, key)))
@@ -482,6 +497,18 @@ class LeafInspector:
             into.zero_list((key, *placement)).extend(tensors)
             into.step_ranges.extend(checked.owned((*owner, key)))
         into.number_steps.extend(zeros)
+
+    def written_by_own_code(
+        self, node: LeafNode, containers: Sequence[object], what: str, key: str | None, kind: ProblemKind = ProblemKind.UNSUPPORTED_STATE
+    ) -> bool:
+        """Whether a reset would set or delete keys of a container whose own code does it
+        (see :func:`~opttree._containers.own_writes`), which is then refused."""
+        cls = own_writes(containers)
+        if cls is None:
+            return False
+        message = f"{what} is a {cls.__qualname__}, which sets and deletes keys by its own code: opttree cannot tell that the reset's writes to it succeed"
+        self.problem(node, kind, message, key)
+        return True
 
     def unwritable(self, node: LeafNode, key: str, found: tuple[int, str], count: int) -> None:
         bad, reason = found
