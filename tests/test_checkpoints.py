@@ -233,3 +233,29 @@ def test_a_state_dict_not_laid_out_as_megatron_writes_it_is_refused() -> None:
         opttree.load_state_dict(stack.optimizer, {"state": {}})
     assert caught.value.problem is not None
     assert caught.value.problem.cls == "Float16OptimizerWithFloat16Params"
+
+
+@pytest.mark.parametrize("name", [n for n in ("dist_bf16", "offload_0.75") if n in testing.available()])
+def test_a_reset_after_megatrons_load_gives_each_parameter_its_own_step(name: str) -> None:
+    """Megatron's side: the first call of any sharded load, ``sharded_state_dict(...,
+    is_loading=True)``, runs ``DistributedOptimizer.load_state_dict``, which without TE or
+    apex leaves every parameter on one step tensor, that torch's Adam advances once per
+    parameter. opttree's side: the reset warns, gives each parameter a step of its own,
+    and training matches a fresh optimizer's."""
+    stack = testing.build(name)
+    stack.train(0, K)
+    with stack.device:
+        stack.optimizer.sharded_state_dict(model_state(stack), is_loading=True, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+    steps = [entry["step"] for leaf in stack.leaves() for entry in leaf.state.values()]
+    assert len({id(step) for step in steps}) < len(steps)  # Megatron's load shares them
+
+    problems = opttree.validate(stack.optimizer)
+    opttree.reset(stack.optimizer)
+
+    assert opttree.ProblemKind.SHARED_STEP in {problem.kind for problem in problems}
+    steps = [entry["step"] for leaf in stack.leaves() for entry in leaf.state.values()]
+    assert len({id(step) for step in steps}) == len(steps)
+    fresh = fresh_like(stack)
+    stack.train(K, K)
+    fresh.train(K, K)
+    assert all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import opttree
-from tests.helpers import model, snapshot, stepped_pair, train, unchanged
+from tests.helpers import clone_model, model, snapshot, stepped_pair, train, unchanged, weights_equal
 
 
 class GroupClockAdamW(torch.optim.AdamW):
@@ -103,14 +103,17 @@ def test_a_step_counter_that_is_not_a_number_is_refused_and_nothing_changes(wher
     assert [p.key for p in opttree.validate(optimizer)] == ["step"]
 
 
-def test_a_step_tensor_shared_by_several_parameters_is_counted_once_with_a_warning() -> None:
+def test_a_step_tensor_shared_by_several_parameters_is_counted_once_with_a_warning_and_unshared() -> None:
     """Megatron's CPU load path leaves parameters on one step tensor: torch's Adam then
-    advances it once per parameter and step."""
-    _, optimizer = trained()
+    advances it once per parameter and step. A reset gives each parameter a step of its
+    own, and training then matches a fresh optimizer's; zeroing the one in place would not."""
+    net, optimizer = trained()
     entries = list(optimizer.state.values())
     shared = entries[0]["step"]
     for entry in entries[1:]:
         entry["step"] = shared
+    twin = clone_model(net)
+    fresh = torch.optim.AdamW(twin.parameters())
 
     problems = opttree.validate(optimizer)
     report = opttree.reset(optimizer)
@@ -118,7 +121,11 @@ def test_a_step_tensor_shared_by_several_parameters_is_counted_once_with_a_warni
     assert [(p.kind, p.severity) for p in problems] == [(opttree.ProblemKind.SHARED_STEP, opttree.Severity.WARNING)]
     assert f"({len(entries) - 1} repeats)" in problems[0].message
     assert report.steps == 1 and not shared.any()
+    assert entries[0]["step"] is shared and len({id(entry["step"]) for entry in entries}) == len(entries)
     assert all(not entry["exp_avg"].any() for entry in entries)
+    train(net, optimizer, 3, 3)
+    train(twin, fresh, 3, 3)
+    assert weights_equal(net, twin)
 
 
 def sparse_adam_trained(seed_steps: range) -> tuple[torch.nn.Embedding, torch.optim.Optimizer]:

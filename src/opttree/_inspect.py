@@ -496,6 +496,7 @@ class LeafInspector:
                 return
             into.zero_list((key, *placement)).extend(tensors)
             into.step_ranges.extend(checked.owned((*owner, key)))
+            into.step_holders.append((key, having if not numbers else [entry for entry in having if isinstance(entry[key], torch.Tensor)]))
         into.number_steps.extend(zeros)
 
     def written_by_own_code(

@@ -10,7 +10,7 @@ Execution allocates no tensors.
 from __future__ import annotations
 
 from collections.abc import MutableMapping
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from attrs import define, field
@@ -39,6 +39,10 @@ class StatePlan:
     identities: list[tuple[str, torch.Tensor]] = field(factory=list)
     """Square history by key, also in ``lists``, whose diagonal is set to one once zeroed."""
     number_steps: list[tuple[StateEntry, int | float]] = field(factory=list)
+    step_holders: list[tuple[str, list[StateEntry]]] = field(factory=list)
+    """Per state key, the entries whose tensor steps are zeroed, to find one shared."""
+    unshared: list[tuple[StateEntry, str]] = field(factory=list)
+    """Entries that held a step tensor held earlier by another: each gets one of its own."""
     release: list[tuple[torch.optim.Optimizer, list[torch.Tensor]]] = field(factory=list)
     """Optimizers, each with the parameters whose state entries a release deletes."""
     drop: list[tuple[StateEntry, str]] = field(factory=list)
@@ -79,6 +83,8 @@ class StatePlan:
             self.fill_list(key, value).extend(tensors)
         self.identities.extend(other.identities)
         self.number_steps.extend(other.number_steps)
+        self.step_holders.extend(other.step_holders)
+        self.unshared.extend(other.unshared)
         self.release.extend(other.release)
         self.released += other.released
         self.bytes_released += other.bytes_released
@@ -119,6 +125,7 @@ class ResetPlan:
     def execute(self) -> ResetReport:
         state = self.state
         with plain_torch(), torch.no_grad():
+            own_steps = [torch.zeros_like(cast(torch.Tensor, entry[key])) for entry, key in state.unshared]  # before any write
             zero_lists(list(state.lists.values()), total_bytes=state.bytes_reset)
             for (_, value), tensors in state.fills.items():
                 for tensor in tensors:  # as full_like makes it: complex history is (v, v)
@@ -131,6 +138,8 @@ class ResetPlan:
                 scaler.apply()
         for entry, key in state.drop:
             del entry[key]
+        for (entry, key), step in zip(state.unshared, own_steps, strict=True):
+            entry[key] = step
         for entry, zero in state.number_steps:
             entry["step"] = zero
         for optimizer, held in state.release:

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import operator
-from typing import Self
+from typing import Self, cast
 
 import torch
 
 from opttree import _registry
+from opttree._containers import own_writes
 from opttree._held import Held, held_optimizers
 from opttree._identity import identity_key, identity_keys
 from opttree._inspect import LeafInspector
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
-from opttree._plan import ResetPlan
-from opttree._preflight import Owner, duplicates, overlap, plain_torch, unique_ranges
+from opttree._plan import ResetPlan, StateEntry
+from opttree._preflight import Owner, duplicates, overlap, plain_torch, ranges, unique_ranges
 from opttree._problems import Problem, ProblemKind
 from opttree._scalers import loss_scaler, plan_scaler
 from opttree._runs import alike_runs, sibling_groups
@@ -141,10 +142,16 @@ class ValidateVisitor(TraverserVisitor):
             path, cls, key = steps.owner(first)
             message = (
                 f"one step tensor counts the steps of several parameters ({repeats} repeats): each "
-                "optimizer.step() advances it once per parameter; it is reset once"
+                "optimizer.step() advances it once per parameter; a reset zeroes it once and gives every "
+                "other parameter a zero step tensor of its own, as a fresh optimizer holds"
             )
             self.problems.append(Problem(ProblemKind.SHARED_STEP, path, cls, message, key))
             plan.shared_steps = repeats
+            plan.state.unshared = _sharing(plan.state.step_holders)
+            odd = own_writes([entry for entry, _ in plan.state.unshared])
+            if odd is not None:
+                message = f"a state entry is a {odd.__qualname__}, which sets keys by its own code: opttree cannot tell that giving it a step tensor of its own succeeds"
+                self.problems.append(Problem(ProblemKind.UNSUPPORTED_STATE, path, cls, message, key))
             steps = unique_ranges(steps)
         written = plan.ranges("written")
         written.extend(steps)
@@ -278,3 +285,16 @@ class ValidateVisitor(TraverserVisitor):
             )
             return
         inspector.inspect(node)
+
+
+def _sharing(holders: list[tuple[str, list[StateEntry]]]) -> list[tuple[StateEntry, str]]:
+    """The entries whose step tensor's memory an earlier entry's step tensor holds too."""
+    seen: set[tuple[int, int]] = set()
+    sharing: list[tuple[StateEntry, str]] = []
+    for key, entries in holders:
+        found = ranges([cast(torch.Tensor, entry[key]) for entry in entries])
+        for entry, place in zip(entries, zip(found.starts, found.ends, strict=True), strict=True):
+            if place in seen:
+                sharing.append((entry, key))
+            seen.add(place)
+    return sharing
