@@ -18,7 +18,7 @@ from typing import cast
 import torch
 
 from opttree._errors import OptTreeError
-from opttree._nodes import LeafNode
+from opttree._nodes import LeafNode, Node
 from opttree._containers import (
     malformed_outline,
     malformed_state,
@@ -134,7 +134,7 @@ class LeafInspector:
         self.selection = selection
         self.actions: dict[str, KeyAction] = schema.actions if selection.everything else schema.actions_for(selection.resets)
 
-    def problem(self, node: LeafNode, kind: ProblemKind, message: str, key: str | None = None) -> None:
+    def problem(self, node: Node, kind: ProblemKind, message: str, key: str | None = None) -> None:
         cls = type(node.optimizer).__qualname__
         self.problems.append(Problem(kind, node.path, cls, message, key))
 
@@ -224,24 +224,45 @@ class LeafInspector:
         self.plan_kept(leaves[0], owner, params, None, part)
         return part
 
+    def plan_copied_group_steps(self, node: Node, optimizer: torch.optim.Optimizer) -> None:
+        """The step counters in the param groups of a wrapper that copies its groups into its
+        inner optimizers' before every step (a HybridDeviceOptimizer, whose groups a
+        Megatron load gives the step it saved): one kept there, or zeroed, would overwrite
+        theirs at every step. A fresh one's groups have none, so the key is deleted."""
+        reason = malformed_outline(optimizer)
+        if reason is not None:
+            self.problem(node, ProblemKind.MALFORMED_STATE, reason)
+            return
+        for index, group in enumerate(optimizer.param_groups):
+            if "step" in group and self.takes_group(node, index, list(group["params"])):
+                if self.written_by_own_code(node, [group], f"param group {index}", "step"):
+                    return
+                self.plan.state.drop.append((group, "step"))
+                self.plan.state.steps += 1
+
+    def takes_group(self, node: Node, index: int, params: list[torch.Tensor]) -> bool:
+        """Whether the selection takes a group's step, which the group shares: all of its
+        parameters or none; part of them is refused."""
+        chosen = self.selection.tensors
+        if chosen is None:
+            return True
+        taken = sum(id(p) in chosen for p in params)
+        if 0 < taken < len(params):
+            self.problem(
+                node,
+                ProblemKind.PARTIAL_GROUP,
+                f"param group {index} counts one step for its {len(params)} parameters and "
+                f"{taken} are selected: select the whole group, or leave 'step' out of keys",
+                "step",
+            )
+        return taken == len(params)
+
     def plan_group_step(
-        self, node: LeafNode, index: int, group: StateEntry, params: list[torch.Tensor], step: object
+        self, node: Node, index: int, group: StateEntry, params: list[torch.Tensor], step: object
     ) -> None:
         """A per-group step is shared by the group: a partial reset must take all of it."""
-        chosen = self.selection.tensors
-        if chosen is not None:
-            taken = sum(id(p) in chosen for p in params)
-            if taken == 0:
-                return
-            if taken < len(params):
-                self.problem(
-                    node,
-                    ProblemKind.PARTIAL_GROUP,
-                    f"param group {index} counts one step for its {len(params)} parameters and "
-                    f"{taken} are selected: select the whole group, or leave 'step' out of keys",
-                    "step",
-                )
-                return
+        if not self.takes_group(node, index, params):
+            return
         state = self.plan.state
         if isinstance(step, torch.Tensor):
             checked = writable_ranges([step])
@@ -500,7 +521,7 @@ class LeafInspector:
         into.number_steps.extend(zeros)
 
     def written_by_own_code(
-        self, node: LeafNode, containers: Sequence[object], what: str, key: str | None, kind: ProblemKind = ProblemKind.UNSUPPORTED_STATE
+        self, node: Node, containers: Sequence[object], what: str, key: str | None, kind: ProblemKind = ProblemKind.UNSUPPORTED_STATE
     ) -> bool:
         """Whether a reset would set or delete keys of a container whose own code does it
         (see :func:`~opttree._containers.own_writes`), which is then refused."""

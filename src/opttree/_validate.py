@@ -17,6 +17,7 @@ from opttree._plan import ResetPlan, StateEntry
 from opttree._preflight import Owner, duplicates, overlap, plain_torch, ranges, unique_ranges
 from opttree._problems import Problem, ProblemKind
 from opttree._scalers import loss_scaler, plan_scaler
+from opttree._schema import StateSchema
 from opttree._runs import alike_runs, sibling_groups
 from opttree._selection import EVERYTHING, STEP_UNITS, Selection, tree_params
 from opttree._visitor import TraverserVisitor
@@ -206,8 +207,11 @@ class ValidateVisitor(TraverserVisitor):
         self.visit_children(node)
 
     def visit_hybrid(self, node: HybridNode) -> None:
-        """Check a release under it, then its sub-optimizers."""
+        """Check a release under it, plan the steps its own param groups count, then its sub-optimizers."""
         self._check_release(node)
+        if self._selection.resets("step"):
+            inspector = LeafInspector(StateSchema(), self._plan, self.problems, self._selection)
+            inspector.plan_copied_group_steps(node, node.optimizer)
         self.visit_children(node)
 
     def visit_wrapper(self, node: WrapperNode) -> None:
