@@ -11,6 +11,7 @@ sides for every recipe whose round trip Megatron's own code completes without a 
 
 from __future__ import annotations
 
+import copy
 import io
 from pathlib import Path
 
@@ -259,3 +260,28 @@ def test_a_reset_after_megatrons_load_gives_each_parameter_its_own_step(name: st
     stack.train(K, K)
     fresh.train(K, K)
     assert all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))
+
+
+@pytest.mark.skipif("moe" not in testing.available(), reason="the moe recipe needs megatron-core's MoE")
+def test_load_state_dict_takes_the_list_a_chain_of_several_members_writes_in_memory() -> None:
+    """``ChainedOptimizer.state_dict()`` returns one state dict per member, in a list, for
+    several members: opttree's load takes it as Megatron's does, and refuses one of
+    another length, changing nothing."""
+    stack = testing.build("moe")
+    stack.train(0, K)  # not reset: a load that did nothing would train apart
+    with stack.device:
+        saved = stack.optimizer.state_dict()
+    assert isinstance(saved, list) and len(saved) == 2
+    ours, megatrons = fresh_like(stack), fresh_like(stack)
+    with ours.device:
+        with pytest.raises(opttree.UnsupportedCheckpoint, match="holds 1 members' state dicts, and it has 2 members"):
+            opttree.load_state_dict(ours.optimizer, saved[:1])
+        opttree.load_state_dict(ours.optimizer, copy.deepcopy(saved))  # a load may change what it is given
+    with megatrons.device:
+        megatrons.optimizer.load_state_dict(copy.deepcopy(saved))
+
+    ours.train(K, K)
+    megatrons.train(K, K)
+    stack.train(K, K)
+    assert all(torch.equal(a, b) for a, b in zip(ours.main_params(), megatrons.main_params(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(ours.main_params(), stack.main_params(), strict=True))

@@ -48,6 +48,10 @@ def _layout_error(node: Node, key: object, message: str) -> Problem:
 
 
 def _part(node: Node, state: object, key: object) -> object:
+    """``state[key]``: a member's state dict from a dict, or, for a chain's in-memory
+    ``state_dict()``, from the list it returns for several members."""
+    if isinstance(state, list) and isinstance(key, int) and 0 <= key < len(state):
+        return state[key]
     return _dict(node, state, key)[key]
 
 
@@ -101,11 +105,15 @@ def _steps_in_groups(node: Node, state: object) -> StateDicts:
 
 
 def _chained(node: Node, state: object) -> StateDicts:
-    """``ChainedOptimizer``: a single member's state dict as it is, else one per index."""
+    """``ChainedOptimizer``: a single member's state dict as it is, else one per index (a
+    dict by index sharded, a list in memory), one for each member."""
     members = node.children
     if len(members) == 1:
         yield from _walk(members[0], state)
         return
+    if isinstance(state, list) and len(state) != len(members):
+        message = f"its state dict holds {len(state)} members' state dicts, and it has {len(members)} members"
+        raise _layout_error(node, len(state), message).to_error()
     for index, member in enumerate(members):
         yield from _walk(member, _part(node, state, index))
 
@@ -185,7 +193,7 @@ def sharded_state_dict(
     return state
 
 
-def load_state_dict(optimizer: object, state_dict: dict[str, object]) -> None:
+def load_state_dict(optimizer: object, state_dict: dict[str, object] | list[dict[str, object]]) -> None:
     """Megatron's ``optimizer.load_state_dict(state_dict)``, for a checkpoint that may have
     been saved by Megatron's own ``sharded_state_dict`` at step 0: each leaf state that
     holds history but no step is given the step 0 it was saved at."""
