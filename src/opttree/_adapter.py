@@ -10,10 +10,13 @@ Attributes are read from the instance ``__dict__``, never through properties:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable
-from typing import cast
+from itertools import chain
+from typing import TypeGuard, cast
 
 import torch
+from attrs import evolve
 
 from opttree import _paths
 from opttree._dispatch import LazyDispatch
@@ -21,10 +24,13 @@ from opttree._errors import OptTreeError
 from opttree._identity import by_identity, identity_key
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._problems import Problem, ProblemKind
+from opttree._visitor import NodeVisitor
 
 MAX_DEPTH = 64
 """Deeper stacks are refused: no real optimizer nests this far, and a clear error beats
 a ``RecursionError`` from a pathological one."""
+
+_CHILDREN = operator.attrgetter("children")
 
 ChildrenFn = Callable[[object], Iterable[tuple[str, object]]]
 """A wrapper's children as ``(label, child)`` pairs, in stepping order."""
@@ -33,6 +39,54 @@ ChildrenFn = Callable[[object], Iterable[tuple[str, object]]]
 def refusal(kind: ProblemKind, obj: object, path: str, message: str) -> OptTreeError:
     """The error for an object the adapter cannot build a node for."""
     return Problem(kind, path, type(obj).__qualname__, message).to_error()
+
+
+def too_deep(obj: object, path: str) -> Problem:
+    """The problem of a wrapper nested :data:`MAX_DEPTH` deep that holds more."""
+    return Problem(ProblemKind.OPTIMIZER_CYCLE, path, type(obj).__qualname__, f"the stack is nested deeper than {MAX_DEPTH}")
+
+
+def too_deep_in(root: Node) -> list[Problem]:
+    """The nodes of a tree built by hand that nest deeper than a built tree may, as
+    problems: found level by level, with no recursion and no visit below the limit."""
+    level = [root]
+    for _ in range(MAX_DEPTH):
+        level = list(chain.from_iterable(map(_CHILDREN, level)))
+    return [too_deep(node.optimizer, node.path) for node in level if node.children]
+
+
+class Truncated(NodeVisitor[Node]):
+    """A copy of a tree built by hand in which each node nested :data:`MAX_DEPTH` deep
+    stands without children, as a lenient :class:`TreeBuilder` leaves a wrapper it refuses."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+
+    def _below(self, nodes: tuple[Node, ...]) -> tuple[Node, ...]:
+        self._depth += 1
+        try:
+            return tuple(node.accept(self) for node in nodes)
+        finally:
+            self._depth -= 1
+
+    def _cut(self, node: Node) -> WrapperNode | None:
+        return WrapperNode(node.path, node.optimizer, ()) if self._depth == MAX_DEPTH and node.children else None
+
+    def visit_chained(self, node: ChainedNode) -> Node:
+        return self._cut(node) or evolve(node, members=self._below(node.members))
+
+    def visit_hybrid(self, node: HybridNode) -> Node:
+        cut = self._cut(node)
+        if cut is not None:
+            return cut
+        below = self._below(node.children)
+        return evolve(node, cpu=below[: len(node.cpu)], gpu=None if node.gpu is None else below[-1])
+
+    def visit_wrapper(self, node: WrapperNode) -> Node:
+        return self._cut(node) or evolve(node, inner=self._below(node.inner))
+
+    def visit_leaf(self, node: LeafNode) -> Node:
+        return node
 
 
 class TreeBuilder:
@@ -78,7 +132,7 @@ class TreeBuilder:
                 "not an optimizer: expected a torch.optim.Optimizer, a Megatron optimizer or a registered wrapper",
             )
         if len(self._on_path) >= MAX_DEPTH:
-            raise refusal(ProblemKind.OPTIMIZER_CYCLE, obj, path, f"the stack is nested deeper than {MAX_DEPTH}")
+            raise too_deep(obj, path).to_error()
         key = id(obj)
         if key in self._on_path:
             raise refusal(ProblemKind.OPTIMIZER_CYCLE, obj, path, "contains itself")
@@ -203,18 +257,46 @@ def function_failed(function: str, wrapper: object, path: str, error: Exception)
     return refusal(ProblemKind.MALFORMED_WRAPPER, wrapper, path, message)
 
 
+def yielded_wrongly(function: str, wrapper: object, path: str, item: object, expected: str) -> OptTreeError:
+    """The refusal of a wrapper whose user-registered ``function`` yielded ``item``, which
+    is not what it should yield: ``expected``."""
+    message = f"its {function} function yielded {yielded_text(item)}, expected {expected}"
+    return refusal(ProblemKind.MALFORMED_WRAPPER, wrapper, path, message)
+
+
+def yielded_text(item: object) -> str:
+    """What a registered function yielded, in a few words: its type, and a tuple's length."""
+    if isinstance(item, tuple) and len(item) != 2:
+        return f"a tuple of {len(item)}"
+    if isinstance(item, tuple):
+        return f"a pair of a {type(item[0]).__qualname__} and a {type(item[1]).__qualname__}"
+    return f"a {type(item).__qualname__}"
+
+
+def is_pair(item: object) -> TypeGuard[tuple[object, object]]:
+    return isinstance(item, tuple) and len(item) == 2
+
+
+def labelled(pairs: list[object], wrapper: object, path: str) -> list[tuple[str, object]]:
+    """A children function's output, each item checked to be a ``(label, inner)`` pair."""
+    for item in pairs:
+        if not is_pair(item) or not isinstance(item[0], str):
+            raise yielded_wrongly("children", wrapper, path, item, "(label, inner) pairs with a str label")
+    return cast(list[tuple[str, object]], pairs)
+
+
 def children_expander(children: ChildrenFn) -> Expander:
     """An expander for a user-registered wrapper kind, guarding its children function."""
 
     def expand(builder: TreeBuilder, obj: object, path: str) -> Node:
         try:
-            pairs = list(children(obj))
+            pairs: list[object] = list(children(obj))
         except OptTreeError:
             raise
         except Exception as error:
             raise function_failed("children", obj, path, error) from error
         return WrapperNode(
-            path, obj, tuple(builder.build(child, _paths.child(path, label)) for label, child in pairs)
+            path, obj, tuple(builder.build(child, _paths.child(path, label)) for label, child in labelled(pairs, obj, path))
         )
 
     return expand

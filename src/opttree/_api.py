@@ -9,7 +9,7 @@ import torch.distributed as dist
 from attrs import evolve
 
 from opttree import _distributed, _paths, _registry
-from opttree._adapter import TreeBuilder
+from opttree._adapter import TreeBuilder, Truncated, too_deep_in
 from opttree._describe import DescribeVisitor
 from opttree._errors import ReleaseRefused
 from opttree._masters import SyncReport, check_masters
@@ -28,18 +28,24 @@ def tree(optimizer: object) -> Node:
     Raises :class:`~opttree.NotAnOptimizer` for an object that is neither an optimizer
     nor a known wrapper (:class:`~opttree.UnknownWrapper` for a Megatron optimizer class
     of no known kind), :class:`~opttree.OptimizerCycle` for a wrapper that contains
-    itself, and :class:`~opttree.MalformedWrapper` for a known wrapper that lacks its parts.
+    itself or nests deeper than 64 (a tree built by hand too), and
+    :class:`~opttree.MalformedWrapper` for a known wrapper that lacks its parts.
     """
     if isinstance(optimizer, Node):
+        problems = too_deep_in(optimizer)
+        if problems:
+            raise problems[0].to_error(others=len(problems) - 1)
         return optimizer
     return TreeBuilder(_registry.kind_for).build(optimizer, _paths.ROOT)
 
 
 def lenient_tree(optimizer: object) -> tuple[Node, list[Problem]]:
     """The tree, and the objects the adapter refused, each standing in it as a wrapper
-    without children, for ``validate`` and ``describe``, which report instead of raising."""
+    without children, for ``validate`` and ``describe``, which report instead of raising;
+    a tree built by hand is refused where it nests too deep, as a built one would be."""
     if isinstance(optimizer, Node):
-        return optimizer, []
+        too_deep = too_deep_in(optimizer)
+        return (optimizer.accept(Truncated()) if too_deep else optimizer), too_deep
     problems: list[Problem] = []
     return TreeBuilder(_registry.kind_for, problems).build(optimizer, _paths.ROOT), problems
 

@@ -1,4 +1,6 @@
-"""``opttree describe MODULE:FACTORY [--json]`` (or ``python -m opttree``): print a user's optimizer tree.
+"""``opttree describe MODULE:FACTORY [--json]`` (or ``python -m opttree``): print a user's
+optimizer tree and its problems; ``opttree validate MODULE:FACTORY [--json]``: print the
+problems only, exiting 1 if any is an error.
 
 ``FACTORY`` is a callable in ``MODULE`` that takes no arguments and returns an optimizer.
 """
@@ -12,9 +14,11 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from opttree._api import describe, tree, validate
+from opttree._api import describe, lenient_tree, validate
 from opttree._describe import leaf_text
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
+from opttree._paths import ROOT
+from opttree._problems import Problem, ProblemKind, Severity
 from opttree._version import __version__
 from opttree._visitor import NodeVisitor
 
@@ -57,31 +61,67 @@ def load_factory(spec: str) -> Callable[[], object]:
         raise SystemExit(msg)
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
-    factory: object = getattr(importlib.import_module(module_name), attribute, None)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:
+        msg = f"importing {module_name} raised {type(error).__name__}: {error}"
+        raise SystemExit(msg) from error
+    factory: object = getattr(module, attribute, None)
     if not callable(factory):
         msg = f"{spec} is not a callable in {module_name}"
         raise SystemExit(msg)
     return factory
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="opttree", description=__doc__)
+def call_factory(spec: str) -> object:
+    """What the factory ``spec`` names returns; one line, not a traceback, where it fails."""
+    factory = load_factory(spec)
+    try:
+        return factory()
+    except Exception as error:
+        msg = f"{spec}() raised {type(error).__name__}: {error}"
+        raise SystemExit(msg) from error
+
+
+def refuse_non_optimizer(spec: str, problems: Sequence[Problem]) -> None:
+    """Exit where the factory returned no optimizer at all: there is no tree to describe."""
+    for problem in problems:
+        if problem.kind is ProblemKind.NOT_AN_OPTIMIZER and problem.path == ROOT:
+            msg = f"{spec}() returned a {problem.cls}, {problem.message}"
+            raise SystemExit(msg)
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="opttree", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"opttree {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    describe_cmd = commands.add_parser("describe", help="print the optimizer tree a factory returns")
-    describe_cmd.add_argument("factory", help="MODULE:FACTORY, a callable returning an optimizer")
-    describe_cmd.add_argument("--json", action="store_true", help="print the tree and problems as JSON")
-    args = parser.parse_args(argv)
+    for command, text in (
+        ("describe", "print the optimizer tree a factory returns, and its problems"),
+        ("validate", "print the problems of the optimizer tree a factory returns; exit 1 if any is an error"),
+    ):
+        sub = commands.add_parser(command, help=text)
+        sub.add_argument("factory", help="MODULE:FACTORY, a callable returning an optimizer")
+        sub.add_argument("--json", action="store_true", help="print the problems (and for describe, the tree) as JSON")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     spec: str = args.factory
-    optimizer = load_factory(spec)()
-    root = tree(optimizer)
-    problems = validate(root)
+    describing = args.command == "describe"
+    optimizer = call_factory(spec)
+    problems = validate(optimizer)
+    refuse_non_optimizer(spec, problems)
     if args.json:
-        payload = {"tree": root.accept(JsonVisitor()), "problems": [p.to_dict() for p in problems]}
+        payload: dict[str, object] = {"problems": [p.to_dict() for p in problems]}
+        if describing:
+            payload = {"tree": lenient_tree(optimizer)[0].accept(JsonVisitor()), **payload}
         json.dump(payload, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        print(describe(root))
+        if describing:
+            print(describe(optimizer))
         for problem in problems:
             print(problem)
-    return 0
+    errors = any(p.severity is Severity.ERROR for p in problems)
+    return 1 if errors and not describing else 0

@@ -26,7 +26,7 @@ from opttree._errors import OptTreeError
 from opttree._nodes import Node
 from opttree._preflight import Extents, overlap, plain_torch, ranges, unwritable_reason
 from opttree._problems import Problem, ProblemKind
-from opttree._selection import INNER_PARAMS, InnerParams
+from opttree._selection import INNER_PARAMS, InnerParams, model_parameters
 
 
 def _walk(node: Node) -> Iterator[Node]:
@@ -110,6 +110,8 @@ class MasterCheck:
     compared: tuple[_Pair, ...]
     params: tuple[tuple[str, torch.Tensor], ...]
     """The parameters the copies stand for, with their names."""
+    model_params: tuple[tuple[str, torch.Tensor], ...]
+    """The model's named parameters, read once."""
 
 
 @frozen
@@ -188,9 +190,24 @@ def _param_name(names: dict[int, str], param: torch.Tensor) -> str:
         return f"a {type(param).__qualname__}"
 
 
+def _named_parameters(root: Node, model: torch.nn.Module | None, problems: list[Problem]) -> list[tuple[str, torch.Tensor]]:
+    """The model's named parameters; none, with a problem on the root, where they cannot be
+    read: the copies are still compared, with their parameters named by shape, and a sync
+    refuses."""
+    if model is None:
+        return []
+    try:
+        return model_parameters(model)
+    except OptTreeError as error:
+        message = f"{error}, so the parameters of the copies cannot be named"
+        problems.append(Problem(ProblemKind.UNCHECKED_MASTER, root.path, type(root.optimizer).__qualname__, message))
+        return []
+
+
 def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
-    names: dict[int, str] = {} if model is None else {id(p): name for name, p in model.named_parameters()}
     problems: list[Problem] = []
+    model_params = _named_parameters(root, model, problems)
+    names = {id(p): name for name, p in model_params}
     seen: set[int] = set()  # a copy reached twice (a GPU sub-optimizer's fp32 copy) is compared once
     compared: list[_Pair] = []
     params: dict[int, tuple[str, torch.Tensor]] = {}
@@ -199,7 +216,7 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
         try:
             pairs = list(_pairs(node))
         except OptTreeError as error:
-            problems.append(Problem(ProblemKind.MALFORMED_WRAPPER, node.path, cls, str(error)))
+            problems.append(error.problem or Problem(ProblemKind.MALFORMED_WRAPPER, node.path, cls, str(error)))
             continue
         except Exception as error:  # noqa: BLE001  # a wrapper's own containers may raise anything
             message = f"reading the copies it keeps raised {type(error).__name__}: {error}"
@@ -242,7 +259,7 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
         )
         problems.append(Problem(ProblemKind.STALE_MASTER, pair.path, pair.cls, message))
         stale.append((pair, problems[-1]))
-    return MasterCheck(tuple(problems), tuple(stale), tuple(compared), tuple(params.values()))
+    return MasterCheck(tuple(problems), tuple(stale), tuple(compared), tuple(params.values()), tuple(model_params))
 
 
 def _elements(tensor: torch.Tensor) -> str:
@@ -270,7 +287,7 @@ def _writes(check: MasterCheck) -> list[_Pair]:
     return writes
 
 
-def _unwritable(check: MasterCheck, writes: list[_Pair], model: torch.nn.Module | None) -> list[Problem]:
+def _unwritable(check: MasterCheck, writes: list[_Pair]) -> list[Problem]:
     """What makes ``writes`` fail or go wrong, found before any is written: a copy that
     cannot be written in place, one whose dtype cannot hold the weights (written, it would
     still differ), and one sharing memory with a parameter of the model or the wrappers,
@@ -288,8 +305,7 @@ def _unwritable(check: MasterCheck, writes: list[_Pair], model: torch.nn.Module 
                 problems.append(Problem(ProblemKind.STALE_MASTER, pair.path, pair.cls, message))
                 continue
             written.extend(ranges([pair.copy]).owned((pair.path, pair.cls, pair.name)))
-        named = [*check.params, *(model.named_parameters() if model is not None else ())]
-        for name, param in named:
+        for name, param in (*check.params, *check.model_params):
             if id(param) not in writing:  # a link of a chain, written as a copy
                 kept.extend(ranges([param]).owned(("", _PARAMETER, name)))
         for pair in check.compared:
@@ -320,14 +336,14 @@ def sync_masters(root: Node, model: torch.nn.Module | None) -> SyncReport:
     one it cannot compare, or one it would write that it cannot write in place, that
     cannot hold the weights, or that shares memory with a parameter or another copy."""
     before = after = check_masters(root, model)
-    writes = _refuse(before, model)
+    writes = _refuse(before)
     reload = getattr(root.optimizer, "reload_model_params", None)
     reloaded = False
     if before.stale and callable(reload):
         reload()
         reloaded = True
         after = check_masters(root, model)
-        writes = _refuse(after, model)
+        writes = _refuse(after)
     with torch.no_grad(), plain_torch():
         for pair in writes:
             pair.copy.copy_(pair.part)
@@ -336,11 +352,11 @@ def sync_masters(root: Node, model: torch.nn.Module | None) -> SyncReport:
     return SyncReport(len(before.compared), len(before.stale), reloaded, tuple(map(str, written)))
 
 
-def _refuse(check: MasterCheck, model: torch.nn.Module | None) -> list[_Pair]:
+def _refuse(check: MasterCheck) -> list[_Pair]:
     """The writes a sync makes from ``check``, or its refusal: every problem but a stale
     copy, and anything that makes a write fail or go wrong."""
     writes = _writes(check)
-    refused = [p for p in check.problems if p.kind is not ProblemKind.STALE_MASTER] or _unwritable(check, writes, model)
+    refused = [p for p in check.problems if p.kind is not ProblemKind.STALE_MASTER] or _unwritable(check, writes)
     if refused:
         raise refused[0].to_error(others=len(refused) - 1)
     return writes

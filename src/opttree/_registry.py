@@ -7,7 +7,7 @@ from typing import cast
 
 import torch
 
-from opttree._adapter import ChildrenFn, Expander, builtin_kinds, children_expander, function_failed
+from opttree._adapter import ChildrenFn, Expander, builtin_kinds, children_expander, function_failed, is_pair, yielded_wrongly
 from opttree._dispatch import LazyDispatch, dotted_name
 from opttree._errors import OptTreeError, RegistrationError
 from opttree._schemas import builtin_schemas
@@ -43,6 +43,18 @@ def is_users_kind(cls: type) -> bool:
     return _user_kinds.lookup(cls) is not None
 
 
+def _refuse_non_class(function: str, cls_or_dotted: object) -> None:
+    if not isinstance(cls_or_dotted, (type, str)):
+        msg = f"{function} registers a class or a dotted path, got a {type(cls_or_dotted).__qualname__}"
+        raise RegistrationError(msg)
+
+
+def _refuse_uncallable(name: str, function: object) -> None:
+    if not callable(function):
+        msg = f"register_wrapper needs a callable {name} function, got a {type(function).__qualname__}"
+        raise RegistrationError(msg)
+
+
 def _refuse_repeat(table: LazyDispatch[StateSchema] | LazyDispatch[Expander], what: str, cls_or_dotted: type | str) -> None:
     if table.is_registered(cls_or_dotted):
         name = cls_or_dotted if isinstance(cls_or_dotted, str) else dotted_name(cls_or_dotted)
@@ -60,6 +72,7 @@ def register_schema(cls_or_dotted: type | str, schema: StateSchema) -> None:
     if not isinstance(cast(object, schema), StateSchema):
         msg = f"register_schema expects a StateSchema, got {type(schema).__qualname__}"
         raise RegistrationError(msg)
+    _refuse_non_class("register_schema", cls_or_dotted)
     _refuse_repeat(_user_schemas, "schema", cls_or_dotted)
     if isinstance(cls_or_dotted, str):
         _user_schemas.register_lazy(cls_or_dotted, schema)
@@ -77,9 +90,10 @@ def register_wrapper(
     copies of its parameters, ``inner_params(wrapper, path)`` yields ``(param, copies)``
     pairs so that a partial reset can follow a parameter to its copies.
     """
-    if not callable(cast(object, children)):
-        msg = f"register_wrapper needs a callable children function, got {type(children).__qualname__}"
-        raise RegistrationError(msg)
+    _refuse_non_class("register_wrapper", cls_or_dotted)
+    _refuse_uncallable("children", children)
+    if inner_params is not None:
+        _refuse_uncallable("inner_params", inner_params)
     _refuse_repeat(_user_kinds, "wrapper kind", cls_or_dotted)
     expand = children_expander(children)
     if isinstance(cls_or_dotted, str):
@@ -93,15 +107,21 @@ def register_wrapper(
 
 
 def guarded_inner_params(inner_params: InnerParams) -> InnerParams:
-    """A user-registered ``inner_params`` function, whose failure is refused as a malformed
-    wrapper, as a failing children function is, not raised from wherever it is read."""
+    """A user-registered ``inner_params`` function, whose failure, or output other than
+    ``(param, copies)`` pairs, is refused as a malformed wrapper, as a failing children
+    function is, not raised from wherever it is read. What ``param`` and the copies are
+    is checked where they are used: :mod:`opttree._masters` reports one that is not a tensor."""
 
     def pairs(wrapper: object, path: str) -> list[tuple[torch.Tensor, Sequence[torch.Tensor]]]:
         try:
-            return list(inner_params(wrapper, path))
+            found: list[object] = list(inner_params(wrapper, path))
         except OptTreeError:
             raise
         except Exception as error:
             raise function_failed("inner_params", wrapper, path, error) from error
+        for item in found:
+            if not is_pair(item) or not isinstance(item[1], (list, tuple)):
+                raise yielded_wrongly("inner_params", wrapper, path, item, "(param, copies) pairs with copies a list or tuple of tensors")
+        return cast(list[tuple[torch.Tensor, Sequence[torch.Tensor]]], found)
 
     return pairs

@@ -192,18 +192,61 @@ class SelectVisitor(TraverserVisitor):
 ParamsArg = Iterable[torch.Tensor] | Callable[[str], bool]
 
 
+def model_parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``model.named_parameters()``, or an error saying why they cannot be read."""
+    if not isinstance(cast(object, model), torch.nn.Module):
+        msg = f"model must be a torch.nn.Module, got a {type(model).__qualname__}"
+        raise OptTreeError(msg)
+    try:
+        return list(model.named_parameters())
+    except Exception as error:
+        msg = f"the parameters of model= cannot be read: named_parameters() raised {type(error).__name__}: {error}"
+        raise OptTreeError(msg) from error
+
+
+def _accepted(predicate: Callable[[str], bool], name: str) -> bool:
+    try:
+        return bool(predicate(name))
+    except Exception as error:
+        msg = f"the params predicate raised {type(error).__name__} for the parameter {name!r}: {error}"
+        raise OptTreeError(msg) from error
+
+
 def resolve_params(params: ParamsArg, model: torch.nn.Module | None) -> list[torch.Tensor]:
+    """The parameters ``params`` names: an iterable of them, or a predicate on the names
+    ``model`` gives them."""
+    if isinstance(params, (torch.Tensor, torch.nn.Module)):
+        msg = f"params is one {type(params).__qualname__}: pass a list of parameters, such as params=[weight]"
+        raise OptTreeError(msg)
     if callable(params):
         if model is None:
             msg = "selecting parameters by a predicate on their names needs model="
             raise OptTreeError(msg)
-        return [p for name, p in model.named_parameters() if params(name)]
+        return [p for name, p in model_parameters(model) if _accepted(params, name)]
+    if not isinstance(cast(object, params), Iterable):
+        msg = f"params must be a list of parameters or a predicate on their names, got a {type(params).__qualname__}"
+        raise OptTreeError(msg)
     chosen = list(params)
     for p in chosen:
         if not isinstance(cast(object, p), torch.Tensor):
             msg = f"params must be tensors, got a {type(p).__qualname__}"
             raise OptTreeError(msg)
     return chosen
+
+
+def key_names(keys: Iterable[str]) -> frozenset[str]:
+    """The state keys ``keys`` names: one key, or an iterable of them."""
+    if isinstance(keys, str):
+        return frozenset([keys])
+    if not isinstance(cast(object, keys), Iterable):
+        msg = f"keys must be a state key or a list of them, got a {type(keys).__qualname__}"
+        raise OptTreeError(msg)
+    names = list(keys)
+    for name in names:
+        if not isinstance(cast(object, name), str):
+            msg = f"keys must be names of state keys, got a {type(name).__qualname__}"
+            raise OptTreeError(msg)
+    return frozenset(names)
 
 
 def select(root: Node, params: ParamsArg | None, keys: Iterable[str] | None, model: torch.nn.Module | None) -> Selection:
@@ -213,7 +256,7 @@ def select(root: Node, params: ParamsArg | None, keys: Iterable[str] | None, mod
     names ``"step"``: resetting some parameters' moments keeps their step (as ReLoRA and
     SPAM do), and Megatron checkpoints one step per optimizer.
     """
-    key_set = None if keys is None else frozenset([keys] if isinstance(keys, str) else keys)
+    key_set = None if keys is None else key_names(keys)
     steps = "step" in key_set if key_set is not None else params is None
     history = None if key_set is None else key_set - {"step"}
     if params is None:
@@ -223,7 +266,7 @@ def select(root: Node, params: ParamsArg | None, keys: Iterable[str] | None, mod
     root.accept(visitor)
     missing = [i for i in range(len(chosen)) if i not in visitor.reached]
     if missing:
-        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        names = {id(p): n for n, p in model_parameters(model)} if model is not None else {}
         first = chosen[missing[0]]
         label = names.get(id(first), f"of shape {tuple(first.shape)}")
         msg = (

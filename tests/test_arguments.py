@@ -1,0 +1,115 @@
+"""Arguments of the wrong kind, to the public functions: a clear opttree error saying what
+was expected (a report from ``validate`` and ``describe``), and nothing changed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+import opttree
+from tests.copying import CopyingWrapper
+from tests.helpers import snapshot, stepped_adamw, unchanged
+
+
+class UnreadableModel(torch.nn.Module):
+    """A module whose parameters cannot be read."""
+
+    def named_parameters(self, *args: object, **kwargs: object) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        raise RuntimeError("named_parameters refused")
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda o: opttree.reset(o, params=5), "params must be a list of parameters or a predicate on their names, got a int"),  # type: ignore[arg-type]
+        (lambda o: opttree.reset(o, keys=5), "keys must be a state key or a list of them, got a int"),  # type: ignore[arg-type]
+        (lambda o: opttree.reset(o, keys=[["exp_avg"]]), "keys must be names of state keys, got a list"),  # type: ignore[list-item]
+        (lambda o: opttree.reset(o, params=o.param_groups[0]["params"][0]), "params is one Parameter: pass a list of parameters"),
+        (lambda o: opttree.reset(o, params=torch.nn.Linear(3, 3)), "params is one Linear: pass a list of parameters"),
+        (lambda o: opttree.reset(o, params=lambda name: True, model={}), "model must be a torch.nn.Module, got a dict"),  # type: ignore[arg-type]
+        (
+            lambda o: opttree.reset(o, params=lambda name: True, model=UnreadableModel()),
+            "named_parameters\\(\\) raised RuntimeError: named_parameters refused",
+        ),
+    ],
+    ids=["params int", "keys int", "keys unhashable", "params one tensor", "params one module", "model dict", "model unreadable"],
+)
+def test_a_reset_refuses_arguments_of_the_wrong_kind(call: Callable[[torch.optim.Optimizer], object], message: str) -> None:
+    optimizer = stepped_adamw(2, numel=4)
+    before = snapshot(optimizer)
+
+    with pytest.raises(opttree.OptTreeError, match=message):
+        call(optimizer)
+
+    assert unchanged(optimizer, before)
+
+
+def test_a_failing_params_predicate_is_named() -> None:
+    optimizer = stepped_adamw(2)
+    before = snapshot(optimizer)
+    model = torch.nn.ParameterList(optimizer.param_groups[0]["params"])
+
+    def explode(name: str) -> bool:
+        raise ValueError(f"no rule for {name}")
+
+    with pytest.raises(opttree.OptTreeError, match="the params predicate raised ValueError for the parameter '0': no rule for 0"):
+        opttree.reset(optimizer, params=explode, model=model)
+    assert unchanged(optimizer, before)
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [({}, "model must be a torch.nn.Module, got a dict"), (UnreadableModel(), "named_parameters() raised RuntimeError")],
+    ids=["dict", "unreadable"],
+)
+def test_a_model_whose_parameters_cannot_be_read_is_reported_by_validate_and_refused_by_a_sync(
+    model: object, message: str
+) -> None:
+    params = [torch.nn.Parameter(torch.ones(2))]
+    wrapper = CopyingWrapper(params, [torch.zeros(2)])  # stale
+
+    problems = opttree.validate(wrapper, model=model)  # type: ignore[arg-type]
+    with pytest.raises(opttree.StaleMaster, match="the parameters of the copies cannot be named"):
+        opttree.sync_masters(wrapper, model=model)  # type: ignore[arg-type]
+
+    unreadable, stale = problems
+    assert (unreadable.kind, unreadable.path) == (opttree.ProblemKind.UNCHECKED_MASTER, "<root>") and message in unreadable.message
+    assert stale.kind is opttree.ProblemKind.STALE_MASTER and "its copy of a parameter of shape (2,)" in stale.message
+    assert wrapper.copies[0].tolist() == [0.0, 0.0]
+
+
+def test_registering_what_is_neither_a_class_nor_a_dotted_path_is_refused() -> None:
+    with pytest.raises(opttree.RegistrationError, match="register_schema registers a class or a dotted path, got a int"):
+        opttree.register_schema(5, opttree.StateSchema())  # type: ignore[arg-type]
+    with pytest.raises(opttree.RegistrationError, match="register_wrapper registers a class or a dotted path, got a NoneType"):
+        opttree.register_wrapper(None, children=lambda w: [])  # type: ignore[arg-type]
+
+
+def nested_wrappers(depth: int) -> opttree.Node:
+    """A tree built by hand: ``depth`` wrappers, each holding the next, around one leaf."""
+    node: opttree.Node = opttree.LeafNode("leaf", stepped_adamw(1))
+    for i in range(depth):
+        node = opttree.WrapperNode(f"w{i}", object(), (node,))
+    return node
+
+
+def test_a_tree_built_by_hand_nested_too_deep_is_refused_as_a_built_one_is() -> None:
+    deepest = nested_wrappers(64)
+    too_deep = nested_wrappers(2000)
+    leaf = too_deep
+    while leaf.children:
+        leaf = leaf.children[0]
+    before = snapshot(leaf.optimizer)  # type: ignore[arg-type]
+
+    assert opttree.tree(deepest) is deepest and opttree.validate(deepest) == ()
+    for call in (opttree.tree, opttree.reset, opttree.sync_masters):
+        with pytest.raises(opttree.OptimizerCycle, match="object at w1935: the stack is nested deeper than 64"):
+            call(too_deep)
+    (problem,) = opttree.validate(too_deep)
+    text = opttree.describe(too_deep)
+
+    assert unchanged(leaf.optimizer, before)  # type: ignore[arg-type]
+    assert (problem.kind, problem.path) == (opttree.ProblemKind.OPTIMIZER_CYCLE, "w1935")
+    assert text.splitlines()[-1].strip() == "object (refused: the stack is nested deeper than 64)  @ w1935"

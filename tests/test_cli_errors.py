@@ -1,0 +1,105 @@
+"""``opttree describe`` and ``opttree validate`` on factories whose objects are refused in
+part or whole, or that fail: what ``opttree.describe`` and ``opttree.validate`` report,
+one line for a factory that gives no optimizer, and never a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import opttree
+from opttree._cli import main
+from tests.helpers import stepped_adamw
+from tests.test_cli import homegrown
+
+REFUSED_LINE = "  Linear (refused: not an optimizer: expected a torch.optim.Optimizer, a Megatron optimizer or a registered wrapper)  @ items[1]"
+
+
+class Chain:
+    """A registered wrapper whose second member is a module, not an optimizer."""
+
+    def __init__(self, items: list[object]) -> None:
+        self.items = items
+
+
+def _chain_children(chain: object) -> Iterator[tuple[str, object]]:
+    assert isinstance(chain, Chain)
+    for i, item in enumerate(chain.items):
+        yield f"items[{i}]", item
+
+
+opttree.register_wrapper(Chain, children=_chain_children)
+
+
+def chain_with_a_module() -> object:
+    return Chain([stepped_adamw(1), torch.nn.Linear(2, 2)])
+
+
+def adamw() -> object:
+    return stepped_adamw(1)
+
+
+def nothing() -> object:
+    return None
+
+
+def failing() -> object:
+    raise ValueError("no optimizer today")
+
+
+def run(command: str, factory: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "opttree", command, factory], capture_output=True, text=True, check=False, timeout=180
+    )
+
+
+def test_describe_prints_a_refused_part_as_opttree_describe_does() -> None:
+    done = run("describe", "tests.test_cli_errors:chain_with_a_module")
+
+    assert done.returncode == 0 and "Traceback" not in done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "Chain  @ <root>" and lines[2] == REFUSED_LINE
+    assert lines[3] == "error: Linear at items[1]: not an optimizer: expected a torch.optim.Optimizer, a Megatron optimizer or a registered wrapper"
+
+
+def test_describe_json_gives_a_refused_part_as_a_childless_wrapper(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["describe", "tests.test_cli_errors:chain_with_a_module", "--json"]) == 0
+
+    payload = json.loads(capsys.readouterr().out)
+    refused = payload["tree"]["children"][1]
+    assert (refused["kind"], refused["class"], refused["children"]) == ("wrapper", "Linear", [])
+    assert [p["kind"] for p in payload["problems"]] == ["not-an-optimizer"]
+
+
+@pytest.mark.parametrize("command", ["describe", "validate"])
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        ("nothing", "tests.test_cli_errors:nothing() returned a NoneType, not an optimizer: expected a torch.optim.Optimizer"),
+        ("failing", "tests.test_cli_errors:failing() raised ValueError: no optimizer today"),
+    ],
+)
+def test_a_factory_that_gives_no_optimizer_is_one_line_and_a_failure(
+    command: str, factory: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([command, f"tests.test_cli_errors:{factory}"])
+
+    assert isinstance(exited.value.code, str) and exited.value.code.startswith(message)  # printed, exit status 1
+    assert "\n" not in exited.value.code and capsys.readouterr().out == ""
+
+
+def test_validate_prints_the_problems_and_fails_on_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "tests.test_cli_errors:adamw"]) == 0
+    assert capsys.readouterr().out == ""
+
+    assert main(["validate", "tests.test_cli_errors:chain_with_a_module"]) == 1
+    assert capsys.readouterr().out.splitlines() == [str(p) for p in opttree.validate(chain_with_a_module())]
+
+    assert main(["validate", "tests.test_cli:homegrown", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out) == {"problems": [p.to_dict() for p in opttree.validate(homegrown())]}

@@ -1,0 +1,121 @@
+"""What users' registered ``children`` and ``inner_params`` functions yield: anything but
+the pairs they promise is a malformed wrapper, refused by a reset and reported by
+``validate`` and ``describe``, never a raw error or a silent no-op."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+
+import pytest
+import torch
+
+import opttree
+from tests.copying import CopyingWrapper
+from tests.helpers import snapshot, stepped_adamw, unchanged
+
+
+class Holder:
+    """A wrapper of one optimizer, registered anew, with its own children function, by each test."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+
+def registered_holder(children: Callable[[Holder], object]) -> type[Holder]:
+    kind = type("Holder", (Holder,), {})
+    opttree.register_wrapper(kind, children=lambda wrapper: children(wrapper))  # type: ignore[arg-type, return-value]
+    return kind
+
+
+@pytest.mark.parametrize(
+    ("children", "yielded"),
+    [
+        (lambda w: [w.optimizer], "a AdamW"),
+        (lambda w: [("optimizer", w.optimizer, "extra")], "a tuple of 3"),
+        (lambda w: [(0, w.optimizer)], "a pair of a int and a AdamW"),
+        (lambda w: {"optimizer": w.optimizer}, "a str"),
+    ],
+    ids=["bare optimizer", "triple", "int label", "dict"],
+)
+def test_children_that_are_not_labelled_pairs_are_a_malformed_wrapper(children: Callable[[Holder], object], yielded: str) -> None:
+    optimizer = stepped_adamw(2)
+    wrapper = registered_holder(children)(optimizer)
+    before = snapshot(optimizer)
+    message = f"its children function yielded {yielded}, expected (label, inner) pairs with a str label"
+
+    with pytest.raises(opttree.MalformedWrapper, match=re.escape(f"Holder at <root>: {message}")) as raised:
+        opttree.reset(wrapper)
+    problem = opttree.validate(wrapper)[0]  # the refusal first; the optimizer it holds is hidden too
+
+    assert unchanged(optimizer, before)
+    assert raised.value.problem == problem
+    assert problem.kind is opttree.ProblemKind.MALFORMED_WRAPPER and problem.message == message
+    assert opttree.describe(wrapper) == f"Holder (refused: {message})  @ <root>"
+
+
+class Copies(CopyingWrapper):
+    """A copying wrapper registered with an ``inner_params`` function that a test sets."""
+
+    yields: Callable[[CopyingWrapper], Iterable[object]] = staticmethod(lambda w: ())
+
+
+def _copies_inner(wrapper: object, path: str) -> Iterable[object]:
+    assert isinstance(wrapper, Copies)
+    return wrapper.yields(wrapper)
+
+
+opttree.register_wrapper(
+    Copies,
+    children=lambda w: [("optimizer", w.optimizer)] if isinstance(w, Copies) else [],
+    inner_params=_copies_inner,  # type: ignore[arg-type]  # yields what each test makes it
+)
+
+
+def stepped_copies(yields: Callable[[CopyingWrapper], Iterable[object]]) -> Copies:
+    wrapper = Copies([torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2)])
+    wrapper.yields = yields
+    for copy in wrapper.copies:
+        copy.grad = torch.ones_like(copy)
+    wrapper.optimizer.step()
+    return wrapper
+
+
+@pytest.mark.parametrize(
+    ("yields", "yielded"),
+    [
+        (lambda w: zip(w.params, w.copies), "a pair of a Parameter and a Tensor"),
+        (lambda w: w.params, "a Parameter"),
+        (lambda w: [(p, [c], None) for p, c in zip(w.params, w.copies)], "a tuple of 3"),
+    ],
+    ids=["one copy, not a list", "bare parameters", "triple"],
+)
+def test_inner_params_that_are_not_param_copies_pairs_are_a_malformed_wrapper_everywhere(
+    yields: Callable[[CopyingWrapper], Iterable[object]], yielded: str
+) -> None:
+    wrapper = stepped_copies(yields)
+    before = snapshot(wrapper.optimizer)
+    message = rf"Copies at <root>: its inner_params function yielded {yielded}, expected \(param, copies\) pairs"
+
+    with pytest.raises(opttree.MalformedWrapper, match=message):
+        opttree.reset(wrapper, params=wrapper.params[:1])
+    with pytest.raises(opttree.MalformedWrapper, match=message):
+        opttree.sync_masters(wrapper)
+    (problem,) = opttree.validate(wrapper, model=torch.nn.ParameterList(wrapper.params))
+
+    assert unchanged(wrapper.optimizer, before)
+    assert problem.kind is opttree.ProblemKind.MALFORMED_WRAPPER
+    assert problem.message.startswith(f"its inner_params function yielded {yielded}")
+    wrapper.yields = lambda w: [(p, (c,)) for p, c in zip(w.params, w.copies)]  # pairs, copies a tuple
+    assert opttree.reset(wrapper, params=wrapper.params[:1]).tensors_zeroed == 2
+    assert not wrapper.optimizer.state[wrapper.copies[0]]["exp_avg"].any()
+    assert wrapper.optimizer.state[wrapper.copies[1]]["exp_avg"].any()
+
+
+def test_register_wrapper_refuses_an_inner_params_that_is_not_callable() -> None:
+    class Uncallable(Holder):
+        pass
+
+    with pytest.raises(opttree.RegistrationError, match="needs a callable inner_params function, got a int"):
+        opttree.register_wrapper(Uncallable, children=lambda w: [], inner_params=5)  # type: ignore[arg-type]
+    opttree.register_wrapper(Uncallable, children=lambda w: [])  # the refused registration left nothing behind
