@@ -14,7 +14,7 @@ import opttree
 from opttree import testing
 from tests import megatron_parts
 from tests.copying import CopyingWrapper
-from tests.helpers import Refuse
+from tests.helpers import Refuse, RefuseCalls
 
 K = 3
 
@@ -90,10 +90,12 @@ def test_a_hybrid_sub_optimizers_master_param_is_checked_too() -> None:
     assert report.stale == 1 and opttree.validate(stack.optimizer, model=stack.model) == ()
 
 
-def test_validate_and_sync_masters_run_under_none_of_the_callers_modes() -> None:
-    """A dispatch mode active where training code calls opttree (one that refuses every
-    operation, here) sees none of the comparisons and writes: they run as plain torch
-    calls, as a reset's do, so validate reports and sync writes as without the mode."""
+@pytest.mark.parametrize("mode", [Refuse, RefuseCalls], ids=["dispatch", "function"])
+def test_validate_and_sync_masters_run_under_none_of_the_callers_modes(mode: type[Refuse] | type[RefuseCalls]) -> None:
+    """A dispatch or torch function mode active where training code calls opttree (one
+    that refuses every operation, here) sees none of the comparisons and writes: they run
+    as plain torch calls, as a reset's do, so validate reports and sync writes as without
+    the mode."""
     optimizer, params, device = megatron_parts.hybrid([8, 5])
     megatron_parts.train_hybrid((optimizer, params, device), 0, 2)
     with torch.no_grad():
@@ -102,7 +104,7 @@ def test_validate_and_sync_masters_run_under_none_of_the_callers_modes() -> None
     model = torch.nn.ParameterList(params)
     outside = opttree.validate(optimizer, model=model)
 
-    with Refuse():  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode is unannotated
+    with mode():
         inside = opttree.validate(optimizer, model=model)
         report = opttree.sync_masters(optimizer, model=model)
 

@@ -344,7 +344,7 @@ def sync_masters(root: Node, model: torch.nn.Module | None) -> SyncReport:
         reloaded = True
         after = check_masters(root, model)
         writes = _refuse(after)
-    with torch.no_grad(), plain_torch():
+    with plain_torch(), torch.no_grad():
         for pair in writes:
             pair.copy.copy_(pair.part)
     stale = {id(pair): problem for pair, problem in after.stale}
