@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -266,3 +268,41 @@ def test_history_shared_with_an_unselected_parameter_is_refused() -> None:
     with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'exp_avg': shares memory with 'exp_avg' of AdamW"):
         opttree.reset(optimizer, params=[a])
     assert torch.equal(optimizer.state[b]["exp_avg"], kept)
+
+
+def stepped_lbfgs() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    net = model()
+    optimizer: torch.optim.Optimizer = torch.optim.LBFGS(net.parameters(), history_size=3, max_iter=4)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+
+    def closure() -> float:
+        optimizer.zero_grad()
+        loss: torch.Tensor = net(x).pow(2).mean()
+        torch.autograd.backward(loss)
+        return float(loss)
+
+    optimizer.step(closure)
+    return net, optimizer
+
+
+def test_part_of_an_lbfgs_state_is_refused_and_all_of_it_dropped() -> None:
+    """LBFGS keeps one state for all its parameters, under the first: selecting another
+    parameter used to reset nothing, selecting the first dropped the state of all, and
+    keeping its ``n_iter`` while dropping ``prev_flat_grad`` breaks its next step."""
+    net, optimizer = stepped_lbfgs()
+    params = list(net.parameters())
+    (entry,) = optimizer.state.values()
+    before = dict(entry)
+
+    parts: list[Callable[[], opttree.ResetReport]] = [
+        lambda: opttree.reset(optimizer, params=params[1:]),
+        lambda: opttree.reset(optimizer, params=params[:1]),
+        lambda: opttree.reset(optimizer, keys=["d", "old_dirs"]),
+    ]
+    for part in parts:
+        with pytest.raises(opttree.PartialResetRefused, match="LBFGS at <root>: it keeps one state for all its parameters"):
+            part()
+        assert entry.keys() == before.keys() and all(entry[key] is value for key, value in before.items())
+
+    report = opttree.reset(optimizer, params=params)
+    assert entry == {} and report.tensors_dropped > 0

@@ -175,6 +175,8 @@ class LeafInspector:
         if reason is not None:
             self.problem(node, ProblemKind.MALFORMED_STATE, reason)
             return
+        if self.schema.indivisible and self.takes_part(node, in_groups, state):
+            return
         plan.leaves += 1
         if self.selection.release:
             self.plan_release(node, plan.state)
@@ -190,8 +192,8 @@ class LeafInspector:
         finds a problem, this changes nothing and returns False: the caller then inspects
         the leaves one by one, which names the leaf of each problem.
         """
-        if self.schema.scale_of is not None or self.schema.fill or self.selection.release:
-            return False  # scales and fills are looked up, and releases planned, leaf by leaf
+        if self.schema.scale_of is not None or self.schema.fill or self.selection.release or self.schema.indivisible:
+            return False  # scales and fills are looked up, releases and indivisible states planned, leaf by leaf
         problems_before = len(self.problems)
         try:
             part = self._plan_alike(leaves)
@@ -223,6 +225,26 @@ class LeafInspector:
         self.plan_entries(leaves[0], owner, held, list(entries), _placement(params), part)
         self.plan_kept(leaves[0], owner, params, None, part)
         return part
+
+    def takes_part(self, node: LeafNode, params: list[torch.Tensor], state: Mapping[torch.Tensor, StateEntry]) -> bool:
+        """Whether a partial reset takes part of an indivisible state (some of the leaf's
+        parameters, or some of the keys it holds), which is refused."""
+        chosen = self.selection.tensors
+        taken = len(params) if chosen is None else sum(id(p) in chosen for p in params)
+        keys = {key for entry in state.values() for key in entry if key in self.schema.actions}
+        picked = {key for key in keys if self.selection.resets(key)}
+        if 0 < taken < len(params):
+            part = f"{taken} of its {len(params)} parameters are selected"
+        elif taken and 0 < len(picked) < len(keys):
+            part = f"keys names {len(picked)} of the {len(keys)} keys it holds"
+        else:
+            return False
+        message = (
+            f"it keeps one state for all its parameters, whose keys depend on one another, and {part}: "
+            "reset all of it or none of it"
+        )
+        self.problem(node, ProblemKind.PARTIAL_GROUP, message)
+        return True
 
     def plan_copied_group_steps(self, node: Node, optimizer: torch.optim.Optimizer) -> None:
         """The step counters in the param groups of a wrapper that copies its groups into its

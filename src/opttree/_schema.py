@@ -82,6 +82,10 @@ class StateSchema:
 
     ``step_type``: what a per-parameter ``step`` starts as (:class:`StepType`).
 
+    ``indivisible``: the optimizer keeps one state for all its parameters, whose keys
+    depend on one another (LBFGS, under its first parameter: its ``n_iter`` says whether
+    ``prev_flat_grad`` exists), so a partial reset takes all of it or none of it.
+
     ``rebuilds_missing``: the optimizer builds a parameter's whole entry on its next step
     when the entry is missing, as it builds a fresh one (torch's ``len(state) == 0``
     initialisation), so ``reset(..., release=True)`` may delete entries to free their memory.
@@ -99,6 +103,7 @@ class StateSchema:
     fill: tuple[tuple[str, Fill], ...] = field(converter=_fills, factory=tuple, kw_only=True)
     identity: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     rebuilds_missing: bool = field(default=False, kw_only=True)
+    indivisible: bool = field(default=False, kw_only=True)
     step_type: StepType = field(default=StepType.TENSOR, kw_only=True)
 
     @property

@@ -52,6 +52,7 @@ SGD = StateSchema(drop={"momentum_buffer"}, keep={MASTER_PARAM}, rebuilds_missin
 LBFGS = StateSchema(
     drop={"func_evals", "n_iter", "d", "t", "old_dirs", "old_stps", "ro", "H_diag", "prev_flat_grad", "prev_loss", "al"},
     rebuilds_missing=True,
+    indivisible=True,
 )
 
 SCHEMAS: dict[str, StateSchema] = {
