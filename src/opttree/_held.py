@@ -2,77 +2,194 @@
 
 A safety net under the adapter: a wrapper kind says where its children are, but a
 wrapper that also keeps an optimizer elsewhere (a list of "active" optimizers, a dict
-of per-module records) would make a reset silently miss that optimizer's state. Every
-optimizer object reachable from a wrapper's instance attributes, directly or inside a
-list, tuple, dict or dataclass (and a dataclass inside one of those), must therefore be
-a node of the tree. Containers are screened by the classes they hold, at C speed, so a
-list of ten thousand optimizers or parameters costs little.
+of per-name lists, a record of per-module records) would make a reset silently miss that
+optimizer's state. Every optimizer object reachable from a wrapper's instance attributes
+through at most :data:`DEPTH` nested containers (lists, tuples, dict values, sets,
+frozensets and dataclass fields, in any mix: ``aux['ema'][0]``) must therefore be a node
+of the tree.
+
+The search never runs a container's own code: the members of a list, tuple, dict or set
+(of a subclass too) are read through the built-in class's own methods, so an overridden
+``__iter__`` is neither called nor able to hide them; only a dataclass field is read with
+``getattr``, and one whose property raises is passed over. Tensors and modules are not
+looked into. A container is looked into once (again only where more depth is left), so
+one that holds itself ends the search. Containers are screened level by level by the
+classes they hold, at C speed, so a list of ten thousand optimizers, or a dict of ten
+thousand per-parameter dicts of tensors, costs little.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from itertools import chain, compress, islice
+from typing import cast
+
+import torch
 
 IsOptimizer = Callable[[type], bool]
 Held = tuple[str, list[object], bool]
 """An attribute path (``module_infos['vision'].optimizer``), the optimizers found there,
 and whether they are the members of a sequence at that path (``cpu_optimizers[i]``)."""
 
+DEPTH = 4
+"""How many containers deep an optimizer is looked for: ``aux['ema'][0]`` is two deep,
+``stages[0].records['late'][1]`` four. Deeper than this, a wrapper's layout is its own to
+declare with ``register_wrapper``."""
 
-def _is_container(cls: type) -> bool:
-    return issubclass(cls, (list, tuple, dict)) or _is_record(cls)
-
-
-def _key_label(key: object) -> str:
-    return repr(key) if isinstance(key, (str, int)) else f"<{type(key).__qualname__}>"
-
-
-def _members(value: object, label: str) -> list[tuple[str, object]]:
-    """A container's members with their paths; ``value`` passed :func:`_is_container`."""
-    if isinstance(value, (list, tuple)):
-        return [(f"{label}[{index}]", item) for index, item in enumerate(value)]
-    if isinstance(value, dict):
-        return [(f"{label}[{_key_label(key)}]", item) for key, item in value.items()]
-    return [(f"{label}.{name}", item) for name, item in _fields(value)]
-
-
-def _fields(value: object) -> list[tuple[str, object]]:
-    return [(f.name, getattr(value, f.name, None)) for f in dataclasses.fields(value)]  # type: ignore[arg-type]
-
-
-def _values(value: object) -> list[object]:
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    if isinstance(value, dict):
-        return list(value.values())
-    return [item for _, item in _fields(value)]
-
-
-def held_optimizers(wrapper: object, is_optimizer: IsOptimizer, *, depth: int = 2) -> Iterator[Held]:
-    """The optimizers in ``wrapper``'s instance attributes, by attribute path."""
-    attributes = getattr(wrapper, "__dict__", None)
-    if isinstance(attributes, dict):
-        yield from _search(list(attributes.items()), is_optimizer, depth)
-
-
-def _search(items: list[tuple[str, object]], is_optimizer: IsOptimizer, depth: int) -> Iterator[Held]:
-    for label, value in items:
-        if is_optimizer(type(value)):
-            yield label, [value], False
-            continue
-        if depth == 0 or not _is_container(type(value)):
-            continue
-        values = _values(value)
-        classes = set(map(type, values))
-        if classes and all(map(is_optimizer, classes)) and isinstance(value, (list, tuple)):
-            yield label, values, True  # such as HybridDeviceOptimizer.cpu_optimizers, in one piece
-        elif any(is_optimizer(cls) or _is_record(cls) for cls in classes):
-            # Only optimizers and dataclass records are looked into: a list of param
-            # groups or a dict of per-parameter dicts holds none.
-            members = [(name, item) for name, item in _members(value, label) if is_optimizer(type(item)) or _is_record(type(item))]
-            yield from _search(members, is_optimizer, depth - 1)
+SCREENED = 1 << 20
+"""How many members, all levels together, the screens of one wrapper's search read before
+they answer "may hold" and the search reads container by container instead (each once).
+Screening costs some tens of nanoseconds a member, so this bounds it near 0.1 s; a
+container held many times over would otherwise multiply the members read."""
 
 
 def _is_record(cls: type) -> bool:
     return dataclasses.is_dataclass(cls) and isinstance(cls, type)
+
+
+def _is_container(cls: type) -> bool:
+    if issubclass(cls, (torch.Tensor, torch.nn.Module)):
+        return False
+    return issubclass(cls, (list, tuple, dict, set, frozenset)) or _is_record(cls)
+
+
+def _key_label(key: object) -> str:
+    """A dict key in a path: a string or an integer as such (by the built-in repr), else its class."""
+    if isinstance(key, str):
+        return str.__repr__(key)
+    return int.__repr__(key) if isinstance(key, int) else f"<{type(key).__qualname__}>"
+
+
+def _record_values(record: object) -> list[object]:
+    return [item for _, item in _fields(record)]
+
+
+def _fields(record: object) -> list[tuple[str, object]]:
+    """A dataclass's fields that can be read; one that is missing or raises is passed over."""
+    found: list[tuple[str, object]] = []
+    for field in dataclasses.fields(record):  # type: ignore[arg-type]  # a record: see _is_container
+        try:
+            found.append((field.name, getattr(record, field.name)))
+        except Exception:  # noqa: BLE001  # a field never set, or a property whose own code raises
+            continue
+    return found
+
+
+_Reader = Callable[[object], Iterable[object]]
+_READERS: tuple[tuple[type, _Reader], ...] = (
+    (dict, cast(_Reader, dict.values)),
+    (list, cast(_Reader, list.__iter__)),
+    (tuple, cast(_Reader, tuple.__iter__)),
+    (set, cast(_Reader, set.__iter__)),
+    (frozenset, cast(_Reader, frozenset.__iter__)),
+)
+"""The built-in classes' own readers of their members, which run no code of a subclass's."""
+
+
+def _reader(cls: type) -> _Reader:
+    """How the members of a container of class ``cls`` are read (a C function but for a dataclass)."""
+    return next((reader for base, reader in _READERS if issubclass(cls, base)), _record_values)
+
+
+def _read(container: object) -> list[object]:
+    """A container's members, or none where even the built-in reading raises (a dict resized meanwhile)."""
+    try:
+        return list(_reader(type(container))(container))
+    except Exception:  # noqa: BLE001  # never raised out of a validation
+        return []
+
+
+def _members(container: object, label: str) -> list[tuple[str, object]]:
+    """A container's members with their paths (a set's with its own: ``label{...}``)."""
+    if isinstance(container, dict):
+        return [(f"{label}[{_key_label(key)}]", item) for key, item in dict.items(container)]
+    if isinstance(container, (list, tuple)):
+        return [(f"{label}[{index}]", item) for index, item in enumerate(_read(container))]
+    if isinstance(container, (set, frozenset)):
+        return [(f"{label}{{...}}", item) for item in _read(container)]
+    return [(f"{label}.{name}", item) for name, item in _fields(container)]
+
+
+def _level_below(level: list[object], classes: set[type], kinds: set[type], limit: int) -> list[object]:
+    """The members of the containers on ``level`` (of ``classes``) whose classes are
+    ``kinds``, read at C speed (one held twice is read twice), at most ``limit`` + 1 of them."""
+    by_reader: dict[_Reader, set[type]] = {}
+    for cls in kinds:
+        by_reader.setdefault(_reader(cls), set()).add(cls)
+    below: list[object] = []
+    for reader, these in by_reader.items():
+        group = level if these == classes else compress(level, map(these.__contains__, map(type, level)))
+        below.extend(islice(chain.from_iterable(map(reader, group)), limit + 1 - len(below)))
+    return below
+
+
+def held_optimizers(wrapper: object, is_optimizer: IsOptimizer, *, depth: int = DEPTH) -> Iterator[Held]:
+    """The optimizers in ``wrapper``'s instance attributes, by attribute path."""
+    attributes = getattr(wrapper, "__dict__", None)
+    if isinstance(attributes, dict):
+        yield from _Search(is_optimizer).search(list(dict.items(attributes)), depth)
+
+
+@dataclasses.dataclass
+class _Search:
+    """One wrapper's search: labelled, container by container, where a screen of the levels
+    below (by the classes on them, at C speed) says that an optimizer may be there."""
+
+    is_optimizer: IsOptimizer
+    budget: int = SCREENED
+    """How many more members the screens may read before they stop, answering "may hold"."""
+    seen: dict[int, tuple[int, object]] = dataclasses.field(default_factory=dict)
+    """Containers looked into, by ``id``: the depth left then, and the container itself
+    (kept alive so that its ``id`` is not reused meanwhile)."""
+
+    def search(self, items: list[tuple[str, object]], depth: int) -> Iterator[Held]:
+        for label, value in items:
+            if self.is_optimizer(type(value)):
+                yield label, [value], False
+            elif depth > 0 and _is_container(type(value)) and self._first_look(value, depth):
+                yield from self._look_into(label, value, depth)
+
+    def _first_look(self, container: object, depth: int) -> bool:
+        """Whether ``container`` is looked into now: never before, or now with more depth left."""
+        before = self.seen.get(id(container))
+        if before is not None and before[0] >= depth:
+            return False
+        self.seen[id(container)] = (depth, container)
+        return True
+
+    def _look_into(self, label: str, container: object, depth: int) -> Iterator[Held]:
+        values = _read(container)
+        classes = set(map(type, values))
+        if classes and all(map(self.is_optimizer, classes)) and isinstance(container, (list, tuple)):
+            yield label, values, True  # such as HybridDeviceOptimizer.cpu_optimizers, in one piece
+        elif self._may_hold(values, classes, depth - 1):
+            # Only the members that are optimizers or containers are followed: a list of param
+            # groups, or a dict of per-parameter dicts of tensors, holds none and is passed by the screen.
+            wanted = {cls for cls in classes if self.is_optimizer(cls) or _is_container(cls)}
+            try:
+                members = [(name, item) for name, item in _members(container, label) if type(item) in wanted]
+            except Exception:  # noqa: BLE001  # as in _read
+                members = []
+            yield from self.search(members, depth - 1)
+
+    def _may_hold(self, values: list[object], classes: set[type], depth: int) -> bool:
+        """Whether an optimizer may be among ``values`` (of ``classes``), or within ``depth``
+        levels of the containers among them; once the budget is spent (or a level cannot be read: a dict
+        resized meanwhile), it may, and the search reads each container on its own."""
+        level = values
+        for left in range(depth, -1, -1):
+            if any(map(self.is_optimizer, classes)):
+                return True
+            kinds = {cls for cls in classes if _is_container(cls)}
+            if not kinds or left == 0:
+                return False
+            if self.budget <= 0:
+                return True
+            try:
+                level = _level_below(level, classes, kinds, self.budget)
+            except Exception:  # noqa: BLE001  # never raised out of a validation
+                return True
+            self.budget -= len(level)
+            classes = set(map(type, level))
+        return False

@@ -1,0 +1,168 @@
+"""The hidden-optimizer safety net looks through nested containers: an optimizer that a
+real Megatron wrapper keeps in a dict of lists, a list of lists, a dataclass or a set, up
+to four containers deep, is reported and refused, with nothing changed; a container that
+holds itself, or whose own code raises, neither hangs nor raises."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from megatron.core.optimizer import FP32Optimizer
+
+import opttree
+from tests.helpers import model, snapshot, train, unchanged
+from tests.megatron_parts import fp32
+
+pytestmark = pytest.mark.usefixtures("process_group")
+
+
+def stepped(seed: int) -> torch.optim.AdamW:
+    net = model(seed)
+    optimizer = torch.optim.AdamW(net.parameters())
+    train(net, optimizer, 0, 3)
+    return optimizer
+
+
+@dataclasses.dataclass
+class Ema:
+    """An auxiliary record of the kind a subclass might keep: its optimizers in a list."""
+
+    name: str
+    optimizers: list[torch.optim.Optimizer]
+
+
+@dataclasses.dataclass
+class Touchy:
+    """A record with a field never set and a ``__getattr__`` that raises for it."""
+
+    optimizers: list[torch.optim.Optimizer]
+    late: int = dataclasses.field(init=False)
+
+    def __getattr__(self, name: str) -> object:
+        raise RuntimeError(f"no {name} here")
+
+
+class Unlistable(list[object]):
+    """A list whose own iteration, length and attribute lookups raise."""
+
+    def __iter__(self) -> object:  # type: ignore[override]
+        raise RuntimeError("not iterable today")
+
+    def __len__(self) -> int:
+        raise RuntimeError("no length either")
+
+    def __getattr__(self, name: str) -> object:
+        raise RuntimeError(f"no {name} here")
+
+
+def holding(hidden: torch.optim.Optimizer, layout: str) -> object:
+    """``hidden`` inside the nested containers ``layout`` names."""
+    if layout == "dict of lists":
+        return {"ema": [hidden]}
+    if layout == "list of lists":
+        return [[hidden]]
+    if layout == "dataclass with a list":
+        return Ema("ema", [hidden])
+    if layout == "set in a list":
+        return [frozenset({hidden})]
+    if layout == "four deep":
+        return {"a": [{"b": (hidden,)}]}
+    if layout == "list that raises":
+        return Unlistable([[hidden]])
+    return Touchy([hidden])
+
+
+def wrapper_holding(aux: object) -> tuple[FP32Optimizer, torch.optim.AdamW]:
+    """A real FP32Optimizer over a trained AdamW, holding ``aux`` in an attribute of its own."""
+    leaf = stepped(0)
+    wrapper = fp32(leaf)
+    setattr(wrapper, "aux", aux)
+    return wrapper, leaf
+
+
+@pytest.mark.parametrize(
+    ("layout", "label"),
+    [
+        ("dict of lists", "aux['ema'][0]"),
+        ("list of lists", "aux[0][0]"),
+        ("dataclass with a list", "aux.optimizers[0]"),
+        ("set in a list", "aux[0]{...}"),
+        ("four deep", "aux['a'][0]['b'][0]"),
+        ("list that raises", "aux[0][0]"),
+        ("record whose __getattr__ raises", "aux.optimizers[0]"),
+    ],
+)
+def test_an_optimizer_nested_in_a_wrappers_attribute_is_reported_and_refused(layout: str, label: str) -> None:
+    hidden = stepped(1)
+    wrapper, leaf = wrapper_holding(holding(hidden, layout))
+    before = [snapshot(leaf), snapshot(hidden)]
+
+    problems = opttree.validate(wrapper)
+    with pytest.raises(opttree.HiddenOptimizer, match=r"FP32Optimizer at <root>: holds a AdamW in (\S+) ") as caught:
+        opttree.reset(wrapper)
+
+    assert [p.kind for p in problems] == [opttree.ProblemKind.HIDDEN_OPTIMIZER]
+    assert caught.value.problem is not None and f"in {label} that" in caught.value.problem.message
+    assert unchanged(leaf, before[0]) and unchanged(hidden, before[1])
+    assert all(int(entry["step"]) == 3 for entry in hidden.state.values())
+
+
+def test_a_list_that_holds_itself_ends_the_search() -> None:
+    hidden = stepped(1)
+    loop: list[object] = []
+    loop.append(loop)
+    loop.append({"again": loop, "ema": [hidden]})
+    wrapper, leaf = wrapper_holding([loop])
+    before = snapshot(leaf)
+
+    problems = opttree.validate(wrapper)
+    assert [p.kind for p in problems] == [opttree.ProblemKind.HIDDEN_OPTIMIZER]
+    assert "in aux[0][1]['ema'][0] that" in problems[0].message
+    with pytest.raises(opttree.HiddenOptimizer):
+        opttree.reset(wrapper)
+    assert unchanged(leaf, before)
+
+
+def test_a_container_that_holds_itself_and_no_optimizer_is_fine() -> None:
+    loop: dict[str, object] = {}
+    loop["self"] = [loop, (loop,), {frozenset({1, 2})}]
+    wrapper, _ = wrapper_holding(loop)
+
+    assert opttree.validate(wrapper) == ()
+    assert opttree.reset(wrapper).leaves == 1
+
+
+def test_a_container_held_many_times_over_is_read_once() -> None:
+    """Two thousand references to one list of two thousand lists: the screen's budget
+    runs out, and the search goes on container by container, each read once."""
+    hidden = stepped(1)
+    row = [0.5] * 2000
+    shared: list[object] = [row] * 2000
+    shared.append([hidden])
+    wrapper, _ = wrapper_holding([shared] * 2000)
+
+    problems = opttree.validate(wrapper)
+    assert [p.kind for p in problems] == [opttree.ProblemKind.HIDDEN_OPTIMIZER]
+    assert "in aux[0][2000][0] that" in problems[0].message
+
+
+def test_the_tree_s_own_optimizer_nested_in_an_attribute_is_not_hidden() -> None:
+    leaf = stepped(0)
+    wrapper = fp32(leaf)
+    setattr(wrapper, "aux", {"ema": [[leaf]], "record": Ema("same", [leaf])})
+
+    assert opttree.validate(wrapper) == ()
+    report = opttree.reset(wrapper)
+    assert report.leaves == 1
+    assert all(int(entry["step"]) == 0 for entry in leaf.state.values())
+
+
+def test_tensors_and_modules_are_not_looked_into() -> None:
+    """A module's own attributes are its business, not the wrapper's containers'."""
+    net = torch.nn.Linear(2, 2)
+    setattr(net, "tracker", [stepped(1)])
+    wrapper, _ = wrapper_holding({"modules": [net], "grads": [torch.zeros(3)]})
+
+    assert opttree.validate(wrapper) == ()
