@@ -84,3 +84,20 @@ class Refuse(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's Tor
 
     def __torch_dispatch__(self, func: object, types: object, args: object = (), kwargs: object = None) -> object:
         raise AssertionError(f"this mode refuses {func}")
+
+
+def stepped_lbfgs() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """An LBFGS over :func:`model` after two steps, its past directions in lists."""
+    net = model()
+    optimizer: torch.optim.Optimizer = torch.optim.LBFGS(net.parameters(), history_size=3, max_iter=4)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+
+    def closure() -> float:
+        optimizer.zero_grad()
+        loss: torch.Tensor = net(x).pow(2).mean()
+        torch.autograd.backward(loss)
+        return float(loss)
+
+    for _ in range(2):
+        optimizer.step(closure)
+    return net, optimizer

@@ -32,7 +32,13 @@ Hybrid = tuple[HybridDeviceOptimizer, list[torch.nn.Parameter], CudaOnCpu]
 """A HybridDeviceOptimizer, the "GPU" parameters it steps, and the context they live in."""
 
 
-def hybrid(sizes: list[int], *, offload: float = 1.0, like: Sequence[torch.Tensor] = ()) -> Hybrid:
+def hybrid(
+    sizes: list[int],
+    *,
+    offload: float = 1.0,
+    like: Sequence[torch.Tensor] = (),
+    gpu_optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
+) -> Hybrid:
     """A real HybridDeviceOptimizer with one CPU AdamW per offloaded parameter (overlap on),
     over new parameters of ``sizes`` (values copied from ``like`` where given)."""
     device = cuda_on_cpu()
@@ -46,7 +52,7 @@ def hybrid(sizes: list[int], *, offload: float = 1.0, like: Sequence[torch.Tenso
             params,
             offload_fraction=offload,
             cpu_optimizer_cls=torch.optim.AdamW,
-            gpu_optimizer_cls=torch.optim.AdamW,
+            gpu_optimizer_cls=gpu_optimizer_cls,
             overlap_cpu_optimizer_d2h_h2d=True,
             lr=0.1,
         )

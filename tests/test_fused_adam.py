@@ -6,10 +6,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
 import opttree
-from opttree.testing import CudaOnCpu, cuda_on_cpu
+from tests import megatron_parts
 from tests.helpers import clone_model, model, snapshot, train, unchanged, weights_equal
 from tests.standins import ApexFusedAdam, TEFusedAdam
 
@@ -118,37 +117,12 @@ def test_fp8_moments_are_refused_and_nothing_changes() -> None:
     assert unchanged(optimizer, before) and optimizer.param_groups[0]["step"] == 2
 
 
-def hybrid_over_te(like: list[torch.Tensor] | None = None) -> tuple[HybridDeviceOptimizer, list[torch.nn.Parameter], CudaOnCpu]:
-    """A HybridDeviceOptimizer whose GPU sub-optimizer counts its steps per group, as TE's FusedAdam does."""
-    device = cuda_on_cpu()
-    params = [torch.nn.Parameter(torch.linspace(-1, 1, n)) for n in (64, 32, 16, 8)]
-    with torch.no_grad():
-        for param, weights in zip(params, like or [], strict=False):
-            param.copy_(weights)
-    device.mark_on_gpu(*params)
-    with device:
-        optimizer = HybridDeviceOptimizer(
-            params, offload_fraction=0.5, cpu_optimizer_cls=torch.optim.AdamW, gpu_optimizer_cls=TEFusedAdam,
-            overlap_cpu_optimizer_d2h_h2d=False, lr=0.1,
-        )
-    return optimizer, params, device
-
-
-def train_hybrid_over_te(stack: tuple[HybridDeviceOptimizer, list[torch.nn.Parameter], CudaOnCpu], start: int, steps: int) -> None:
-    optimizer, params, device = stack
-    with device:
-        for i in range(start, start + steps):
-            for param in params:
-                param.grad = torch.full_like(param, 0.1 * (i + 1)).sin()
-            optimizer.step()
-
-
 def test_a_step_in_a_hybrid_optimizers_own_groups_is_deleted_as_a_fresh_one_has_none() -> None:
     """A Megatron load hands a HybridDeviceOptimizer param groups carrying the saved step,
     and it copies its groups into its sub-optimizers' before every step: a step kept or
     zeroed there would overwrite the group step TE's FusedAdam counts with."""
-    stack = hybrid_over_te()
-    train_hybrid_over_te(stack, 0, 3)
+    stack = megatron_parts.hybrid([64, 32, 16, 8], offload=0.5, gpu_optimizer_cls=TEFusedAdam)
+    megatron_parts.train_hybrid(stack, 0, 3)
     optimizer, params, device = stack
     with device:
         saved = optimizer.state_dict()
@@ -161,7 +135,7 @@ def test_a_step_in_a_hybrid_optimizers_own_groups_is_deleted_as_a_fresh_one_has_
 
     assert [group.get("step") for group in optimizer.param_groups] == [None]
     assert report.steps >= 1
-    fresh = hybrid_over_te([param.detach() for param in params])
-    train_hybrid_over_te(stack, 3, 3)
-    train_hybrid_over_te(fresh, 3, 3)
+    fresh = megatron_parts.hybrid([64, 32, 16, 8], offload=0.5, gpu_optimizer_cls=TEFusedAdam, like=[p.detach() for p in params])
+    megatron_parts.train_hybrid(stack, 3, 3)
+    megatron_parts.train_hybrid(fresh, 3, 3)
     assert all(torch.equal(a, b) for a, b in zip(params, fresh[1], strict=True))

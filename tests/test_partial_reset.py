@@ -11,7 +11,7 @@ import opttree
 from megatron.core.transformer.module import MegatronModule
 from opttree import testing
 from tests import megatron_parts
-from tests.helpers import model, snapshot, stepped_pair, train, unchanged
+from tests.helpers import model, snapshot, stepped_lbfgs, stepped_pair, train, unchanged
 from tests.standins import TEFusedAdam
 
 K = 2
@@ -268,21 +268,6 @@ def test_history_shared_with_an_unselected_parameter_is_refused() -> None:
     with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'exp_avg': shares memory with 'exp_avg' of AdamW"):
         opttree.reset(optimizer, params=[a])
     assert torch.equal(optimizer.state[b]["exp_avg"], kept)
-
-
-def stepped_lbfgs() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    net = model()
-    optimizer: torch.optim.Optimizer = torch.optim.LBFGS(net.parameters(), history_size=3, max_iter=4)
-    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
-
-    def closure() -> float:
-        optimizer.zero_grad()
-        loss: torch.Tensor = net(x).pow(2).mean()
-        torch.autograd.backward(loss)
-        return float(loss)
-
-    optimizer.step(closure)
-    return net, optimizer
 
 
 def test_part_of_an_lbfgs_state_is_refused_and_all_of_it_dropped() -> None:

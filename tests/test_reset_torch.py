@@ -7,7 +7,7 @@ import torch
 
 import opttree
 from opttree._report import format_bytes
-from tests.helpers import OptimizerFactory, clone_model, model, state_tensors, train, weights_equal
+from tests.helpers import OptimizerFactory, clone_model, model, state_tensors, stepped_lbfgs, train, weights_equal
 
 FACTORIES: dict[str, OptimizerFactory] = {
     "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
@@ -109,18 +109,7 @@ def test_report_dict_holds_numbers_only_and_the_kept_keys_stay_on_the_report() -
 def test_lbfgs_history_in_lists_counts_in_the_report_and_in_describe() -> None:
     """LBFGS keeps its past directions and steps in lists of tensors: a reset drops them
     with the rest, and both the report and ``describe`` count their tensors and bytes."""
-    net = model()
-    optimizer: torch.optim.Optimizer = torch.optim.LBFGS(net.parameters(), history_size=3, max_iter=4)
-    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
-
-    def closure() -> float:
-        optimizer.zero_grad()
-        loss: torch.Tensor = net(x).pow(2).mean()
-        torch.autograd.backward(loss)
-        return float(loss)
-
-    for _ in range(2):
-        optimizer.step(closure)
+    _, optimizer = stepped_lbfgs()
     (entry,) = optimizer.state.values()
     tensors = [v for v in entry.values() if isinstance(v, torch.Tensor)]
     tensors += [t for v in entry.values() if isinstance(v, list) for t in v if isinstance(t, torch.Tensor)]
