@@ -33,8 +33,20 @@ class UnreadableModel(torch.nn.Module):
             lambda o: opttree.reset(o, params=lambda name: True, model=UnreadableModel()),
             "named_parameters\\(\\) raised RuntimeError: named_parameters refused",
         ),
+        (lambda o: opttree.reset(o, params=[]), "params is empty: the reset would change nothing"),
+        (
+            lambda o: opttree.reset(o, params=lambda name: name == "typo", model=torch.nn.ParameterList(o.param_groups[0]["params"])),
+            "the params predicate accepts none of the model's parameters: the reset would change nothing",
+        ),
+        (lambda o: opttree.reset(o, keys=[]), "keys names no state key: the reset would change nothing"),
+        (lambda o: opttree.prune(o, 0.5, keys=5), "keys must be a state key or a list of them, got a int"),  # type: ignore[arg-type]
+        (lambda o: opttree.validate(o, group="world"), "group must be a process group of an initialised torch.distributed, got a str"),  # type: ignore[arg-type]
+        (lambda o: opttree.describe(o, group=5), "group must be a process group"),  # type: ignore[arg-type]
     ],
-    ids=["params int", "keys int", "keys unhashable", "params one tensor", "params one module", "model dict", "model unreadable"],
+    ids=[
+        "params int", "keys int", "keys unhashable", "params one tensor", "params one module", "model dict", "model unreadable",
+        "params empty", "predicate matches none", "keys empty", "prune keys int", "validate group str", "describe group int",
+    ],
 )
 def test_a_reset_refuses_arguments_of_the_wrong_kind(call: Callable[[torch.optim.Optimizer], object], message: str) -> None:
     optimizer = stepped_adamw(2, numel=4)
@@ -113,3 +125,18 @@ def test_a_tree_built_by_hand_nested_too_deep_is_refused_as_a_built_one_is() -> 
     assert unchanged(leaf.optimizer, before)  # type: ignore[arg-type]
     assert (problem.kind, problem.path) == (opttree.ProblemKind.OPTIMIZER_CYCLE, "w1935")
     assert text.splitlines()[-1].strip() == "object (refused: the stack is nested deeper than 64)  @ w1935"
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"zero": "exp_avg"}, "state keys are given as a set of names, got 'exp_avg'"),
+        ({"keep": {1}}, "state keys are given as a set of names, got {1}"),
+        ({"step": "per-parameter"}, "step is a StepLocation, got 'per-parameter'"),
+    ],
+    ids=["one string", "not a name", "step a string"],
+)
+def test_a_schema_of_the_wrong_kinds_is_refused(fields: dict[str, object], message: str) -> None:
+    """One string as a key set would be taken apart into its letters, each a key."""
+    with pytest.raises(opttree.RegistrationError, match=message):
+        opttree.StateSchema(**fields)  # type: ignore[arg-type]

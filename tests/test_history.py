@@ -117,11 +117,13 @@ def test_reset_prune_and_scale_make_no_torch_call_a_function_mode_of_the_callers
 def test_scale_halves_the_first_moment_only() -> None:
     _, optimizer = trained()
     before = history(optimizer)
-    opttree.scale(optimizer, 0.5, keys=["exp_avg"])
+    report = opttree.scale(optimizer, 0.5, keys=["exp_avg"])
     after = history(optimizer)
     assert all(torch.equal(a, b * 0.5) for a, b in zip(after[0::2], before[0::2], strict=True))
     assert all(torch.equal(a, b) for a, b in zip(after[1::2], before[1::2], strict=True))
     assert steps(optimizer) == [3.0] * len(steps(optimizer))
+    assert str(report).startswith(f"scale 1 optimizers: {len(before) // 2} tensors scaled")
+    assert str(opttree.prune(optimizer, 0.5, keys=["exp_avg"])).startswith(f"prune 1 optimizers: {len(before) // 2} tensors pruned")
 
 
 def test_prune_through_megatron_wrappers_by_parameter_name_keeps_a_checkpointable_state() -> None:

@@ -384,3 +384,19 @@ def test_a_starting_value_the_history_cannot_hold_is_refused_before_any_write() 
 
     assert [(problem.kind, problem.key) for problem in problems] == [(opttree.ProblemKind.UNSUPPORTED_STATE, "step_size")]
     assert all(torch.equal(entry[key], value) for key, value in before.items())
+
+
+def test_a_starting_value_beyond_a_float_is_refused_naming_its_key() -> None:
+    param = torch.nn.Parameter(torch.randn(3))
+    optimizer = torch.optim.ASGD([param], lr=0.01)
+    param.grad = torch.ones(3)
+    optimizer.step()
+    optimizer.param_groups[0]["lr"] = 10**400  # an int no float holds
+    before = snapshot(optimizer)
+
+    (problem,) = opttree.validate(optimizer)
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'eta': its starting value cannot be worked out: OverflowError"):
+        opttree.reset(optimizer)
+
+    assert (problem.kind, problem.key) == (opttree.ProblemKind.UNSUPPORTED_STATE, "eta")
+    assert unchanged(optimizer, before)

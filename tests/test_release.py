@@ -172,3 +172,19 @@ def test_a_release_from_a_read_only_state_is_refused_before_any_other_leaf_is_re
     with pytest.raises(opttree.ReleaseRefused, match="second: its state is a mappingproxy"):
         opttree.reset(Pair(first, second), release=True)
     assert len(first.state) > 0
+
+
+def test_a_release_from_a_plain_dict_state_is_refused() -> None:
+    """torch's optimizers build a missing entry because their state is a defaultdict(dict):
+    from a plain dict, the next step would raise KeyError for each released entry."""
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters())
+    train(net, optimizer, 0, 2)
+    optimizer.state = dict(optimizer.state)  # type: ignore[assignment]  # as a loader may leave it
+    count = len(optimizer.state)
+
+    with pytest.raises(opttree.ReleaseRefused, match="its state is a dict, not torch's defaultdict\\(dict\\)"):
+        opttree.reset(optimizer, release=True)
+
+    assert len(optimizer.state) == count
+    assert opttree.reset(optimizer).tensors_zeroed == 2 * count

@@ -70,7 +70,7 @@ def validate(
     problems = (*refused, *visitor.problems, *masters)
     if group is None:
         return problems
-    summaries = _distributed.gather(_distributed.summarise(root, problems), group)
+    summaries = _distributed.gather(root, group, problems)
     if summaries is None:
         return problems
     gathered = [p.on_rank(s.rank) for s in summaries for p in s.problems]
@@ -143,5 +143,5 @@ def describe(optimizer: object, *, group: dist.ProcessGroup | None = None) -> st
     text = DescribeVisitor({p.path: p.message for p in refused}).render(root)
     if group is None:
         return text
-    summaries = _distributed.gather(_distributed.summarise(root), group)
+    summaries = _distributed.gather(root, group)
     return text if summaries is None else f"{text}\n{_distributed.render(summaries)}"

@@ -8,6 +8,7 @@ parameters holds a stub optimizer). Every rank sends a small summary of its own 
 from __future__ import annotations
 
 from itertools import groupby
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,7 @@ from attrs import frozen
 from opttree import _paths
 from opttree._containers import malformed
 from opttree._describe import nbytes
+from opttree._errors import OptTreeError
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._problems import Problem, ProblemKind
 from opttree._report import format_bytes
@@ -80,8 +82,11 @@ def summarise(root: Node, problems: tuple[Problem, ...] = ()) -> RankSummary:
     return RankSummary(dist.get_rank(), root.accept(ShapeVisitor()), state_bytes.total, problems)
 
 
-def gather(summary: RankSummary, group: dist.ProcessGroup) -> list[RankSummary] | None:
-    """Every rank's summary on group rank 0, in rank order; ``None`` on the other ranks."""
+def gather(root: Node, group: dist.ProcessGroup, problems: tuple[Problem, ...] = ()) -> list[RankSummary] | None:
+    """Every rank's summary of its tree on group rank 0, in rank order; ``None`` on the other ranks."""
+    if not isinstance(cast(object, group), dist.ProcessGroup) or not dist.is_initialized():
+        raise OptTreeError(f"group must be a process group of an initialised torch.distributed, got a {type(group).__qualname__}")
+    summary = summarise(root, problems)
     leader = dist.get_global_rank(group, 0)
     is_leader = dist.get_rank() == leader
     received: list[RankSummary | None] | None = [None] * dist.get_world_size(group) if is_leader else None

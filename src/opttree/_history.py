@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import Literal, cast
 
 import torch
+from attrs import evolve
 
 from opttree._api import tree
 from opttree._errors import PartialResetRefused
@@ -25,7 +26,7 @@ from opttree._plan import ResetPlan
 from opttree._preflight import plain_torch
 from opttree._problems import Severity
 from opttree._report import ResetReport
-from opttree._selection import ParamsArg, Selection, select
+from opttree._selection import ParamsArg, Selection, key_names, select
 from opttree._validate import ValidateVisitor
 
 
@@ -40,7 +41,7 @@ def _plan(
     """The checked plan of a partial reset of ``keys``, whose history ``what`` changes in
     place: refused, as a reset is, for anything a reset refuses, and for history that is
     not zero at the start or whose dtype ``what`` cannot change (``dtypes``: its name and test)."""
-    key_list = None if keys is None else [keys] if isinstance(keys, str) else list(keys)
+    key_list = None if keys is None else sorted(key_names(keys))
     if key_list is not None and "step" in key_list:
         raise PartialResetRefused(f"{what} keeps step counters: leave 'step' out of keys")
     root = tree(optimizer)
@@ -161,7 +162,7 @@ def prune(
         for tensor in tensors:
             if tensor.numel():
                 tensor.masked_fill_(keep(tensor).logical_not_(), 0)
-    return plan.report()
+    return evolve(plan.report(), action="prune")
 
 
 def scale(
@@ -188,7 +189,7 @@ def scale(
         if tensors:
             _refuse_non_finite(tensors, ratio)
             torch._foreach_mul_(tensors, ratio)
-    return plan.report()
+    return evolve(plan.report(), action="scale")
 
 
 def _refuse_non_finite(tensors: list[torch.Tensor], ratio: float) -> None:

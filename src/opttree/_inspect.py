@@ -10,7 +10,7 @@ error changes nothing.
 from __future__ import annotations
 
 import operator
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from itertools import chain, compress, repeat
 from typing import cast
@@ -435,6 +435,13 @@ class LeafInspector:
             message = f"its state is a {type(state).__qualname__}, which has no entries to delete: reset it without release"
             self.problem(node, ProblemKind.UNRELEASABLE_STATE, message)
             return
+        if not isinstance(state, defaultdict) or state.default_factory is not dict:
+            message = (
+                f"its state is a {type(state).__qualname__}, not torch's defaultdict(dict): its next step would "
+                "raise KeyError for a deleted entry instead of building it again; reset it without release"
+            )
+            self.problem(node, ProblemKind.UNRELEASABLE_STATE, message)
+            return
         chosen = self.selection.tensors
         held = [param for param in state if chosen is None or id(param) in chosen]
         entries = [state[param] for param in held]
@@ -475,7 +482,7 @@ class LeafInspector:
                 return
             try:
                 value = self.schema.fill_value(key, group, optimizer.defaults)
-            except (KeyError, TypeError, ValueError, RuntimeError) as error:  # RuntimeError: a tensor of several values
+            except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as error:  # a tensor of several values; an int beyond a float
                 message = f"its starting value cannot be worked out: {type(error).__name__}: {error}"
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
                 return

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from attrs import asdict, frozen
 
 
@@ -44,6 +46,9 @@ class ResetReport:
     loss_scales_kept: int = 0
     entries_released: int = 0
     bytes_released: int = 0
+    action: Literal["reset", "prune", "scale"] = "reset"
+    """What changed the history: a reset zeroes it, ``prune`` and ``scale`` change it in
+    place, and ``tensors_zeroed`` then counts the tensors they changed."""
 
     def __str__(self) -> str:
         kept = (
@@ -63,8 +68,9 @@ class ResetReport:
             if self.entries_released
             else ""
         )
+        changed = {"reset": "zeroed", "prune": "pruned", "scale": "scaled"}[self.action]
         return (
-            f"reset {self.leaves} optimizers: {self.tensors_zeroed} tensors zeroed, {filled}"
+            f"{self.action} {self.leaves} optimizers: {self.tensors_zeroed} tensors {changed}, {filled}"
             f"{self.tensors_dropped} dropped ({format_bytes(self.bytes_reset)}), "
             f"{self.steps} step counters{kept}{scales}{released}"
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Callable, Mapping
+from typing import cast
 
 import torch
 from attrs import field, frozen
@@ -63,6 +64,10 @@ def _fills(value: Mapping[str, Fill] | tuple[tuple[str, Fill], ...]) -> tuple[tu
 
 
 def _frozen_keys(keys: frozenset[str] | set[str] | tuple[str, ...] | list[str]) -> frozenset[str]:
+    """A set of state key names: one string would be taken apart into its letters."""
+    if isinstance(cast(object, keys), str) or not all(isinstance(cast(object, key), str) for key in keys):
+        msg = f"state keys are given as a set of names, got {keys!r}"
+        raise RegistrationError(msg)
     return frozenset(keys)
 
 
@@ -111,6 +116,11 @@ class StateSchema:
         return frozenset(key for key, _ in self.fill)
 
     def __attrs_post_init__(self) -> None:
+        for name, kind in (("step", StepLocation), ("step_type", StepType)):
+            value: object = getattr(self, name)
+            if not isinstance(value, kind):
+                msg = f"{name} is a {kind.__name__}, got {value!r}"
+                raise RegistrationError(msg)
         names = ("zero", "drop", "keep", "filled", "identity")
         for i, first in enumerate(names):
             for second in names[i + 1 :]:

@@ -21,7 +21,7 @@ from attrs import frozen
 from opttree._adapter import mapping_attribute, sequence_attribute
 from opttree._containers import malformed
 from opttree._dispatch import LazyDispatch
-from opttree._errors import MalformedWrapper, OptTreeError, UnmappedParameter
+from opttree._errors import MalformedWrapper, OptTreeError, PartialResetRefused, UnmappedParameter
 from opttree._nodes import HybridNode, LeafNode, Node, WrapperNode
 from opttree._schema import StepLocation
 from opttree._visitor import TraverserVisitor
@@ -257,11 +257,16 @@ def select(root: Node, params: ParamsArg | None, keys: Iterable[str] | None, mod
     SPAM do), and Megatron checkpoints one step per optimizer.
     """
     key_set = None if keys is None else key_names(keys)
+    if key_set == frozenset():
+        raise PartialResetRefused("keys names no state key: the reset would change nothing")
     steps = "step" in key_set if key_set is not None else params is None
     history = None if key_set is None else key_set - {"step"}
     if params is None:
         return Selection(None, history, steps) if key_set is not None else EVERYTHING
     chosen = resolve_params(params, model)
+    if not chosen:
+        what = "the params predicate accepts none of the model's parameters" if callable(params) else "params is empty"
+        raise PartialResetRefused(f"{what}: the reset would change nothing")
     visitor = SelectVisitor(chosen)
     root.accept(visitor)
     missing = [i for i in range(len(chosen)) if i not in visitor.reached]
