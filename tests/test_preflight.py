@@ -368,35 +368,35 @@ def test_history_that_is_a_slice_of_columns_is_reset_exactly() -> None:
 
 
 def test_a_starting_value_the_history_cannot_hold_is_refused_before_any_write() -> None:
-    """Rprop fills ``step_size`` with the group's lr: 1e5 is beyond fp16, and ``fill_``
-    would refuse it after ``prev`` and ``step`` had been zeroed."""
+    """Adagrad fills ``sum`` with its defaults' ``initial_accumulator_value``: 1e5 is beyond
+    fp16, and ``fill_`` would refuse it after ``step`` had been zeroed."""
     param = torch.nn.Parameter(torch.randn(3).half())
-    optimizer = torch.optim.Rprop([param], lr=0.01)
+    optimizer = torch.optim.Adagrad([param], lr=0.01, initial_accumulator_value=0.1)
     param.grad = torch.ones(3).half()
     optimizer.step()
-    optimizer.param_groups[0]["lr"] = 1e5
+    optimizer.defaults["initial_accumulator_value"] = 1e5
     entry = optimizer.state[param]
     before = {key: value.clone() for key, value in entry.items()}
 
     problems = opttree.validate(optimizer)
-    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"Rprop at <root>: key 'step_size': .*100000 is beyond float16's largest value"):
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"Adagrad at <root>: key 'sum': .*100000 is beyond float16's largest value"):
         opttree.reset(optimizer)
 
-    assert [(problem.kind, problem.key) for problem in problems] == [(opttree.ProblemKind.UNSUPPORTED_STATE, "step_size")]
+    assert [(problem.kind, problem.key) for problem in problems] == [(opttree.ProblemKind.UNSUPPORTED_STATE, "sum")]
     assert all(torch.equal(entry[key], value) for key, value in before.items())
 
 
 def test_a_starting_value_beyond_a_float_is_refused_naming_its_key() -> None:
     param = torch.nn.Parameter(torch.randn(3))
-    optimizer = torch.optim.ASGD([param], lr=0.01)
+    optimizer = torch.optim.Adagrad([param], lr=0.01)
     param.grad = torch.ones(3)
     optimizer.step()
-    optimizer.param_groups[0]["lr"] = 10**400  # an int no float holds
+    optimizer.defaults["initial_accumulator_value"] = 10**400  # an int no float holds
     before = snapshot(optimizer)
 
     (problem,) = opttree.validate(optimizer)
-    with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'eta': its starting value cannot be worked out: OverflowError"):
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'sum': its starting value cannot be worked out: OverflowError"):
         opttree.reset(optimizer)
 
-    assert (problem.kind, problem.key) == (opttree.ProblemKind.UNSUPPORTED_STATE, "eta")
+    assert (problem.kind, problem.key) == (opttree.ProblemKind.UNSUPPORTED_STATE, "sum")
     assert unchanged(optimizer, before)

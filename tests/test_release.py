@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import opttree
 from opttree import testing
+from tests import megatron_parts
 from tests.helpers import clone_model, model, train, weights_equal
 from tests.test_checkpoints import fresh_like, load, save
 
@@ -188,3 +189,19 @@ def test_a_release_from_a_plain_dict_state_is_refused() -> None:
 
     assert len(optimizer.state) == count
     assert opttree.reset(optimizer).tensors_zeroed == 2 * count
+
+
+@pytest.mark.usefixtures("process_group")
+def test_an_rprop_under_a_megatron_wrapper_is_refused_rather_than_emptied() -> None:
+    """Its entries start from the lr at its first step, so a reset deletes them, and
+    Megatron cannot checkpoint an emptied state until the next step."""
+    net = model()
+    optimizer = torch.optim.Rprop(net.parameters(), lr=0.01)
+    train(net, optimizer, 0, 2)
+    wrapper = megatron_parts.fp32(optimizer)
+    count = len(optimizer.state)
+
+    with pytest.raises(opttree.ReleaseRefused, match="Rprop at optimizer: its entries start from its group's values .* under a FP32Optimizer"):
+        opttree.reset(wrapper)
+
+    assert len(optimizer.state) == count

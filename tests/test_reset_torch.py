@@ -126,3 +126,44 @@ def test_lbfgs_history_in_lists_counts_in_the_report_and_in_describe() -> None:
 
     assert (report.tensors_dropped, report.bytes_reset, report.tensors_zeroed) == (len(tensors), total, 0)
     assert entry == {}
+
+
+FIRST_STEP_FILLS: dict[str, OptimizerFactory] = {
+    "Rprop": lambda p: torch.optim.Rprop(p, lr=0.01),
+    "ASGD": lambda p: torch.optim.ASGD(p, lr=0.01),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FIRST_STEP_FILLS))
+def test_entries_built_from_the_lr_at_the_first_step_follow_an_lr_changed_after_the_reset(name: str) -> None:
+    """Rprop's ``step_size`` and ASGD's ``eta`` start from the group's lr at the first step:
+    the reset deletes their entries, and a scheduler's new lr reaches the next step as it
+    reaches a fresh optimizer's. Filled in place, they kept the lr of the reset."""
+    net = model()
+    optimizer = FIRST_STEP_FILLS[name](list(net.parameters()))
+    train(net, optimizer, 0, 3)
+    twin = clone_model(net)
+    fresh = FIRST_STEP_FILLS[name](list(twin.parameters()))
+
+    report = opttree.reset(optimizer)
+    for changed in (optimizer, fresh):
+        changed.param_groups[0]["lr"] = 0.003  # a warm-up restarting after the reset
+
+    assert report.entries_released == 4 and len(optimizer.state) == 0
+    train(net, optimizer, 3, 3)
+    train(twin, fresh, 3, 3)
+    assert weights_equal(net, twin)
+
+
+def test_a_partial_reset_of_a_first_step_fill_is_refused_and_one_leaving_it_alone_is_not() -> None:
+    net = model()
+    optimizer = torch.optim.Rprop(net.parameters(), lr=0.01)
+    train(net, optimizer, 0, 2)
+    sizes = [entry["step_size"].clone() for entry in optimizer.state.values()]
+
+    with pytest.raises(opttree.PartialResetRefused, match="its step_size start from its group's values at its first step"):
+        opttree.reset(optimizer, keys=["step_size"])
+    report = opttree.reset(optimizer, keys=["prev"])
+
+    assert report.tensors_zeroed == 4 and all(not entry["prev"].any() for entry in optimizer.state.values())
+    assert all(torch.equal(entry["step_size"], size) for entry, size in zip(optimizer.state.values(), sizes, strict=True))

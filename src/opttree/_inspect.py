@@ -133,6 +133,8 @@ class LeafInspector:
         self.problems = problems
         self.selection = selection
         self.actions: dict[str, KeyAction] = schema.actions if selection.everything else schema.actions_for(selection.resets)
+        self.megatron_above: str | None = None
+        """The class of the innermost Megatron wrapper above the leaf inspected, if any."""
 
     def problem(self, node: Node, kind: ProblemKind, message: str, key: str | None = None) -> None:
         cls = type(node.optimizer).__qualname__
@@ -176,6 +178,10 @@ class LeafInspector:
             self.problem(node, ProblemKind.MALFORMED_STATE, reason)
             return
         if self.schema.indivisible and self.takes_part(node, in_groups, state):
+            return
+        if self.schema.starts_at_first_step and not self.selection.release and self.starts_again(node):
+            plan.leaves += 1
+            self.plan_release(node, plan.state)
             return
         plan.leaves += 1
         if self.selection.release:
@@ -225,6 +231,31 @@ class LeafInspector:
         self.plan_entries(leaves[0], owner, held, list(entries), _placement(params), part)
         self.plan_kept(leaves[0], owner, params, None, part)
         return part
+
+    def starts_again(self, node: LeafNode) -> bool:
+        """Whether a reset of a leaf whose entries start at its first step, from its group's
+        values then (see ``StateSchema.starts_at_first_step``), deletes them for it to build
+        again; a partial reset of some of its filled keys is refused, and one that leaves
+        them alone planned as any other."""
+        resettable = self.schema.resettable
+        if not any(map(self.selection.resets, self.schema.filled)):
+            return False
+        if not all(map(self.selection.resets, resettable)):
+            message = (
+                f"its {', '.join(sorted(self.schema.filled))} start from its group's values at its first step, and "
+                f"a reset of them without all of {', '.join(sorted(resettable))} cannot delete its entries for it to "
+                "build them again: name all of them in keys, or none of its filled keys"
+            )
+            self.problem(node, ProblemKind.PARTIAL_GROUP, message)
+            return False
+        if self.megatron_above is not None:
+            message = (
+                f"its entries start from its group's values at its first step, so a reset deletes them, and "
+                f"under a {self.megatron_above} that leaves a state Megatron cannot checkpoint until the next step"
+            )
+            self.problem(node, ProblemKind.UNRELEASABLE_STATE, message)
+            return False
+        return True
 
     def takes_part(self, node: LeafNode, params: list[torch.Tensor], state: Mapping[torch.Tensor, StateEntry]) -> bool:
         """Whether a partial reset takes part of an indivisible state (some of the leaf's

@@ -87,6 +87,12 @@ class StateSchema:
 
     ``step_type``: what a per-parameter ``step`` starts as (:class:`StepType`).
 
+    ``starts_at_first_step``: the optimizer builds a parameter's entry at its first step,
+    filled from its group's values then (Rprop's ``step_size`` from the lr), so a fill in
+    place would freeze today's lr where a scheduler moves it before the next step: a reset
+    of whole entries deletes them instead, and the optimizer builds them again from the
+    group as it is then; a partial reset of some of its filled keys is refused.
+
     ``indivisible``: the optimizer keeps one state for all its parameters, whose keys
     depend on one another (LBFGS, under its first parameter: its ``n_iter`` says whether
     ``prev_flat_grad`` exists), so a partial reset takes all of it or none of it.
@@ -109,6 +115,7 @@ class StateSchema:
     identity: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     rebuilds_missing: bool = field(default=False, kw_only=True)
     indivisible: bool = field(default=False, kw_only=True)
+    starts_at_first_step: bool = field(default=False, kw_only=True)
     step_type: StepType = field(default=StepType.TENSOR, kw_only=True)
 
     @property
@@ -131,6 +138,9 @@ class StateSchema:
                 raise RegistrationError(msg)
         if "step" in self.zero | self.drop | self.keep | self.filled | self.identity:
             msg = "'step' is described by StateSchema.step, not by a key set"
+            raise RegistrationError(msg)
+        if self.starts_at_first_step and not self.rebuilds_missing:
+            msg = "starts_at_first_step deletes entries for the optimizer to build again: it needs rebuilds_missing=True"
             raise RegistrationError(msg)
         if self.step_type is not StepType.TENSOR and self.step is not StepLocation.PER_PARAMETER:
             msg = f"step_type describes a per-parameter step; this schema's step is {self.step.value}"

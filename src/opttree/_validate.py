@@ -57,6 +57,8 @@ class ValidateVisitor(TraverserVisitor):
         self._held: list[tuple[Node, Held]] = []
         self._is_optimizer: dict[type, bool] = {}
         self._release_refused = False
+        self._megatron_above: list[str] = []
+        """The classes of the Megatron wrappers above the node visited."""
 
     def _forget_plan(self) -> None:
         """Drop the plan, and the inspectors that add to it, with every tensor they hold."""
@@ -185,8 +187,15 @@ class ValidateVisitor(TraverserVisitor):
         """Record the children and the optimizers ``node`` holds, then visit runs of siblings."""
         self._contained.extend(map(_OPTIMIZER, node.children))
         self._held.extend((node, held) for held in held_optimizers(node.optimizer, self._counts_as_optimizer))
-        for siblings in sibling_groups(node):
-            self._visit_siblings(siblings)
+        megatron = not _registry.is_users_kind(type(node.optimizer))
+        if megatron:
+            self._megatron_above.append(type(node.optimizer).__qualname__)
+        try:
+            for siblings in sibling_groups(node):
+                self._visit_siblings(siblings)
+        finally:
+            if megatron:
+                self._megatron_above.pop()
 
     def _visit_siblings(self, nodes: tuple[Node, ...]) -> None:
         for item in alike_runs(nodes):
@@ -288,6 +297,7 @@ class ValidateVisitor(TraverserVisitor):
                 )
             )
             return
+        inspector.megatron_above = self._megatron_above[-1] if self._megatron_above else None
         inspector.inspect(node)
 
 

@@ -4,7 +4,8 @@ Derived from torch's sources (``_init_group`` or ``__init__``): history created 
 ``zeros_like`` is zeroed; Adagrad's ``sum`` (``full_like`` of ``initial_accumulator_value``,
 read from the defaults), Rprop's ``step_size`` (the group's ``lr``), ASGD's ``eta`` (the
 group's ``lr``) and ``mu``, and NAdam's ``mu_product`` (1) are filled with their starting
-values; SGD's ``momentum_buffer`` (a copy of the first gradient) and everything LBFGS keeps
+values (Rprop's and ASGD's entries are deleted instead where a reset takes them whole: they
+read the lr at their first step); SGD's ``momentum_buffer`` (a copy of the first gradient) and everything LBFGS keeps
 (lists, numbers and tensors it builds on its first step) are dropped. Every per-parameter
 step starts as a float tensor but SparseAdam's, an int. Every class but
 Adagrad builds a missing entry again on its next step, so its state can be released.
@@ -35,7 +36,11 @@ def _initial_accumulator(group: Mapping[str, object], defaults: Mapping[str, obj
 
 
 def _per_step(
-    *zero: str, fill: Mapping[str, Fill] | None = None, rebuilds_missing: bool = True, step_type: StepType = StepType.TENSOR
+    *zero: str,
+    fill: Mapping[str, Fill] | None = None,
+    rebuilds_missing: bool = True,
+    step_type: StepType = StepType.TENSOR,
+    starts_at_first_step: bool = False,
 ) -> StateSchema:
     return StateSchema(
         zero=set(zero),
@@ -44,6 +49,7 @@ def _per_step(
         fill=dict(fill or {}),
         rebuilds_missing=rebuilds_missing,
         step_type=step_type,
+        starts_at_first_step=starts_at_first_step,
     )
 
 
@@ -64,8 +70,8 @@ SCHEMAS: dict[str, StateSchema] = {
     "Adagrad": _per_step(fill={"sum": _initial_accumulator}, rebuilds_missing=False),  # built in __init__
     "Adadelta": _per_step("square_avg", "acc_delta"),
     "RMSprop": _per_step("square_avg", "momentum_buffer", "grad_avg"),
-    "Rprop": _per_step("prev", fill={"step_size": _lr}),
-    "ASGD": _per_step("ax", fill={"eta": _lr, "mu": 1.0}),
+    "Rprop": _per_step("prev", fill={"step_size": _lr}, starts_at_first_step=True),
+    "ASGD": _per_step("ax", fill={"eta": _lr, "mu": 1.0}, starts_at_first_step=True),
     "SGD": SGD,
     "LBFGS": LBFGS,
     "SparseAdam": _per_step("exp_avg", "exp_avg_sq", step_type=StepType.INT),  # state["step"] = 0
