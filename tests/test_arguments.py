@@ -140,3 +140,18 @@ def test_a_schema_of_the_wrong_kinds_is_refused(fields: dict[str, object], messa
     """One string as a key set would be taken apart into its letters, each a key."""
     with pytest.raises(opttree.RegistrationError, match=message):
         opttree.StateSchema(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: opttree.LeafNode("<root>", None), "LeafNode.optimizer must be a torch.optim.Optimizer, got a NoneType"),  # type: ignore[arg-type]
+        (lambda: opttree.WrapperNode("<root>", object(), (None,)), "WrapperNode.inner must be a tuple of nodes"),  # type: ignore[arg-type]
+        (lambda: opttree.ChainedNode("<root>", object(), [stepped_adamw(1)]), "ChainedNode.members must be a tuple of nodes"),  # type: ignore[arg-type]
+        (lambda: opttree.HybridNode("<root>", stepped_adamw(1), (), "gpu"), "HybridNode.gpu must be a node or None"),  # type: ignore[arg-type]
+    ],
+    ids=["leaf of None", "wrapper of None", "chain of optimizers", "hybrid gpu a str"],
+)
+def test_a_node_built_by_hand_of_what_is_no_node_is_refused_where_it_is_made(build: Callable[[], object], message: str) -> None:
+    with pytest.raises(opttree.OptTreeError, match=message):
+        build()

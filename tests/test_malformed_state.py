@@ -3,6 +3,7 @@ with an opttree error and changes nothing."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import TypeVar
 
@@ -272,12 +273,8 @@ def test_keys_of_containers_that_write_by_their_own_code_are_refused_before_any_
     assert unchanged(optimizer, before)
 
 
-class ReadOnlyState(MutableMapping[torch.Tensor, dict[str, object]]):
-    def __init__(self, entries: Mapping[torch.Tensor, dict[str, object]]) -> None:
-        self.entries = dict(entries)
-
-    def __getitem__(self, key: torch.Tensor) -> dict[str, object]:
-        return self.entries[key]
+class ReadOnlyState(defaultdict[torch.Tensor, dict[str, object]]):
+    """torch's defaultdict(dict), but refusing to set or delete entries."""
 
     def __setitem__(self, key: torch.Tensor, value: dict[str, object]) -> None:
         raise RuntimeError("read-only state")
@@ -285,16 +282,10 @@ class ReadOnlyState(MutableMapping[torch.Tensor, dict[str, object]]):
     def __delitem__(self, key: torch.Tensor) -> None:
         raise RuntimeError("read-only state")
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        return iter(self.entries)
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
 
 def test_a_release_from_a_state_that_deletes_by_its_own_code_is_refused() -> None:
     optimizer = stepped(3)
-    optimizer.state = ReadOnlyState(optimizer.state)  # type: ignore[assignment]
+    optimizer.state = ReadOnlyState(dict, optimizer.state)
     count = len(optimizer.state)
 
     with pytest.raises(opttree.ReleaseRefused, match="its state is a ReadOnlyState, which sets and deletes keys by its own code"):

@@ -8,15 +8,38 @@ and the live object it stands for, and never mutates it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, TypeVar
+from itertools import repeat
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
-from attrs import field, frozen
+from attrs import Attribute, field, frozen
+
+from opttree._errors import OptTreeError
 
 if TYPE_CHECKING:
     from opttree._visitor import NodeVisitor
 
 T = TypeVar("T")
+
+
+def _nodes(node: object, attribute: Attribute[object], value: object) -> None:
+    """A tree built by hand holds nodes where a built one does: refused where it is made,
+    not met as an AttributeError wherever it is walked."""
+    if not isinstance(value, tuple) or not all(map(isinstance, value, repeat(Node))):
+        msg = f"{type(node).__name__}.{attribute.name} must be a tuple of nodes, got {value!r:.80}"
+        raise OptTreeError(msg)
+
+
+def _node_or_none(node: object, attribute: Attribute[Node | None], value: Node | None) -> None:
+    if value is not None and not isinstance(cast(object, value), Node):
+        msg = f"{type(node).__name__}.{attribute.name} must be a node or None, got {value!r:.80}"
+        raise OptTreeError(msg)
+
+
+def _optimizer(node: object, attribute: Attribute[torch.optim.Optimizer], value: torch.optim.Optimizer) -> None:
+    if not isinstance(cast(object, value), torch.optim.Optimizer):
+        msg = f"{type(node).__name__}.{attribute.name} must be a torch.optim.Optimizer, got a {type(value).__qualname__}"
+        raise OptTreeError(msg)
 
 
 @frozen(repr=False)
@@ -50,7 +73,7 @@ class ChainedNode(Node):
     """A ``ChainedOptimizer`` (or ``LayerWiseDistributedOptimizer``): members stepped in turn."""
 
     optimizer: object = field(repr=False)
-    members: tuple[Node, ...]
+    members: tuple[Node, ...] = field(validator=_nodes)
 
     @property
     def children(self) -> tuple[Node, ...]:
@@ -71,8 +94,8 @@ class HybridNode(Node):
     """
 
     optimizer: torch.optim.Optimizer = field(repr=False)
-    cpu: tuple[Node, ...]
-    gpu: Node | None
+    cpu: tuple[Node, ...] = field(validator=_nodes)
+    gpu: Node | None = field(validator=_node_or_none)
 
     @property
     def children(self) -> tuple[Node, ...]:
@@ -93,7 +116,7 @@ class WrapperNode(Node):
     """
 
     optimizer: object = field(repr=False)
-    inner: tuple[Node, ...]
+    inner: tuple[Node, ...] = field(validator=_nodes)
 
     @property
     def children(self) -> tuple[Node, ...]:
@@ -118,7 +141,7 @@ class LeafNode(Node):
     a leaf is described but never reset twice.
     """
 
-    optimizer: torch.optim.Optimizer = field(repr=False)
+    optimizer: torch.optim.Optimizer = field(repr=False, validator=_optimizer)
     shared_with: str | None = None
 
     @property
