@@ -9,6 +9,7 @@ from megatron.core.optimizer.grad_scaler import DynamicGradScaler
 
 import opttree
 from opttree import testing
+from tests import megatron_parts
 
 K = 6  # the first step grows the scale already (loss_scale_window=2 in the recipe)
 
@@ -119,3 +120,14 @@ def test_a_scale_tensor_that_cannot_hold_the_initial_scale_is_refused_with_nothi
 
     after = [v for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values()]
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+def test_a_wrapper_twice_in_a_chain_resets_its_scaler_once() -> None:
+    stack, scaler = trained()
+    (wrapper,) = getattr(stack.optimizer, "chained_optimizers")
+    twice = megatron_parts.chained([wrapper, wrapper])
+
+    report = opttree.reset(twice)
+
+    assert report.loss_scales_reset == 1 and "1 loss scale reset" in str(report)
+    assert float(scaler.scale) == 2.0**20

@@ -58,6 +58,7 @@ class ValidateVisitor(TraverserVisitor):
         self._is_optimizer: dict[type, bool] = {}
         self._release_refused = False
         self._megatron_above: list[str] = []
+        self._scalers_seen: list[object] = []
         """The classes of the Megatron wrappers above the node visited."""
 
     def _forget_plan(self) -> None:
@@ -232,9 +233,12 @@ class ValidateVisitor(TraverserVisitor):
 
     def _check_loss_scale(self, node: WrapperNode) -> None:
         """An fp16 wrapper's loss scaler is reset with its steps: all of them, as the step
-        unit check requires, so with none of its parameters selected it is left alone."""
-        if loss_scaler(node.optimizer) is None or not self._selection.steps:
+        unit check requires, so with none of its parameters selected it is left alone. A
+        scaler met again (a wrapper twice in a chain) counts once."""
+        scaler = loss_scaler(node.optimizer)
+        if scaler is None or not self._selection.steps or any(scaler is seen for seen in self._scalers_seen):
             return
+        self._scalers_seen.append(scaler)
         chosen = self._selection.tensors
         if chosen is not None and not any(id(p) in chosen for p in tree_params(node)):
             return
