@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from typing import cast
 
 import torch
+from torch.optim.optimizer import ParamsT
 
 _FP16_RANGE = torch.finfo(torch.float16).max / 2.0
 
@@ -63,7 +64,7 @@ class TEFusedAdam(torch.optim.Optimizer):
 
     def __init__(
         self,
-        params: Iterable[torch.Tensor],
+        params: ParamsT,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,

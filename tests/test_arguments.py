@@ -142,6 +142,11 @@ def test_a_schema_of_the_wrong_kinds_is_refused(fields: dict[str, object], messa
         opttree.StateSchema(**fields)  # type: ignore[arg-type]
 
 
+class BadRepr:
+    def __repr__(self) -> str:
+        raise ValueError("no repr")
+
+
 @pytest.mark.parametrize(
     ("build", "message"),
     [
@@ -149,8 +154,10 @@ def test_a_schema_of_the_wrong_kinds_is_refused(fields: dict[str, object], messa
         (lambda: opttree.WrapperNode("<root>", object(), (None,)), "WrapperNode.inner must be a tuple of nodes"),  # type: ignore[arg-type]
         (lambda: opttree.ChainedNode("<root>", object(), [stepped_adamw(1)]), "ChainedNode.members must be a tuple of nodes"),  # type: ignore[arg-type]
         (lambda: opttree.HybridNode("<root>", stepped_adamw(1), (), "gpu"), "HybridNode.gpu must be a node or None"),  # type: ignore[arg-type]
+        (lambda: opttree.WrapperNode("<root>", object(), (BadRepr(),)), "WrapperNode.inner must be a tuple of nodes, got a tuple holding a BadRepr"),  # type: ignore[arg-type]
+        (lambda: opttree.LeafNode(BadRepr(), stepped_adamw(1)), "LeafNode.path must be a str, got a BadRepr"),  # type: ignore[arg-type]
     ],
-    ids=["leaf of None", "wrapper of None", "chain of optimizers", "hybrid gpu a str"],
+    ids=["leaf of None", "wrapper of None", "chain of optimizers", "hybrid gpu a str", "wrapper of an unprintable", "path unprintable"],
 )
 def test_a_node_built_by_hand_of_what_is_no_node_is_refused_where_it_is_made(build: Callable[[], object], message: str) -> None:
     with pytest.raises(opttree.OptTreeError, match=message):

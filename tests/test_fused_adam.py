@@ -139,3 +139,45 @@ def test_a_step_in_a_hybrid_optimizers_own_groups_is_deleted_as_a_fresh_one_has_
     megatron_parts.train_hybrid(stack, 3, 3)
     megatron_parts.train_hybrid(fresh, 3, 3)
     assert all(torch.equal(a, b) for a, b in zip(params, fresh[1], strict=True))
+
+
+@pytest.mark.parametrize("offload", [1.0, 0.5])
+def test_a_partial_reset_of_all_a_hybrid_groups_parameters_takes_its_own_group_step(offload: float) -> None:
+    """A selection names the copies the sub-optimizers step, not the hybrid's own
+    parameters: its groups are matched through them, neither kept in silence (every
+    parameter copied) nor refused as partly selected (some of them copied)."""
+    stack = megatron_parts.hybrid([8, 6, 4, 2], offload=offload)
+    megatron_parts.train_hybrid(stack, 0, 3)
+    optimizer, params, device = stack
+    with device:
+        saved = optimizer.state_dict()
+        for group in saved["param_groups"]:
+            group["step"] = 3
+        optimizer.load_state_dict(saved)
+
+    opttree.reset(optimizer, params=params, keys=["exp_avg", "exp_avg_sq", "step"])
+
+    assert [group.get("step") for group in optimizer.param_groups] == [None]
+
+
+def test_one_group_step_tensor_held_by_two_groups_is_unshared() -> None:
+    net = model()
+    params = list(net.parameters())
+
+    def build(tensors: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return TEFusedAdam([{"params": tensors[:2]}, {"params": tensors[2:]}], lr=1e-2, capturable=True)
+
+    optimizer = build(params)
+    train(net, optimizer, 0, 3)
+    optimizer.param_groups[1]["step"] = optimizer.param_groups[0]["step"]
+    twin = clone_model(net)
+    fresh = build(list(twin.parameters()))
+
+    problems = opttree.validate(optimizer)
+    opttree.reset(optimizer)
+
+    assert [problem.kind for problem in problems] == [opttree.ProblemKind.SHARED_STEP]
+    assert optimizer.param_groups[1]["step"] is not optimizer.param_groups[0]["step"]
+    train(net, optimizer, 3, 3)
+    train(twin, fresh, 3, 3)
+    assert weights_equal(net, twin)

@@ -277,17 +277,20 @@ class LeafInspector:
         self.problem(node, ProblemKind.PARTIAL_GROUP, message)
         return True
 
-    def plan_copied_group_steps(self, node: Node, optimizer: torch.optim.Optimizer) -> None:
+    def plan_copied_group_steps(self, node: Node, optimizer: torch.optim.Optimizer, copies: Mapping[int, torch.Tensor]) -> None:
         """The step counters in the param groups of a wrapper that copies its groups into its
         inner optimizers' before every step (a HybridDeviceOptimizer, whose groups a
         Megatron load gives the step it saved): one kept there, or zeroed, would overwrite
-        theirs at every step. A fresh one's groups have none, so the key is deleted."""
+        theirs at every step. A fresh one's groups have none, so the key is deleted.
+        ``copies`` maps the ``id`` of each of its parameters to the copy its inner
+        optimizers step, which a partial selection names."""
         reason = malformed_outline(optimizer)
         if reason is not None:
             self.problem(node, ProblemKind.MALFORMED_STATE, reason)
             return
         for index, group in enumerate(optimizer.param_groups):
-            if "step" in group and self.takes_group(node, index, list(group["params"])):
+            stepped = [copies.get(id(param), param) for param in group["params"]]  # what a selection names
+            if "step" in group and self.takes_group(node, index, stepped):
                 if self.written_by_own_code(node, [group], f"param group {index}", "step"):
                     return
                 self.plan.state.drop.append((group, "step"))
@@ -324,6 +327,7 @@ class LeafInspector:
                 return
             state.zero_list(("group step", step.dtype, step.device)).append(step)
             state.step_ranges.extend(checked.owned((node.path, type(node.optimizer).__qualname__, "step")))
+            state.step_holders.append(("step", [group]))
         else:
             zero = _zero_like(step)
             if zero is None:

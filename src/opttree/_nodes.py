@@ -26,13 +26,27 @@ def _nodes(node: object, attribute: Attribute[object], value: object) -> None:
     """A tree built by hand holds nodes where a built one does: refused where it is made,
     not met as an AttributeError wherever it is walked."""
     if not isinstance(value, tuple) or not all(map(isinstance, value, repeat(Node))):
-        msg = f"{type(node).__name__}.{attribute.name} must be a tuple of nodes, got {value!r:.80}"
+        msg = f"{type(node).__name__}.{attribute.name} must be a tuple of nodes, got a {type(value).__qualname__}{_holding(value)}"
+        raise OptTreeError(msg)
+
+
+def _holding(value: object) -> str:
+    """What a tuple that should hold nodes holds instead (its values' own reprs may raise)."""
+    if not isinstance(value, tuple):
+        return ""
+    wrong = next((item for item in value if not isinstance(item, Node)), None)
+    return f" holding a {type(wrong).__qualname__}"
+
+
+def _path(node: object, attribute: Attribute[str], value: str) -> None:
+    if not isinstance(cast(object, value), str):
+        msg = f"{type(node).__name__}.path must be a str, got a {type(value).__qualname__}"
         raise OptTreeError(msg)
 
 
 def _node_or_none(node: object, attribute: Attribute[Node | None], value: Node | None) -> None:
     if value is not None and not isinstance(cast(object, value), Node):
-        msg = f"{type(node).__name__}.{attribute.name} must be a node or None, got {value!r:.80}"
+        msg = f"{type(node).__name__}.{attribute.name} must be a node or None, got a {type(value).__qualname__}"
         raise OptTreeError(msg)
 
 
@@ -47,7 +61,7 @@ class Node(ABC):
     """Base of the four node kinds. Its repr names the class of the object it stands for
     and its path, as ``describe`` does: ``LeafNode(AdamW @ chained[0].optimizer)``."""
 
-    path: str
+    path: str = field(validator=_path)
 
     def __repr__(self) -> str:
         children = f", {len(self.children)} children" if self.children else ""

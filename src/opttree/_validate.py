@@ -9,6 +9,7 @@ import torch
 
 from opttree import _registry
 from opttree._containers import own_writes
+from opttree._errors import OptTreeError
 from opttree._held import Held, held_optimizers
 from opttree._identity import identity_key, identity_keys
 from opttree._inspect import LeafInspector
@@ -19,7 +20,7 @@ from opttree._problems import Problem, ProblemKind
 from opttree._scalers import loss_scaler, plan_scaler
 from opttree._schema import StateSchema
 from opttree._runs import alike_runs, sibling_groups
-from opttree._selection import EVERYTHING, STEP_UNITS, Selection, tree_params
+from opttree._selection import EVERYTHING, INNER_PARAMS, STEP_UNITS, Selection, tree_params
 from opttree._visitor import TraverserVisitor
 
 _OPTIMIZER = operator.attrgetter("optimizer")
@@ -221,8 +222,24 @@ class ValidateVisitor(TraverserVisitor):
         self._check_release(node)
         if self._selection.resets("step"):
             inspector = LeafInspector(StateSchema(), self._plan, self.problems, self._selection)
-            inspector.plan_copied_group_steps(node, node.optimizer)
+            copies = self._stepped_copies(node)
+            if copies is not None:
+                inspector.plan_copied_group_steps(node, node.optimizer, copies)
         self.visit_children(node)
+
+    def _stepped_copies(self, node: Node) -> dict[int, torch.Tensor] | None:
+        """The copy of each of a wrapper's parameters that its inner optimizers step, by the
+        parameter's ``id``, where a partial selection needs them (it names copies); None,
+        with a problem, where the wrapper's map of them cannot be read."""
+        inner_params = INNER_PARAMS.lookup(type(node.optimizer))
+        if self._selection.tensors is None or inner_params is None:
+            return {}
+        try:
+            return {id(param): copies[0] for param, copies in inner_params(node.optimizer, node.path) if copies}
+        except OptTreeError as error:
+            cls = type(node.optimizer).__qualname__
+            self.problems.append(error.problem or Problem(ProblemKind.MALFORMED_WRAPPER, node.path, cls, str(error)))
+            return None
 
     def visit_wrapper(self, node: WrapperNode) -> None:
         """Check the wrapper's step unit, loss scaler and a release under it, then its inner optimizers."""
