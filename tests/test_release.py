@@ -205,3 +205,16 @@ def test_an_rprop_under_a_megatron_wrapper_is_refused_rather_than_emptied() -> N
         opttree.reset(wrapper)
 
     assert len(optimizer.state) == count
+
+
+def test_an_rprop_whose_entries_cannot_be_deleted_is_refused_saying_why_a_reset_would_delete_them() -> None:
+    net = model()
+    optimizer = torch.optim.Rprop(net.parameters(), lr=0.01)
+    train(net, optimizer, 0, 2)
+    optimizer.state = dict(optimizer.state)  # type: ignore[assignment]  # as a loader may leave it
+    count = len(optimizer.state)
+
+    with pytest.raises(opttree.ReleaseRefused, match="its state is a dict, .*a reset deletes its entries, .*cannot be reset exactly"):
+        opttree.reset(optimizer)
+
+    assert len(optimizer.state) == count

@@ -181,7 +181,11 @@ class LeafInspector:
             return
         if self.schema.starts_at_first_step and not self.selection.release and self.starts_again(node):
             plan.leaves += 1
-            self.plan_release(node, plan.state)
+            advice = (
+                "a reset deletes its entries, whose values it builds from its group's at its first step, and "
+                "filled in place they would keep today's lr: it cannot be reset exactly"
+            )
+            self.plan_release(node, plan.state, advice)
             return
         plan.leaves += 1
         if self.selection.release:
@@ -450,9 +454,10 @@ class LeafInspector:
         known = ", ".join(sorted(self.actions)) or "no keys"
         self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"not in the schema ({known})", key_label(key))
 
-    def plan_release(self, node: LeafNode, into: StatePlan) -> None:
+    def plan_release(self, node: LeafNode, into: StatePlan, advice: str = "reset it without release") -> None:
         """Delete the selected entries, which the optimizer builds again on its next step as
-        a fresh one builds them; refused where it would not, or where an entry keeps state."""
+        a fresh one builds them; refused where it would not, or where an entry keeps state,
+        with ``advice`` on what to do instead."""
         optimizer = node.optimizer
         if not self.schema.rebuilds_missing:
             message = (
@@ -467,13 +472,13 @@ class LeafInspector:
             return
         state: object = optimizer.state  # typed a defaultdict; an optimizer may hold any mapping
         if not isinstance(state, MutableMapping):
-            message = f"its state is a {type(state).__qualname__}, which has no entries to delete: reset it without release"
+            message = f"its state is a {type(state).__qualname__}, which has no entries to delete: {advice}"
             self.problem(node, ProblemKind.UNRELEASABLE_STATE, message)
             return
         if not isinstance(state, defaultdict) or state.default_factory is not dict:
             message = (
                 f"its state is a {type(state).__qualname__}, not torch's defaultdict(dict): its next step would "
-                "raise KeyError for a deleted entry instead of building it again; reset it without release"
+                f"raise KeyError for a deleted entry instead of building it again; {advice}"
             )
             self.problem(node, ProblemKind.UNRELEASABLE_STATE, message)
             return
@@ -488,7 +493,7 @@ class LeafInspector:
             if action is None:
                 self.unknown_key(node, key)
             elif action is KeyAction.KEEP:
-                message = "is kept by a reset (not history): deleting its entry would lose it, so it cannot be released"
+                message = f"is kept by a reset (not history): deleting its entry would lose it; {advice}"
                 self.problem(node, ProblemKind.UNRELEASABLE_STATE, message, key_label(key))
         if len(self.problems) > problems_before or not held or self.written_by_own_code(node, [state], "its state", None, ProblemKind.UNRELEASABLE_STATE):
             return
