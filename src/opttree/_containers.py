@@ -6,9 +6,9 @@ and a reset refuses it.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections import OrderedDict, defaultdict
-import functools
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from itertools import accumulate, chain, repeat
 from typing import NamedTuple, TypeVar, cast

@@ -41,6 +41,13 @@ _DTYPE_AND_DEVICE = operator.attrgetter("dtype", "device")
 _OPTIMIZER = operator.attrgetter("optimizer")
 
 
+_NOT_EXACT_IN_PLACE = (
+    "a reset deletes its entries, whose values it builds from its group's at its first step, and "
+    "filled in place they would keep today's lr: it cannot be reset exactly"
+)
+"""What to do instead, where a reset of a ``starts_at_first_step`` leaf cannot delete its entries."""
+
+
 def _placement(params: Sequence[torch.Tensor]) -> Placement:
     """The dtype and device of a leaf's first parameter, which its history follows."""
     if not params:
@@ -179,17 +186,11 @@ class LeafInspector:
             return
         if self.schema.indivisible and self.takes_part(node, in_groups, state):
             return
-        if self.schema.starts_at_first_step and not self.selection.release and self.starts_again(node):
-            plan.leaves += 1
-            advice = (
-                "a reset deletes its entries, whose values it builds from its group's at its first step, and "
-                "filled in place they would keep today's lr: it cannot be reset exactly"
-            )
-            self.plan_release(node, plan.state, advice)
-            return
         plan.leaves += 1
         if self.selection.release:
             self.plan_release(node, plan.state)
+        elif self.schema.starts_at_first_step and self.starts_again(node):
+            self.plan_release(node, plan.state, _NOT_EXACT_IN_PLACE)
         else:
             self.inspect_state(node, in_groups, plan.state)
 

@@ -59,8 +59,8 @@ class ValidateVisitor(TraverserVisitor):
         self._is_optimizer: dict[type, bool] = {}
         self._release_refused = False
         self._megatron_above: list[str] = []
-        self._scalers_seen: list[object] = []
         """The classes of the Megatron wrappers above the node visited."""
+        self._scalers_seen: list[object] = []
 
     def _forget_plan(self) -> None:
         """Drop the plan, and the inspectors that add to it, with every tensor they hold."""
