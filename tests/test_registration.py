@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -254,14 +254,38 @@ class SnapshotLion(Lion):
 opttree.register_schema(SnapshotLion, opttree.StateSchema(zero={"exp_avg"}, keep={"snapshots"}))
 
 
-def test_kept_state_in_a_list_that_shares_memory_with_history_is_refused() -> None:
-    """Zeroing ``exp_avg`` would zero the snapshot the schema says to keep, which a list
-    holds: its memory counts as kept as a top-level tensor's does."""
+class SelfHoldingList(list[object]):
+    """A list that holds itself and whose own iteration refuses: reading it must neither
+    loop nor call it."""
+
+    def __iter__(self) -> Iterator[object]:
+        raise RuntimeError("iteration refused")
+
+
+def _self_holding(moment: torch.Tensor) -> object:
+    held = SelfHoldingList([moment])
+    held.append(held)
+    return held
+
+
+@pytest.mark.parametrize(
+    "hold",
+    [
+        lambda moment: [torch.ones(1), moment],
+        lambda moment: {"first": torch.ones(1), "then": (moment,)},
+        lambda moment: [[[{"deep": [moment]}]]],
+        _self_holding,
+    ],
+    ids=["list", "dict-of-tuple", "nested", "holding-itself"],
+)
+def test_kept_state_in_containers_that_shares_memory_with_history_is_refused(hold: Callable[[torch.Tensor], object]) -> None:
+    """Zeroing ``exp_avg`` would zero the snapshot the schema says to keep, which lists,
+    tuples or dicts hold: its memory counts as kept as a top-level tensor's does."""
     net = model()
     optimizer = SnapshotLion(net.parameters(), lr=1e-2)
     train(net, optimizer, 0, 2)
     for entry in optimizer.state.values():
-        entry["snapshots"] = [torch.ones(1), entry["exp_avg"]]
+        entry["snapshots"] = hold(entry["exp_avg"])
     moments = [entry["exp_avg"].clone() for entry in optimizer.state.values()]
 
     problems = opttree.validate(optimizer)

@@ -29,13 +29,35 @@ def tensors_in(values: list[object]) -> list[torch.Tensor]:
 
 
 def tensors_held(values: list[object]) -> list[torch.Tensor]:
-    """The tensors among ``values`` and inside those that are lists or tuples (LBFGS keeps
-    its past directions in lists): the memory that state dropped or kept holds."""
+    """The tensors among ``values`` and inside those that are lists, tuples or dicts, to
+    :data:`HELD_DEPTH` levels (LBFGS keeps its past directions in lists): the memory that
+    state dropped or kept holds. Containers are read by the built-in types' own methods,
+    which a subclass's ``__iter__`` or ``values`` does not replace."""
     tensors = tensors_in(values)
     if len(tensors) == len(values):
         return tensors
-    inner = [item for value in values if isinstance(value, (list, tuple)) for item in value]
-    return [*tensors, *tensors_in(inner)]
+    found = list(tensors)
+    for _ in range(HELD_DEPTH):
+        values = list(chain.from_iterable(map(_items, values)))
+        if not values:
+            break
+        found.extend(tensors_in(values))
+    return found
+
+
+HELD_DEPTH = 8
+"""How deep :func:`tensors_held` looks into nested containers; a list that holds itself
+ends there."""
+
+
+def _items(value: object) -> list[object]:
+    if isinstance(value, dict):
+        return list(dict.values(value))
+    if isinstance(value, list):
+        return list.copy(value)
+    if isinstance(value, tuple):
+        return list(tuple.__getitem__(value, slice(None)))
+    return []
 
 
 _Read = TypeVar("_Read")
