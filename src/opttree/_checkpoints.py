@@ -22,121 +22,24 @@ groups too: neither needs anything.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 import torch
 
 from opttree import _registry
-from opttree._adapter import instance_attribute, mapping_attribute
 from opttree._api import tree
-from opttree._dispatch import LazyDispatch
+from opttree._checkpoint_layouts import STEP_KEY, layout_error, walk
 from opttree._nodes import LeafNode, Node
 from opttree._problems import Problem, ProblemKind
-from opttree._schema import StepLocation, StepType
+from opttree._schema import StepType
 
-STEP_KEY = "common_step"
-"""Where Megatron's ``sharded_state_dict`` puts the step its parameters share."""
+_Result = TypeVar("_Result")
 
-StateDicts = Iterator[tuple[LeafNode, dict[object, object]]]
-Locate = Callable[[Node, object], StateDicts]
-"""A wrapper kind's layout: from its node and its part of a (sharded) state dict, each
-leaf that counts steps per parameter with the torch-format state dict Megatron holds for it."""
-
-
-def _layout_error(node: Node, key: object, message: str) -> Problem:
-    return Problem(ProblemKind.CHECKPOINT_LAYOUT, node.path, type(node.optimizer).__qualname__, message, str(key))
-
-
-def _part(node: Node, state: object, key: object) -> object:
-    """``state[key]``: a member's state dict from a dict, or, for a chain's in-memory
-    ``state_dict()``, from the list it returns for several members."""
-    if isinstance(state, list) and isinstance(key, int) and 0 <= key < len(state):
-        return state[key]
-    return _dict(node, state, key)[key]
-
-
-def _dict(node: Node, state: object, key: object) -> dict[object, object]:
-    """``state``, checked to be a dict holding ``key`` as Megatron writes it."""
-    if not isinstance(state, dict) or key not in state:
-        what = type(state).__qualname__
-        raise _layout_error(node, key, f"its state dict ({what}) has no {key!r}, as Megatron writes it").to_error()
-    return state
-
-
-def _walk(node: Node, state: object) -> StateDicts:
-    if isinstance(node, LeafNode):
-        yield from ()
-        return
-    locate = _LAYOUTS.lookup(type(node.optimizer))
-    if locate is not None:
-        yield from locate(node, state)
-    elif _counts_per_parameter(node):
-        cls = type(node.optimizer)
-        message = f"where {cls.__module__}.{cls.__qualname__} keeps its leaves' state in a state dict is not known"
-        raise _layout_error(node, STEP_KEY, message).to_error()
-
-
-def _counts_per_parameter(node: Node) -> bool:
-    if isinstance(node, LeafNode):
-        return _registry.step_location(type(node.optimizer)) is StepLocation.PER_PARAMETER
-    return any(map(_counts_per_parameter, node.children))
-
-
-def _torch_format(node: Node, state: object) -> StateDicts:
-    """A wrapper whose state dict is its leaf's, in torch's format (``FP32Optimizer``)."""
-    if not node.children:  # a stub on a rank without parameters
-        return
-    (inner,) = node.children
-    if isinstance(inner, LeafNode) and _counts_per_parameter(inner):
-        yield inner, _dict(node, state, "state")
-    else:
-        yield from _walk(inner, state)
-
-
-def _float16(node: Node, state: object) -> StateDicts:
-    """``Float16OptimizerWithFloat16Params``: its leaf's state dict under ``"optimizer"``."""
-    if node.children:
-        yield from _torch_format(node, _part(node, state, "optimizer"))
-
-
-def _steps_in_groups(node: Node, state: object) -> StateDicts:
-    """``DistributedOptimizer`` writes its step into the param groups, even a step of 0."""
-    yield from ()
-
-
-def _chained(node: Node, state: object) -> StateDicts:
-    """``ChainedOptimizer``: a single member's state dict as it is, else one per index (a
-    dict by index sharded, a list in memory), one for each member."""
-    members = node.children
-    if len(members) == 1:
-        yield from _walk(members[0], state)
-        return
-    if isinstance(state, list) and len(state) != len(members):
-        message = f"its state dict holds {len(state)} members' state dicts, and it has {len(members)} members"
-        raise _layout_error(node, len(state), message).to_error()
-    for index, member in enumerate(members):
-        yield from _walk(member, _part(node, state, index))
-
-
-def _mimo(node: Node, state: object) -> StateDicts:
-    """``MimoOptimizer``: one state dict per active module, by module name."""
-    infos = mapping_attribute(node.optimizer, "module_infos", node.path)
-    held = [name for name, info in infos.items() if instance_attribute(info, "optimizer", node.path) is not None]
-    for name, member in zip(held, node.children, strict=True):
-        if getattr(infos[name], "is_active", True):
-            yield from _walk(member, _part(node, state, name))
-
-
-_MEGATRON = "megatron.core.optimizer."
-_LAYOUTS: LazyDispatch[Locate] = LazyDispatch()
-for _dotted, _locate in {
-    _MEGATRON + "optimizer.FP32Optimizer": _torch_format,
-    _MEGATRON + "optimizer.Float16OptimizerWithFloat16Params": _float16,
-    _MEGATRON + "distrib_optimizer.DistributedOptimizer": _steps_in_groups,
-    _MEGATRON + "optimizer.ChainedOptimizer": _chained,
-    "megatron.core.models.mimo.optimizer.MimoOptimizer": _mimo,
-}.items():
-    _LAYOUTS.register_lazy(_dotted, _locate)
+MEGATRONS_OWN_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, AssertionError, NotImplementedError)
+"""What Megatron's ``sharded_state_dict`` and ``load_state_dict`` raise for arguments or a
+state dict they cannot use, past opttree's own checks: given back as
+:class:`~opttree.UnsupportedCheckpoint`, the original as its cause."""
 
 
 def _leaf_steps(leaf: LeafNode) -> list[object]:
@@ -181,11 +84,19 @@ def sharded_state_dict(
     opttree does not know, where a leaf counts its steps per parameter.
     """
     root = _megatron_root(optimizer)
+    given: tuple[object, object] = (model_sharded_state_dict, metadata)  # typed; checked for untyped callers
+    if not isinstance(given[0], dict):
+        what = type(given[0]).__qualname__
+        raise layout_error(root, "model_sharded_state_dict", f"is a {what}, where Megatron takes the model's sharded state dict")
+    if given[1] is not None and not isinstance(given[1], dict):
+        raise layout_error(root, "metadata", f"is a {type(given[1]).__qualname__}, where Megatron takes a dict or None")
     sharded_state_dict_of = getattr(optimizer, "sharded_state_dict")
-    state: dict[str, object] = sharded_state_dict_of(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
+    state: dict[str, object] = _megatrons(
+        root, "sharded_state_dict", lambda: sharded_state_dict_of(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
+    )
     if is_loading:
         return state
-    for leaf, leaf_state in _walk(root, state):
+    for leaf, leaf_state in walk(root, state, loading=False):
         entries = leaf_state["state"]
         steps = _leaf_steps(leaf)
         if isinstance(entries, dict) and STEP_KEY not in entries and steps and all(map(_is_zero, steps)):
@@ -193,16 +104,41 @@ def sharded_state_dict(
     return state
 
 
-def load_state_dict(optimizer: object, state_dict: dict[str, object] | list[dict[str, object]]) -> None:
+def load_state_dict(
+    optimizer: object, state_dict: Mapping[str, object] | Mapping[int, object] | Sequence[Mapping[str, object]]
+) -> None:
     """Megatron's ``optimizer.load_state_dict(state_dict)``, for a checkpoint that may have
     been saved by Megatron's own ``sharded_state_dict`` at step 0: each leaf state that
-    holds history but no step is given the step 0 it was saved at."""
+    holds history but no step is given the step 0 it was saved at.
+
+    ``state_dict`` is what the stack's ``state_dict()`` returns or a sharded load gives
+    back (by member index for a chain of several). Before anything is loaded or written it
+    is checked as each wrapper kind's load reads it; one that any would trip on, or that
+    Megatron would load only part of, raises :class:`~opttree.UnsupportedCheckpoint` with
+    the stack and ``state_dict`` unchanged. An error Megatron's own load raises past those
+    checks is given back as one too, saying that what it loaded before stays loaded."""
     root = _megatron_root(optimizer)
-    for leaf, leaf_state in _walk(root, state_dict):
-        entries = leaf_state["state"]
-        if isinstance(entries, dict) and entries and STEP_KEY not in entries and not _has_steps(entries):
-            entries[STEP_KEY] = _fresh_step(leaf)
-    getattr(optimizer, "load_state_dict")(state_dict)
+    stepless = [
+        (leaf, entries)
+        for leaf, leaf_state in list(walk(root, state_dict, loading=True))  # every check before any write
+        if isinstance(entries := leaf_state["state"], dict) and entries and STEP_KEY not in entries and not _has_steps(entries)
+    ]
+    for leaf, entries in stepless:
+        entries[STEP_KEY] = _fresh_step(leaf)
+    load = getattr(optimizer, "load_state_dict")
+    _megatrons(root, "load_state_dict", lambda: load(state_dict))
+
+
+def _megatrons(root: Node, method: str, call: Callable[[], _Result]) -> _Result:
+    """``call()``, Megatron's own ``method``; an error it raises for what it was given is
+    an :class:`~opttree.UnsupportedCheckpoint`. Megatron's loads are not all-or-nothing:
+    what it loaded before raising stays loaded, which the message says."""
+    try:
+        return call()
+    except MEGATRONS_OWN_ERRORS as error:
+        after = "; what it loaded before raising stays loaded: load into a fresh stack" if method == "load_state_dict" else ""
+        message = f"Megatron's own {method} raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}{after}"
+        raise layout_error(root, method, message) from error
 
 
 def _fresh_step(leaf: LeafNode) -> object:

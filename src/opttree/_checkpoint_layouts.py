@@ -1,0 +1,289 @@
+"""Where Megatron's wrapper kinds keep their leaves' state in a (sharded) state dict, and,
+for a load, whether a state dict is laid out as each kind's ``load_state_dict`` reads it.
+
+Megatron's loads are not all-or-nothing: ``Float16OptimizerWithFloat16Params`` loads its
+torch optimizer, then its loss scaler, then its master weights, and a ``KeyError`` or a
+copy that fails in the last two leaves the first done. Its master copy also ``zip``s the
+saved groups with its own, so a checkpoint with fewer master weights loads the rest
+silently unchanged; and torch keeps a state entry for no known parameter under its saved
+index. So before a load changes anything, every level is checked for what its kind reads,
+and a checkpoint that any would trip on is refused whole.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+
+from opttree import _registry
+from opttree._adapter import instance_attribute, mapping_attribute, sequence_attribute
+from opttree._dispatch import LazyDispatch
+from opttree._nodes import LeafNode, Node
+from opttree._problems import Problem, ProblemKind
+from opttree._schema import StepLocation
+
+STEP_KEY = "common_step"
+"""Where Megatron's ``sharded_state_dict`` puts the step its parameters share."""
+
+SHARDING_TYPES = frozenset({"dp_zero_gather_scatter", "fully_reshardable", "dp_reshardable", "fully_sharded_model_space"})
+"""The ``param_state_sharding_type`` values ``DistributedOptimizer.load_state_dict`` loads
+(megatron-core 0.16.1 and 0.19.2); it raises for another after loading everything else."""
+
+StateDicts = Iterator[tuple[LeafNode, dict[object, object]]]
+Locate = Callable[[Node, object, bool], StateDicts]
+"""A wrapper kind's layout: from its node, its part of a (sharded) state dict and whether
+it is to be loaded (then checked as the kind's load reads it), each leaf that counts steps
+per parameter with the torch-format state dict Megatron holds for it."""
+
+
+def layout_error(node: Node, key: object, message: str) -> Exception:
+    problem = Problem(ProblemKind.CHECKPOINT_LAYOUT, node.path, type(node.optimizer).__qualname__, message, str(key))
+    return problem.to_error()
+
+
+def _part(node: Node, state: object, key: object) -> object:
+    """``state[key]``: a member's state dict from a dict, or, for a chain's in-memory
+    ``state_dict()``, from the list it returns for several members."""
+    if isinstance(state, list) and isinstance(key, int) and 0 <= key < len(state):
+        return state[key]
+    return _dict(node, state, key)[key]
+
+
+def _dict(node: Node, state: object, key: object) -> dict[object, object]:
+    """``state``, checked to be a dict holding ``key`` as Megatron writes it."""
+    if not isinstance(state, dict) or key not in state:
+        what = type(state).__qualname__
+        raise layout_error(node, key, f"its state dict ({what}) has no {key!r}, as Megatron writes it")
+    return state
+
+
+def _first_key(node: Node, state: object, keys: tuple[str, ...]) -> tuple[dict[object, object], str]:
+    """``state`` and the first of ``keys`` it holds: Megatron reads older names after newer."""
+    if isinstance(state, dict):
+        for key in keys:
+            if key in state:
+                return state, key
+    return _dict(node, state, keys[0]), keys[0]
+
+
+def walk(node: Node, state: object, loading: bool) -> StateDicts:
+    if isinstance(node, LeafNode):
+        return
+    locate = _LAYOUTS.lookup(type(node.optimizer))
+    if locate is not None:
+        yield from locate(node, state, loading)
+    elif _counts_per_parameter(node):
+        cls = type(node.optimizer)
+        message = f"where {cls.__module__}.{cls.__qualname__} keeps its leaves' state in a state dict is not known"
+        raise layout_error(node, STEP_KEY, message)
+
+
+def _counts_per_parameter(node: Node) -> bool:
+    if isinstance(node, LeafNode):
+        return _registry.step_location(type(node.optimizer)) is StepLocation.PER_PARAMETER
+    return any(map(_counts_per_parameter, node.children))
+
+
+def _torch_format(node: Node, state: object, loading: bool) -> StateDicts:
+    """A wrapper whose state dict is its leaf's, in torch's format (``FP32Optimizer``)."""
+    if not node.children:  # a stub on a rank without parameters
+        return
+    (inner,) = node.children
+    if loading:
+        _check_torch_format(node, state)
+    if isinstance(inner, LeafNode) and _counts_per_parameter(inner):
+        yield inner, _dict(node, state, "state")
+    else:
+        yield from walk(inner, state, loading)
+
+
+def _check_torch_format(node: Node, state: object) -> None:
+    """What Megatron's pairing of param groups and torch's ``load_state_dict`` read."""
+    entries = _dict(node, state, "state")["state"]
+    groups = _dict(node, state, "param_groups")["param_groups"]
+    if not isinstance(entries, dict):
+        raise layout_error(node, "state", f"is a {type(entries).__qualname__}, where Megatron writes a dict of entries by parameter index")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        raise layout_error(node, "param_groups", "is not a list of param groups, each a dict with a list of 'params'")
+    live = _groups(node)
+    if len(groups) < len(live):
+        raise layout_error(node, "param_groups", f"holds {len(groups)} param groups, and the optimizer has {len(live)}")
+    for index, (saved, current) in enumerate(zip(groups, live)):
+        if len(saved["params"]) != len(current["params"]):
+            message = f"param group {index} holds {len(saved['params'])} parameters, and the optimizer's has {len(current['params'])}"
+            raise layout_error(node, "param_groups", message)
+    _check_pairing(node, live, groups)
+    loaded = {index for saved in groups[: len(live)] for index in saved["params"]}
+    for index, entry in entries.items():
+        if index == STEP_KEY:
+            continue
+        if index not in loaded:
+            raise layout_error(node, index, "a state entry for no parameter of the param groups it loads (torch would keep it under that index)")
+        if not isinstance(entry, dict):
+            raise layout_error(node, index, f"a state entry that is a {type(entry).__qualname__}, not a dict")
+
+
+def _groups(node: Node) -> list[dict[str, list[object]]]:
+    groups: object = getattr(node.optimizer, "param_groups", [])
+    if not isinstance(groups, list):
+        raise layout_error(node, "param_groups", f"the optimizer's own param groups are a {type(groups).__qualname__}")
+    return groups
+
+
+def _check_pairing(node: Node, live: list[dict[str, list[object]]], saved: list[dict[object, object]]) -> None:
+    """Megatron's own pairing of saved param groups with the optimizer's (by their lr and
+    weight-decay settings), run on copies, where the installed release has it."""
+    pair: object = getattr(type(node.optimizer), "_filter_and_reorder_param_groups", None)
+    if not callable(pair):
+        return
+    try:
+        pair(live, [{"params": [], **group} for group in saved])  # DistributedOptimizer saves none
+    except (ValueError, KeyError, TypeError) as error:
+        message = f"Megatron pairs no saved param group with one of the optimizer's: {str(error).splitlines()[0]}"
+        raise layout_error(node, "param_groups", message) from error
+
+
+def _check_scaler(node: Node, state: dict[object, object]) -> None:
+    """The loss scaler's state, where Megatron loads it: the keys the live scaler writes,
+    tensors where it holds tensors."""
+    if "grad_scaler" not in state:
+        return
+    scaler: object = getattr(node.optimizer, "grad_scaler", None)
+    if not scaler:
+        return
+    expected = getattr(scaler, "state_dict")()
+    saved = state["grad_scaler"]
+    if not isinstance(saved, dict) or not isinstance(expected, dict):
+        raise layout_error(node, "grad_scaler", f"is a {type(saved).__qualname__}, where the loss scaler writes a dict")
+    for key, value in expected.items():
+        if key not in saved:
+            raise layout_error(node, "grad_scaler", f"has no {key!r}, which {type(scaler).__qualname__} loads")
+        if isinstance(value, torch.Tensor) != isinstance(saved[key], torch.Tensor):
+            message = f"holds a {type(saved[key]).__qualname__} under {key!r}, where {type(scaler).__qualname__} holds a {type(value).__qualname__}"
+            raise layout_error(node, "grad_scaler", message)
+
+
+def _check_masters(node: Node, state: dict[object, object]) -> None:
+    """The master weights ``Float16OptimizerWithFloat16Params`` copies in group by group,
+    with ``zip``: every one must be there, shaped as the copy it replaces."""
+    _, key = _first_key(node, state, ("fp32_from_fp16_params", "fp32_from_fp16"))
+    saved = state[key]
+    live = [group if isinstance(group, list) else [] for group in sequence_attribute(node.optimizer, "fp32_from_float16_groups", node.path)]
+    if not isinstance(saved, list) or [len(group) if isinstance(group, list) else None for group in saved] != list(map(len, live)):
+        message = (
+            f"does not hold {len(live)} lists of {', '.join(str(len(group)) for group in live)} master weights, "
+            "as the optimizer has (Megatron would load only some of them, or none)"
+        )
+        raise layout_error(node, key, message)
+    for index, (saved_group, live_group) in enumerate(zip(saved, live)):
+        for saved_param, live_param in zip(saved_group, live_group):
+            if not isinstance(saved_param, torch.Tensor) or not isinstance(live_param, torch.Tensor) or saved_param.shape != live_param.shape:
+                what = f"of shape {tuple(saved_param.shape)}" if isinstance(saved_param, torch.Tensor) else f"that is a {type(saved_param).__qualname__}"
+                raise layout_error(node, key, f"group {index} holds a master weight {what} where the optimizer's is of shape {tuple(getattr(live_param, 'shape', ()))}")
+
+
+def _float16(node: Node, state: object, loading: bool) -> StateDicts:
+    """``Float16OptimizerWithFloat16Params``: its leaf's state dict under ``"optimizer"``
+    (or ``"optimizer_state_dict"``, which Megatron's load still reads)."""
+    if not node.children:
+        return
+    if not loading:
+        yield from _torch_format(node, _part(node, state, "optimizer"), loading)
+        return
+    checked, key = _first_key(node, state, ("optimizer", "optimizer_state_dict"))
+    _check_scaler(node, checked)
+    _check_masters(node, checked)
+    yield from _torch_format(node, checked[key], loading)
+
+
+def _steps_in_groups(node: Node, state: object, loading: bool) -> StateDicts:
+    """``DistributedOptimizer`` writes its step into the param groups, even a step of 0,
+    and its load reads one step from them where its torch optimizer counts per parameter."""
+    if not loading or getattr(getattr(node.optimizer, "ddp_config", None), "use_megatron_fsdp", False):
+        return
+    checked = _dict(node, state, "optimizer")
+    groups = _dict(node, checked["optimizer"], "param_groups")["param_groups"]
+    if not isinstance(groups, list) or not all(isinstance(group, dict) for group in groups):
+        raise layout_error(node, "param_groups", "is not a list of param groups, each a dict")
+    _check_pairing(node, _groups(node), groups)
+    if node.children and isinstance(node.children[0], LeafNode) and _counts_per_parameter(node.children[0]):
+        steps = {_number(group.get("step")) for group in groups}
+        if len(steps) != 1 or None in steps:
+            message = "its param groups do not hold one step (Megatron's load reads each parameter's step from them)"
+            raise layout_error(node, "step", message)
+    _check_scaler(node, checked)
+    if "param_state" in checked:
+        sharding = _dict(node, checked, "param_state_sharding_type")["param_state_sharding_type"]
+        if sharding not in SHARDING_TYPES:
+            raise layout_error(node, "param_state_sharding_type", f"{sharding!r} is not one of {', '.join(sorted(SHARDING_TYPES))}")
+    yield from ()
+
+
+def _number(step: object) -> float | None:
+    if isinstance(step, torch.Tensor) and step.numel() == 1:
+        return float(step.item())
+    if isinstance(step, (int, float)) and not isinstance(step, bool) and math.isfinite(step):
+        return float(step)
+    return None
+
+
+def _chained(node: Node, state: object, loading: bool) -> StateDicts:
+    """``ChainedOptimizer``: a single member's state dict as it is, else one per index (a
+    dict by index sharded, a list in memory), one for each member."""
+    members = node.children
+    if len(members) == 1:
+        yield from walk(members[0], state, loading)
+        return
+    if isinstance(state, (list, dict)) and len(state) != len(members):
+        message = f"its state dict holds {len(state)} members' state dicts, and it has {len(members)} members"
+        raise layout_error(node, len(state), message)
+    for index, member in enumerate(members):
+        yield from walk(member, _part(node, state, index), loading)
+
+
+def _layer_wise(node: Node, state: object, loading: bool) -> StateDicts:
+    """``LayerWiseDistributedOptimizer``: a chain whose load first turns each member's
+    master weights, which a sharded load gives back by index in a dict, into the list
+    ``Float16OptimizerWithFloat16Params`` loads; they are checked as that list."""
+    if not loading:
+        yield from _chained(node, state, loading)
+    elif len(node.children) == 1:
+        yield from _chained(node, _masters_listed(state), loading)
+    elif isinstance(state, dict):
+        yield from _chained(node, {key: _masters_listed(member) for key, member in state.items()}, loading)
+    else:
+        yield from _chained(node, state, loading)
+
+
+def _masters_listed(member: object) -> object:
+    """A member's state dict with its master weights by index turned into their list, in a
+    new top-level dict (what it holds, and any step written into it, stays shared)."""
+    if not isinstance(member, dict) or not isinstance(by_index := member.get("fp32_from_fp16_params"), dict):
+        return member
+    if not all(isinstance(index, int) for index in by_index):
+        return member
+    return {**member, "fp32_from_fp16_params": [by_index[index] for index in sorted(by_index)]}
+
+
+def _mimo(node: Node, state: object, loading: bool) -> StateDicts:
+    """``MimoOptimizer``: one state dict per active module, by module name."""
+    infos = mapping_attribute(node.optimizer, "module_infos", node.path)
+    held = [name for name, info in infos.items() if instance_attribute(info, "optimizer", node.path) is not None]
+    for name, member in zip(held, node.children, strict=True):
+        if getattr(infos[name], "is_active", True):
+            yield from walk(member, _part(node, state, name), loading)
+
+
+_MEGATRON = "megatron.core.optimizer."
+_LAYOUTS: LazyDispatch[Locate] = LazyDispatch()
+for _dotted, _locate in {
+    _MEGATRON + "optimizer.FP32Optimizer": _torch_format,
+    _MEGATRON + "optimizer.Float16OptimizerWithFloat16Params": _float16,
+    _MEGATRON + "distrib_optimizer.DistributedOptimizer": _steps_in_groups,
+    _MEGATRON + "optimizer.ChainedOptimizer": _chained,
+    _MEGATRON + "layer_wise_optimizer.LayerWiseDistributedOptimizer": _layer_wise,
+    "megatron.core.models.mimo.optimizer.MimoOptimizer": _mimo,
+}.items():
+    _LAYOUTS.register_lazy(_dotted, _locate)

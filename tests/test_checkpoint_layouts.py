@@ -1,0 +1,252 @@
+"""``opttree.load_state_dict`` checks a state dict as each Megatron wrapper kind's load reads
+it before anything is loaded or written, and ``opttree.sharded_state_dict`` its arguments.
+
+Megatron's side: its loads are not all-or-nothing, and some load part of a checkpoint
+silently; shown here beside opttree's refusal, which leaves both the stack and the state
+dict it was given unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import torch
+from megatron.core import dist_checkpointing
+
+import opttree
+from opttree import testing
+from tests.helpers import snapshot, unchanged
+from tests.test_checkpoints import fresh_like, model_state, reset_and_save
+
+K = 2
+
+Edit = Callable[[dict[str, object]], object]
+
+
+def recipe(name: str) -> testing.MegatronStack:
+    if name not in testing.available():
+        pytest.skip(f"no {name} recipe in this lane")
+    stack = testing.build(name)
+    stack.train(0, K)
+    return stack
+
+
+def saved(stack: testing.MegatronStack) -> dict[str, object]:
+    with stack.device:
+        state = stack.optimizer.state_dict()
+    assert isinstance(state, dict)
+    return state
+
+
+def same(a: object, b: object) -> bool:
+    """Whether two state dicts hold the same keys, values and tensors."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[key], b[key]) for key in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(map(same, a, b))
+    return type(a) is type(b) and a == b
+
+
+def inner(state: dict[str, object]) -> dict[str, object]:
+    """The torch-format state dict of a stack's leaf: the state dict itself for ``fp32``,
+    under ``"optimizer"`` for the mixed-precision kinds."""
+    found = state.get("optimizer", state)
+    assert isinstance(found, dict)
+    return found
+
+
+def entries(state: dict[str, object]) -> dict[object, object]:
+    found = inner(state)["state"]
+    assert isinstance(found, dict)
+    return found
+
+
+def groups(state: dict[str, object]) -> list[dict[str, object]]:
+    found = inner(state)["param_groups"]
+    assert isinstance(found, list)
+    return found
+
+
+def masters(state: dict[str, object]) -> list[list[torch.Tensor]]:
+    found = state["fp32_from_fp16_params"]
+    assert isinstance(found, list)
+    return found
+
+
+def put(container: dict[object, object] | dict[str, object], key: object, value: object) -> None:
+    container[key] = value  # type: ignore[index]
+
+
+MALFORMED: list[tuple[str, str, Edit, str, str]] = [
+    ("fp32", "no param groups", lambda s: s.pop("param_groups"), "param_groups", "has no 'param_groups'"),
+    ("fp32", "state a list", lambda s: put(s, "state", [1, 2]), "state", "is a list"),
+    ("fp32", "an entry a str", lambda s: put(entries(s), 0, "garbage"), "0", "not a dict"),
+    ("fp32", "an entry for no parameter", lambda s: put(entries(s), 99, {}), "99", "no parameter of the param groups"),
+    ("fp32", "a group short of a parameter", lambda s: groups(s)[0]["params"].pop(), "param_groups", "param group 0 holds"),  # type: ignore[attr-defined]
+    ("fp32", "a group missing", lambda s: groups(s).pop(), "param_groups", "holds 1 param groups, and the optimizer has 2"),
+    ("fp32", "a group of other settings", lambda s: put(groups(s)[0], "wd_mult", 7.0), "param_groups", "Megatron pairs no saved param group"),
+    ("bf16", "no torch state", lambda s: s.pop("optimizer"), "optimizer", "has no 'optimizer'"),
+    ("bf16", "master weights missing", lambda s: s.pop("fp32_from_fp16_params"), "fp32_from_fp16_params", "has no"),
+    ("bf16", "a master weight short", lambda s: masters(s)[1].pop(), "fp32_from_fp16_params", "Megatron would load only some"),
+    ("bf16", "a master group short", lambda s: masters(s).pop(), "fp32_from_fp16_params", "Megatron would load only some"),
+    ("bf16", "a master weight of a scalar", lambda s: masters(s)[0].__setitem__(0, torch.ones(1)), "fp32_from_fp16_params", r"of shape \(1,\)"),
+    ("bf16", "an entry a str", lambda s: put(entries(s), 0, "garbage"), "0", "not a dict"),
+    ("fp16", "a loss scale missing", lambda s: s["grad_scaler"].pop("scale"), "grad_scaler", "has no 'scale'"),  # type: ignore[attr-defined]
+    ("fp16", "a loss scale a float", lambda s: put(s["grad_scaler"], "scale", 2.0), "grad_scaler", "holds a float under 'scale'"),  # type: ignore[arg-type]
+    ("dist_bf16", "no torch state", lambda s: s.pop("optimizer"), "optimizer", "has no 'optimizer'"),
+    ("dist_bf16", "groups without a step", lambda s: [g.pop("step") for g in groups(s)], "step", "do not hold one step"),
+    ("dist_bf16", "groups at two steps", lambda s: put(groups(s)[0], "step", 7), "step", "do not hold one step"),
+    ("dist_bf16", "an unknown sharding", lambda s: s.update(param_state={}, param_state_sharding_type="zigzag"), "param_state_sharding_type", "'zigzag' is not one of"),
+]
+
+
+@pytest.mark.parametrize(("name", "what", "edit", "key", "message"), MALFORMED, ids=[f"{case[0]}-{case[1]}" for case in MALFORMED])
+def test_a_malformed_state_dict_is_refused_with_the_stack_and_the_state_dict_unchanged(
+    name: str, what: str, edit: Edit, key: str, message: str
+) -> None:
+    stack = recipe(name)
+    state = saved(stack)
+    edit(state)
+    given = copy.deepcopy(state)
+    loaded = fresh_like(stack)
+    loaded.train(0, 1)  # something to keep
+    before = [snapshot(leaf) for leaf in loaded.leaves()]
+    weights = [param.clone() for param in loaded.main_params()]
+
+    with loaded.device, pytest.raises(opttree.UnsupportedCheckpoint, match=message) as refused:
+        opttree.load_state_dict(loaded.optimizer, state)
+
+    assert refused.value.problem is not None and refused.value.problem.key == key
+    assert all(unchanged(leaf, snap) for leaf, snap in zip(loaded.leaves(), before, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(loaded.main_params(), weights, strict=True))
+    assert same(state, given)
+
+
+@pytest.mark.parametrize("edit", [lambda s: masters(s)[1].pop(), lambda s: masters(s).pop()], ids=["a weight", "a group"])
+def test_megatron_loads_a_checkpoint_short_of_master_weights_silently_and_opttree_refuses_it(edit: Edit) -> None:
+    """Megatron's side: ``Float16OptimizerWithFloat16Params.load_state_dict`` copies the
+    saved master weights with ``zip``, so the ones a checkpoint lacks keep the loading
+    stack's values, and nothing says so."""
+    stack = recipe("bf16")
+    state = saved(stack)
+    edit(state)
+    megatrons, ours = fresh_like(stack), fresh_like(stack)
+    for loaded in (megatrons, ours):
+        with torch.no_grad():
+            for param in loaded.main_params():
+                param.add_(1.0)  # weights the checkpoint's are not
+
+    with megatrons.device:
+        megatrons.optimizer.load_state_dict(copy.deepcopy(state))
+    with ours.device, pytest.raises(opttree.UnsupportedCheckpoint, match="Megatron would load only some"):
+        opttree.load_state_dict(ours.optimizer, state)
+
+    loaded_right = [torch.equal(a, b) for a, b in zip(megatrons.main_params(), stack.main_params(), strict=True)]
+    assert any(loaded_right) and not all(loaded_right)
+
+
+def test_megatron_keeps_an_entry_for_no_parameter_and_opttree_refuses_it() -> None:
+    """Megatron's side: torch's load keeps a state entry whose index is no parameter's
+    under that index, a state ``validate`` then reports and a reset refuses."""
+    stack = recipe("fp32")
+    state = saved(stack)
+    put(entries(state), 99, {"exp_avg": torch.ones(1)})
+    megatrons, ours = fresh_like(stack), fresh_like(stack)
+
+    with megatrons.device:
+        megatrons.optimizer.load_state_dict(copy.deepcopy(state))
+    with ours.device, pytest.raises(opttree.UnsupportedCheckpoint, match="no parameter of the param groups"):
+        opttree.load_state_dict(ours.optimizer, state)
+
+    assert 99 in megatrons.leaves()[0].state
+    assert opttree.validate(megatrons.optimizer) != ()
+    assert opttree.validate(ours.optimizer) == ()
+
+
+def test_the_older_name_of_the_torch_state_that_megatron_still_reads_is_loaded() -> None:
+    """Old checkpoints name the torch optimizer's state ``optimizer_state_dict``, which
+    Megatron's mixed-precision load still reads; so does opttree's."""
+    stack = recipe("bf16")
+    state = saved(stack)
+    state["optimizer_state_dict"] = state.pop("optimizer")
+    ours, megatrons = fresh_like(stack), fresh_like(stack)
+    with ours.device:
+        opttree.load_state_dict(ours.optimizer, copy.deepcopy(state))
+    with megatrons.device:
+        megatrons.optimizer.load_state_dict(copy.deepcopy(state))  # state_dict() holds the stack's own tensors
+    for loaded in (ours, megatrons, stack):
+        loaded.train(K, K)
+    assert all(torch.equal(a, b) for a, b in zip(ours.main_params(), stack.main_params(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(megatrons.main_params(), stack.main_params(), strict=True))
+
+
+def saved_and_loaded(name: str, directory: Path, *, with_opttree: bool) -> tuple[testing.MegatronStack, dict[int, Any]]:
+    """A chain's sharded checkpoint, saved right after a reset and loaded back by member
+    index through ``dist_checkpointing``, and the fresh stack to load it into."""
+    if name not in testing.available():
+        pytest.skip(f"no {name} recipe in this lane")
+    loaded = reset_and_save(name, directory, with_opttree=with_opttree)
+    with loaded.device:
+        wanted = loaded.optimizer.sharded_state_dict(model_state(loaded), is_loading=True)
+        return loaded, cast(dict[int, Any], dist_checkpointing.load(wanted, str(directory)))
+
+
+def test_a_chain_refused_at_its_second_member_leaves_the_first_members_state_dict_alone(tmp_path: Path) -> None:
+    """Saved by Megatron right after a reset, so no member's state holds a step: the step 0
+    opttree gives back to the first member is written only once every member passed."""
+    loaded, state = saved_and_loaded("moe", tmp_path, with_opttree=False)
+    assert sorted(state) == [0, 1]
+    put(inner(state[1]), "param_groups", "garbage")
+    given = copy.deepcopy(state)
+
+    with loaded.device, pytest.raises(opttree.UnsupportedCheckpoint, match="is not a list of param groups") as refused:
+        opttree.load_state_dict(loaded.optimizer, state)
+
+    assert refused.value.problem is not None and refused.value.problem.path == "chained[1]"
+    assert "common_step" not in entries(state[0])
+    assert same(state, given)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "key"),
+    [
+        ({"model_sharded_state_dict": None}, "model_sharded_state_dict"),
+        ({"metadata": "x"}, "metadata"),
+        ({"model_sharded_state_dict": {}}, "sharded_state_dict"),
+    ],
+    ids=["no model state", "metadata a str", "an empty model state"],
+)
+def test_sharded_state_dict_refuses_arguments_megatron_cannot_use(arguments: dict[str, object], key: str) -> None:
+    """The last is Megatron's own error, raised for a model state without the optimizer's
+    parameters, given back as an opttree error with Megatron's as its cause."""
+    stack = recipe("bf16")
+    given: dict[str, object] = {"model_sharded_state_dict": model_state(stack), "metadata": None, **arguments}
+    with stack.device, pytest.raises(opttree.UnsupportedCheckpoint) as refused:
+        opttree.sharded_state_dict(stack.optimizer, given["model_sharded_state_dict"], metadata=given["metadata"])  # type: ignore[arg-type]
+    assert refused.value.problem is not None and refused.value.problem.key == key
+    if key == "sharded_state_dict":
+        assert "Megatron's own sharded_state_dict raised" in str(refused.value)
+        assert refused.value.__cause__ is not None
+
+
+def test_a_layer_wise_chain_loads_master_weights_by_index_and_refuses_them_short(tmp_path: Path) -> None:
+    """A sharded load gives each member's master weights back as a dict by group index,
+    which ``LayerWiseDistributedOptimizer``'s load turns into the list its members load;
+    checked as that list, one short is refused."""
+    loaded, state = saved_and_loaded("dist_muon", tmp_path, with_opttree=True)
+    by_index = state[0]["fp32_from_fp16_params"]
+    assert isinstance(by_index, dict)
+    by_index[0].pop()
+    given = copy.deepcopy(state)
+
+    with loaded.device, pytest.raises(opttree.UnsupportedCheckpoint, match="Megatron would load only some") as refused:
+        opttree.load_state_dict(loaded.optimizer, state)
+
+    assert refused.value.problem is not None and refused.value.problem.path == "chained[0]"
+    assert same(state, given)
