@@ -193,6 +193,63 @@ def test_a_key_no_optimizer_has_is_refused() -> None:
     assert unchanged(optimizer, before)
 
 
+def muon_stack() -> testing.MegatronStack:
+    """Megatron's Muon stack: its matrices under ``TensorParallelMuon``, the rest under AdamW."""
+    if "muon" not in testing.available():
+        pytest.skip("no muon recipe in this lane")
+    stack = testing.build("muon")
+    stack.train(0, K)
+    return stack
+
+
+def test_keys_that_the_selected_parameters_optimizer_lacks_are_refused_with_nothing_changed() -> None:
+    """``exp_avg`` is AdamW history, and the matrices are Muon's: asked of them alone, the
+    reset would change nothing; asked of a matrix and a bias, it would pass the matrix
+    over. Both are refused, naming the leaf; the bias alone is reset."""
+    stack = muon_stack()
+    named = dict(stack.model.named_parameters())
+    matrix, bias = named["module.up.weight"], named["module.up.bias"]
+    before = [(k, v.clone()) for k, v in leaf_state(stack)]
+
+    with pytest.raises(opttree.PartialResetRefused, match=r"no optimizer holding the selected parameters has history \['exp_avg'\]"):
+        opttree.reset(stack.optimizer, params=[matrix], keys=["exp_avg"])
+    with pytest.raises(opttree.PartialResetRefused, match="holds selected parameters but none of the keys") as caught:
+        opttree.reset(stack.optimizer, params=[matrix, bias], keys=["exp_avg"])
+    problems = opttree.validate(stack.optimizer)  # validate takes no selection: nothing to say
+    assert all(torch.equal(v, old) for (_, v), (_, old) in zip(leaf_state(stack), before, strict=True))
+    assert caught.value.problem is not None and caught.value.problem.cls == "TensorParallelMuon"
+    assert problems == ()
+
+    report = opttree.reset(stack.optimizer, params=[bias], keys=["exp_avg"])
+    assert report.tensors_zeroed == 1 and report.leaves == 1
+
+
+def test_keys_alone_reset_them_wherever_they_are() -> None:
+    """Without ``params``, ``keys`` names history wherever an optimizer holds it: AdamW's
+    ``exp_avg`` is reset and Muon's state, which has none, is left as it is."""
+    stack = muon_stack()
+    muon, adamw = stack.leaves()
+    momenta = [entry["momentum_buffer"].clone() for entry in muon.state.values()]
+
+    report = opttree.reset(stack.optimizer, keys=["exp_avg"])
+
+    assert report.tensors_zeroed == len(adamw.state)
+    assert all(torch.equal(entry["momentum_buffer"], m) for entry, m in zip(muon.state.values(), momenta, strict=True))
+
+
+def test_a_parameter_named_twice_is_selected_once() -> None:
+    """A tied weight reached by two names, or a list that repeats one, selects it once."""
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters())
+    train(net, optimizer, 0, 2)
+    first = next(net.parameters())
+
+    report = opttree.reset(optimizer, params=[first, first], keys=["exp_avg"])
+
+    assert report.tensors_zeroed == 1
+    assert not optimizer.state[first]["exp_avg"].any()
+
+
 def test_per_parameter_steps_reset_for_just_the_selected_parameters() -> None:
     net = model()
     optimizer = torch.optim.AdamW(net.parameters())

@@ -178,7 +178,7 @@ class LeafInspector:
             if step_number(step) and not any(p in state for p in params):
                 self.problem(node, ProblemKind.EMPTY_STATE, f"a group says step {step} but none of its parameters has state")
         if not state:
-            plan.leaves += 1
+            plan.leaves += self.selection.reaches(in_groups)
             return
         reason = malformed_state(state)
         if reason is not None:
@@ -186,7 +186,7 @@ class LeafInspector:
             return
         if self.schema.indivisible and self.takes_part(node, in_groups, state):
             return
-        plan.leaves += 1
+        plan.leaves += self.selection.reaches(in_groups)
         if self.selection.release:
             self.plan_release(node, plan.state)
         elif self.schema.starts_at_first_step and self.starts_again(node):
@@ -214,7 +214,10 @@ class LeafInspector:
             del self.problems[problems_before:]
             return False
         self.plan.state.merge(part)
-        self.plan.leaves += len(leaves)
+        if self.selection.tensors is None:
+            self.plan.leaves += len(leaves)
+        else:
+            self.plan.leaves += sum(self.selection.reaches(chain.from_iterable(g["params"] for g in leaf.optimizer.param_groups)) for leaf in leaves)
         return True
 
     def _plan_alike(self, leaves: Sequence[LeafNode]) -> StatePlan | None:

@@ -22,6 +22,8 @@ def format_bytes(n: int) -> str:
 class ResetReport:
     """What a reset changed and what it kept.
 
+    ``leaves`` counts the leaf optimizers the reset covered: every one, or, for a partial
+    reset by parameters, those holding a selected parameter;
     ``steps`` counts step counters set to zero (per-parameter tensors and per-group
     values); ``tensors_zeroed``, ``tensors_filled`` (set to a starting value other than
     zero, such as Adagrad's ``initial_accumulator_value``) and ``tensors_dropped`` count

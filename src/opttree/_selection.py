@@ -46,6 +46,12 @@ class Selection:
         """All state, reset in place."""
         return self.tensors is None and self.keys is None and self.steps and not self.release
 
+    def reaches(self, params: Iterable[torch.Tensor]) -> bool:
+        """Whether the selection reaches a leaf of these parameters: every leaf, or, for a
+        partial reset by parameters, one that holds a selected parameter."""
+        chosen = self.tensors
+        return chosen is None or any(id(param) in chosen for param in params)
+
     def resets(self, key: str) -> bool:
         if key == "step":
             return self.steps
@@ -263,7 +269,7 @@ def select(root: Node, params: ParamsArg | None, keys: Iterable[str] | None, mod
     history = None if key_set is None else key_set - {"step"}
     if params is None:
         return Selection(None, history, steps) if key_set is not None else EVERYTHING
-    chosen = resolve_params(params, model)
+    chosen = list({id(param): param for param in resolve_params(params, model)}.values())  # a tied weight named twice is one
     if not chosen:
         what = "the params predicate accepts none of the model's parameters" if callable(params) else "params is empty"
         raise PartialResetRefused(f"{what}: the reset would change nothing")

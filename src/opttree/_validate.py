@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import operator
+from itertools import chain
 from typing import Self, cast
 
 import torch
 
 from opttree import _registry
-from opttree._containers import own_writes
+from opttree._containers import malformed, own_writes
 from opttree._errors import OptTreeError
 from opttree._held import Held, held_optimizers
 from opttree._identity import identity_key, identity_keys
@@ -32,6 +33,21 @@ def _owner_text(owner: Owner) -> str:
     return f"{what} of {cls} at {path}"
 
 
+class _ReachedLeaves(TraverserVisitor):
+    """The leaves with a schema that ``selection`` reaches, once each."""
+
+    def __init__(self, selection: Selection) -> None:
+        self.selection = selection
+        self.leaves: list[tuple[LeafNode, StateSchema]] = []
+
+    def visit_leaf(self, node: LeafNode) -> None:
+        schema = _registry.schema_for(type(node.optimizer))
+        if node.shared_with is not None or schema is None or malformed(node.optimizer) is not None:
+            return  # checked at its first path; refused as unsupported or malformed
+        if self.selection.reaches(chain.from_iterable(group["params"] for group in node.optimizer.param_groups)):
+            self.leaves.append((node, schema))
+
+
 class ValidateVisitor(TraverserVisitor):
     """Checks each leaf against its schema, collecting ``problems`` and the reset ``plan``.
 
@@ -52,7 +68,6 @@ class ValidateVisitor(TraverserVisitor):
         """What :meth:`check` found, in the order it found it."""
         self._plan = ResetPlan()
         self._selection = EVERYTHING
-        self._resettable: set[str] = set()
         self._inspectors: dict[type, LeafInspector | None] = {}
         self._contained: list[object] = []
         self._held: list[tuple[Node, Held]] = []
@@ -97,21 +112,32 @@ class ValidateVisitor(TraverserVisitor):
         self._plan = again._plan
 
     def _check_keys(self, root: Node) -> None:
-        """Keys named for a partial reset must be history in at least one leaf."""
-        if self._selection.keys is None:
+        """Keys named for a partial reset must be history in at least one leaf that holds
+        the selected parameters, and, where parameters are named, every leaf holding some
+        must have one of them: a leaf whose selected parameters have none of the keys
+        (Muon's matrices, asked for AdamW's ``exp_avg``) would be passed over in silence."""
+        selection = self._selection
+        if selection.keys is None:
             return
-        named = self._selection.keys | ({"step"} if self._selection.steps else set())
-        unknown = sorted(named - self._resettable)
+        named = selection.keys | ({"step"} if selection.steps else set())
+        reached = _ReachedLeaves(selection)
+        root.accept(reached)
+        resettable = set().union(*(schema.resettable for _, schema in reached.leaves))
+        unknown = sorted(named - resettable)
         if unknown:
-            known = ", ".join(sorted(self._resettable)) or "none"
-            self.problems.append(
-                Problem(
-                    ProblemKind.UNKNOWN_KEY,
-                    root.path,
-                    type(root.optimizer).__qualname__,
-                    f"no optimizer in the tree has history {unknown} (resettable here: {known})",
+            known = ", ".join(sorted(resettable)) or "none"
+            holding = "in the tree" if selection.tensors is None else "holding the selected parameters"
+            message = f"no optimizer {holding} has history {unknown} (resettable there: {known})"
+            self.problems.append(Problem(ProblemKind.UNKNOWN_KEY, root.path, type(root.optimizer).__qualname__, message))
+        if selection.tensors is None:
+            return
+        for leaf, schema in reached.leaves:
+            if named.isdisjoint(schema.resettable):
+                message = (
+                    f"holds selected parameters but none of the keys {sorted(named)}: their state would be left "
+                    f"as it is (its history: {', '.join(sorted(schema.resettable)) or 'none'})"
                 )
-            )
+                self.problems.append(Problem(ProblemKind.UNKNOWN_KEY, leaf.path, type(leaf.optimizer).__qualname__, message))
 
     def _counts_as_optimizer(self, cls: type) -> bool:
         found = self._is_optimizer.get(cls)
@@ -180,8 +206,6 @@ class ValidateVisitor(TraverserVisitor):
             return self._inspectors[cls]
         schema = _registry.schema_for(cls)
         inspector = None if schema is None else LeafInspector(schema, self._plan, self.problems, self._selection)
-        if schema is not None and self._selection.keys is not None:
-            self._resettable |= schema.resettable
         self._inspectors[cls] = inspector
         return inspector
 
