@@ -80,3 +80,59 @@ def test_describe_and_validate_gather_every_rank_to_rank_zero() -> None:
     )
     for text, problems in results[1:]:
         assert "ranks:" not in text and problems == ()
+
+
+class PartialResult(NamedTuple):
+    rank: int
+    holds_shard: bool
+    changed: int
+    by_name_accepted: bool
+
+
+def partial_reset_of_one_parameter() -> PartialResult:
+    """Every rank resets ``down.weight``'s history, in one collective call as training code
+    makes it: the rank holding its shard resets it, the others have nothing to reset."""
+    stack = testing.build("dist_fp32")
+    stack.train(0, K)
+    named = dict(stack.model.named_parameters())
+    target = named["module.down.weight"]
+    optimizer = stack.optimizer
+    members: list[object] = getattr(optimizer, "chained_optimizers")
+    holds = any(target is param for member in members for param in getattr(member, "model_param_gbuf_map"))
+    before = [v.clone() for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values()]
+    opttree.reset(optimizer, params=[target], keys=["exp_avg", "exp_avg_sq"])
+    after = [v for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values()]
+    changed = sum(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    opttree.reset(optimizer, params=lambda name: name.endswith("down.weight"), model=stack.model, keys=["exp_avg"])
+    return PartialResult(dist.get_rank(), holds, changed, True)
+
+
+def layer_wise_selection() -> list[str]:
+    """Each rank of a ``LayerWiseDistributedOptimizer`` steps whole parameters: one another
+    rank steps is selected with nothing to reset here."""
+    stack = testing.build("dist_muon")
+    accepted = []
+    for name, param in stack.model.named_parameters():
+        opttree.reset(stack.optimizer, params=[param], keys=["momentum_buffer"] if param.dim() == 2 else ["exp_avg"])
+        accepted.append(name)
+    return accepted
+
+
+def test_a_partial_reset_on_every_rank_resets_the_shards_each_holds() -> None:
+    """A parameter whose shard lives wholly on another rank is selected with nothing to
+    reset here, not refused as held by no optimizer: refusing on some ranks while others
+    reset would leave the ranks' states apart."""
+    results = testing.run_ranks(partial_reset_of_one_parameter, 2)
+
+    assert [r.rank for r in results] == [0, 1]
+    assert all(r.by_name_accepted for r in results)
+    assert all((r.changed > 0) == r.holds_shard for r in results)
+    assert any(r.holds_shard for r in results) and not all(r.holds_shard for r in results)
+
+
+@pytest.mark.skipif(not testing.is_available("dist_muon"), reason="no dist_muon recipe in this lane")
+def test_a_layer_wise_partial_reset_selects_parameters_of_other_ranks_with_nothing_to_reset() -> None:
+    results = testing.run_ranks(layer_wise_selection, 2)
+
+    everything = [name for name, _ in testing.build("dist_muon").model.named_parameters()]
+    assert results == [everything, everything]

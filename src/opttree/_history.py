@@ -26,7 +26,7 @@ from opttree._plan import ResetPlan
 from opttree._preflight import plain_torch
 from opttree._problems import Severity
 from opttree._report import ResetReport
-from opttree._selection import ParamsArg, Selection, key_names, select
+from opttree._selection import ParamsArg, key_names, select
 from opttree._validate import ValidateVisitor
 
 
@@ -46,7 +46,7 @@ def _plan(
         raise PartialResetRefused(f"{what} keeps step counters: leave 'step' out of keys")
     root = tree(optimizer)
     chosen = select(root, params, key_list, model)
-    visitor = ValidateVisitor._selecting(Selection(chosen.tensors, chosen.keys, False))
+    visitor = ValidateVisitor._selecting(evolve(chosen, steps=False))
     visitor.check(root)
     errors = [p for p in visitor.problems if p.severity is Severity.ERROR]
     if errors:

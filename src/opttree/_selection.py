@@ -22,7 +22,7 @@ from opttree._adapter import mapping_attribute, sequence_attribute
 from opttree._containers import malformed
 from opttree._dispatch import LazyDispatch
 from opttree._errors import MalformedWrapper, OptTreeError, PartialResetRefused, UnmappedParameter
-from opttree._nodes import HybridNode, LeafNode, Node, WrapperNode
+from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._schema import StepLocation
 from opttree._visitor import TraverserVisitor
 
@@ -40,6 +40,9 @@ class Selection:
     steps: bool = True
     release: bool = False
     """Delete the selected state entries instead of resetting them in place."""
+    elsewhere: tuple[Node, ...] = ()
+    """Wrappers that step some selected parameters on other ranks only (a shard or a whole
+    parameter another rank holds): what their leaves hold is what those ranks reset."""
 
     @property
     def everything(self) -> bool:
@@ -81,7 +84,9 @@ def float16_inner(wrapper: object, path: str) -> Iterable[tuple[torch.Tensor, Se
 
 def distributed_inner(wrapper: object, path: str) -> Iterable[tuple[torch.Tensor, Sequence[torch.Tensor]]]:
     """DistributedOptimizer steps this rank's shards: fp32 main shards of fp16/bf16
-    parameters (or, precision-aware, the model shards themselves) and fp32 shards."""
+    parameters (or, precision-aware, the model shards themselves) and fp32 shards. It
+    covers every parameter of its grad buffers, which every rank holds whole: one whose
+    shard lives wholly on other ranks is claimed with nothing to reset here."""
     inner: dict[int, list[torch.Tensor]] = {}
     for outer_name, inner_name in (
         ("model_float16_groups", "shard_fp32_from_float16_groups"),
@@ -90,8 +95,51 @@ def distributed_inner(wrapper: object, path: str) -> Iterable[tuple[torch.Tensor
     ):
         for o, (i,) in _pairs(wrapper, path, outer_name, inner_name):
             inner.setdefault(id(o), []).append(i)
-    for param in cast(dict[torch.Tensor, object], mapping_attribute(wrapper, "model_param_gbuf_map", path)):
+    local = list(cast(dict[torch.Tensor, object], mapping_attribute(wrapper, "model_param_gbuf_map", path)))
+    covered = [param for buffer in sequence_attribute(wrapper, "buffers", path) for param in _buffer_params(buffer, wrapper, path)]
+    for param in dict.fromkeys([*local, *covered]):  # in order, once each; hashed by identity
         yield param, inner.get(id(param), [])
+
+
+def _buffer_params(buffer: object, wrapper: object, path: str) -> list[torch.Tensor]:
+    params = getattr(buffer, "params", None)
+    if not isinstance(params, (list, tuple, set)) or not all(isinstance(p, torch.Tensor) for p in params):
+        msg = f"{type(wrapper).__qualname__} at {path}: a grad buffer's params are not a collection of tensors"
+        raise MalformedWrapper(msg)
+    return list(params)
+
+
+def layer_wise_inner(wrapper: object, path: str) -> Iterable[tuple[torch.Tensor, Sequence[torch.Tensor]]]:
+    """LayerWiseDistributedOptimizer gives each rank whole parameters to step, listed per
+    rank (None with a single rank): those of other ranks are claimed with nothing to reset
+    here; this rank's pass on to its members."""
+    rank = _group_rank(wrapper, path)
+    for name in ("dp_cp_params_list", "expt_dp_params_list"):
+        per_rank = getattr(wrapper, name, None)
+        if per_rank is None:
+            continue
+        if not isinstance(per_rank, list) or not all(isinstance(params, list) for params in per_rank):
+            msg = f"{type(wrapper).__qualname__} at {path}: {name} is not a list of lists of parameters per rank"
+            raise MalformedWrapper(msg)
+        group_rank = rank(name)
+        for owner, params in enumerate(per_rank):
+            if owner != group_rank:
+                yield from ((param, ()) for param in params)
+
+
+def _group_rank(wrapper: object, path: str) -> Callable[[str], int]:
+    """This process's rank in the group that a layer-wise list divides its parameters over."""
+
+    def rank(name: str) -> int:
+        group_name = "dp_cp" if name == "dp_cp_params_list" else "expt_dp"  # in pg_collection (0.16 and later)
+        group = getattr(getattr(wrapper, "pg_collection", None), group_name, None)
+        try:
+            return int(torch.distributed.get_rank(group))
+        except (RuntimeError, ValueError) as error:
+            msg = f"{type(wrapper).__qualname__} at {path}: this rank in its {name} group cannot be read: {error}"
+            raise MalformedWrapper(msg) from error
+
+    return rank
 
 
 def hybrid_inner(wrapper: object, path: str) -> Iterable[tuple[torch.Tensor, Sequence[torch.Tensor]]]:
@@ -105,6 +153,7 @@ def builtin_inner_params() -> LazyDispatch[InnerParams]:
     prefix = "megatron.core.optimizer."
     table.register_lazy(prefix + "optimizer.Float16OptimizerWithFloat16Params", float16_inner)
     table.register_lazy(prefix + "distrib_optimizer.DistributedOptimizer", distributed_inner)
+    table.register_lazy(prefix + "layer_wise_optimizer.LayerWiseDistributedOptimizer", layer_wise_inner)
     table.register_lazy(prefix + "cpu_offloading.hybrid_optimizer.HybridDeviceOptimizer", hybrid_inner)
     return table
 
@@ -153,6 +202,7 @@ class SelectVisitor(TraverserVisitor):
         self.flow: _Flow = {id(p): (p, i) for i, p in enumerate(params)}
         self.selected: set[int] = set()
         self.reached: set[int] = set()
+        self.elsewhere: list[Node] = []
 
     def through(self, node: Node) -> None:
         optimizer = node.optimizer
@@ -169,6 +219,8 @@ class SelectVisitor(TraverserVisitor):
                 continue
             claimed.add(id(param))
             self.reached.add(found[1])
+            if not inner_tensors and not any(node is other for other in self.elsewhere):
+                self.elsewhere.append(node)
             for tensor in inner_tensors:
                 inner[id(tensor)] = (tensor, found[1])
         inner.update({k: v for k, v in outer.items() if k not in claimed})
@@ -177,6 +229,9 @@ class SelectVisitor(TraverserVisitor):
             self.visit_children(node)
         finally:
             self.flow = outer
+
+    def visit_chained(self, node: ChainedNode) -> None:
+        self.through(node)
 
     def visit_wrapper(self, node: WrapperNode) -> None:
         self.through(node)
@@ -285,4 +340,4 @@ def select(root: Node, params: ParamsArg | None, keys: Iterable[str] | None, mod
             f"{root.path} ({len(missing)} of {len(chosen)} selected parameters unmapped)"
         )
         raise UnmappedParameter(msg)
-    return Selection(frozenset(visitor.selected), history, steps)
+    return Selection(frozenset(visitor.selected), history, steps, elsewhere=tuple(visitor.elsewhere))

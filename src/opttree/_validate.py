@@ -122,7 +122,10 @@ class ValidateVisitor(TraverserVisitor):
         named = selection.keys | ({"step"} if selection.steps else set())
         reached = _ReachedLeaves(selection)
         root.accept(reached)
-        resettable = set().union(*(schema.resettable for _, schema in reached.leaves))
+        elsewhere = _ReachedLeaves(EVERYTHING)  # one answer on every rank, whichever holds the parameter
+        for node in selection.elsewhere:
+            node.accept(elsewhere)
+        resettable = set().union(*(schema.resettable for _, schema in (*reached.leaves, *elsewhere.leaves)))
         unknown = sorted(named - resettable)
         if unknown:
             known = ", ".join(sorted(resettable)) or "none"
