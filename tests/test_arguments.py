@@ -115,7 +115,8 @@ def test_a_tree_built_by_hand_nested_too_deep_is_refused_as_a_built_one_is() -> 
         leaf = leaf.children[0]
     before = snapshot(leaf.optimizer)  # type: ignore[arg-type]
 
-    assert opttree.tree(deepest) is deepest and opttree.validate(deepest) == ()
+    with pytest.raises(opttree.NotAnOptimizer, match="object at w63"):  # its depth passes; what it holds does not
+        opttree.tree(deepest)
     for call in (opttree.tree, opttree.reset, opttree.sync_masters):
         with pytest.raises(opttree.OptimizerCycle, match="object at w1935: the stack is nested deeper than 64"):
             call(too_deep)
@@ -162,3 +163,45 @@ class BadRepr:
 def test_a_node_built_by_hand_of_what_is_no_node_is_refused_where_it_is_made(build: Callable[[], object], message: str) -> None:
     with pytest.raises(opttree.OptTreeError, match=message):
         build()
+
+
+def trained_adam() -> tuple[torch.nn.Parameter, torch.optim.Adam]:
+    param = torch.nn.Parameter(torch.randn(4, 3))
+    optimizer = torch.optim.Adam([param])
+    for _ in range(3):
+        optimizer.zero_grad()
+        torch.autograd.backward((param**2).sum())
+        optimizer.step()
+    return param, optimizer
+
+
+HAND_BUILT: list[tuple[str, Callable[[torch.optim.Adam], opttree.Node], str | None]] = [
+    ("a leaf marked shared", lambda o: opttree.LeafNode("<root>", o, shared_with="nowhere"), "shared with 'nowhere'"),
+    ("a hybrid over a plain Adam", lambda o: opttree.HybridNode("<root>", o, (), None), "a HybridNode where opttree builds a LeafNode"),
+    ("a wrapper hiding its leaf", lambda o: opttree.WrapperNode("<root>", o, ()), "a WrapperNode where opttree builds a LeafNode"),
+    ("a leaf for another optimizer", lambda o: opttree.LeafNode("<root>", trained_adam()[1]), None),
+]
+
+
+@pytest.mark.parametrize(("node", "message"), [case[1:] for case in HAND_BUILT], ids=[case[0] for case in HAND_BUILT])
+def test_a_tree_built_by_hand_unlike_the_built_one_is_refused_and_reported(
+    node: Callable[[torch.optim.Adam], opttree.Node], message: str | None
+) -> None:
+    """Each would make a reset pass the Adam over while reporting success: a leaf marked as
+    reached before, a wrapper kind with no children. The last is its own tree: passed in
+    for another optimizer's, it resets that one, as asked."""
+    param, optimizer = trained_adam()
+    given = node(optimizer)
+    before = snapshot(optimizer)
+    if message is None:
+        assert opttree.validate(given) == () and opttree.tree(given) is given
+        return
+
+    with pytest.raises(opttree.MalformedWrapper, match=message):
+        opttree.reset(given)
+    problems = opttree.validate(given)
+
+    assert unchanged(optimizer, before) and float(optimizer.state[param]["step"]) == 3
+    assert [p.kind for p in problems] == [opttree.ProblemKind.FOREIGN_TREE]
+    assert "<root>" in opttree.describe(given)
+    assert opttree.reset(opttree.tree(optimizer)).tensors_zeroed == 2  # the tree opttree builds resets it

@@ -55,6 +55,42 @@ def too_deep_in(root: Node) -> list[Problem]:
     return [too_deep(node.optimizer, node.path) for node in level if node.children]
 
 
+def unlike_built(given: Node, built: Node) -> Problem | None:
+    """Where a tree built by hand differs from the tree the adapter builds for its root's
+    optimizer at its root's path, as a problem; None where they are alike. A hand-built
+    node that stands for a leaf shared elsewhere, or a wrapper without the children it
+    holds, would make a reset pass state over in silence. Compared level by level, by
+    identity, within the depth :func:`too_deep_in` allows."""
+    pairs = [(given, built)]
+    while pairs:
+        mine, theirs = pairs.pop()
+        difference = _difference(mine, theirs)
+        if difference is not None:
+            message = (
+                f"{difference}: a tree passed in must be the one opttree.tree(optimizer) builds, "
+                "or a reset could pass state over"
+            )
+            return Problem(ProblemKind.FOREIGN_TREE, mine.path, type(mine.optimizer).__qualname__, message)
+        pairs.extend(reversed(list(zip(mine.children, theirs.children))))
+    return None
+
+
+def _difference(mine: Node, theirs: Node) -> str | None:
+    if type(mine) is not type(theirs):
+        return f"a {type(mine).__name__} where opttree builds a {type(theirs).__name__}"
+    if mine.path != theirs.path:
+        return f"a node at {mine.path!r} where opttree builds one at {theirs.path!r}"
+    if mine.optimizer is not theirs.optimizer:
+        return f"a node for another {type(mine.optimizer).__qualname__} than the one opttree finds there"
+    if len(mine.children) != len(theirs.children):
+        return f"{len(mine.children)} children where opttree builds {len(theirs.children)}"
+    if isinstance(mine, LeafNode) and isinstance(theirs, LeafNode) and mine.shared_with != theirs.shared_with:
+        return f"shared with {mine.shared_with!r} where opttree finds it shared with {theirs.shared_with!r}"
+    if isinstance(mine, HybridNode) and isinstance(theirs, HybridNode) and (mine.gpu is None) != (theirs.gpu is None):
+        return "a GPU sub-optimizer where opttree builds none" if theirs.gpu is None else "no GPU sub-optimizer where opttree builds one"
+    return None
+
+
 class Truncated(NodeVisitor[Node]):
     """A copy of a tree built by hand in which each node nested :data:`MAX_DEPTH` deep
     stands without children, as a lenient :class:`TreeBuilder` leaves a wrapper it refuses."""

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from attrs import evolve
 
 from opttree import _distributed, _paths, _registry
-from opttree._adapter import TreeBuilder, Truncated, too_deep_in
+from opttree._adapter import TreeBuilder, Truncated, too_deep_in, unlike_built
 from opttree._describe import DescribeVisitor
 from opttree._errors import ReleaseRefused
 from opttree._masters import SyncReport, check_masters
@@ -29,12 +29,17 @@ def tree(optimizer: object) -> Node:
     nor a known wrapper (:class:`~opttree.UnknownWrapper` for a Megatron optimizer class
     of no known kind), :class:`~opttree.OptimizerCycle` for a wrapper that contains
     itself or nests deeper than 64 (a tree built by hand too), and
-    :class:`~opttree.MalformedWrapper` for a known wrapper that lacks its parts.
+    :class:`~opttree.MalformedWrapper` for a known wrapper that lacks its parts. A tree
+    passed in is returned as it is where it is the one this builds for its root's
+    optimizer, and refused (``MalformedWrapper``) where it is not.
     """
     if isinstance(optimizer, Node):
         problems = too_deep_in(optimizer)
         if problems:
             raise problems[0].to_error(others=len(problems) - 1)
+        unlike = unlike_built(optimizer, TreeBuilder(_registry.kind_for).build(optimizer.optimizer, optimizer.path))
+        if unlike is not None:
+            raise unlike.to_error()
         return optimizer
     return TreeBuilder(_registry.kind_for).build(optimizer, _paths.ROOT)
 
@@ -42,11 +47,15 @@ def tree(optimizer: object) -> Node:
 def lenient_tree(optimizer: object) -> tuple[Node, list[Problem]]:
     """The tree, and the objects the adapter refused, each standing in it as a wrapper
     without children, for ``validate`` and ``describe``, which report instead of raising;
-    a tree built by hand is refused where it nests too deep, as a built one would be."""
+    a tree built by hand is refused where it nests too deep, as a built one would be, and
+    reported where it is not the tree built for its root's optimizer."""
+    problems: list[Problem] = []
     if isinstance(optimizer, Node):
         too_deep = too_deep_in(optimizer)
-        return (optimizer.accept(Truncated()) if too_deep else optimizer), too_deep
-    problems: list[Problem] = []
+        if too_deep:
+            return optimizer.accept(Truncated()), too_deep
+        unlike = unlike_built(optimizer, TreeBuilder(_registry.kind_for, problems).build(optimizer.optimizer, optimizer.path))
+        return optimizer, [*problems, *([] if unlike is None else [unlike])]
     return TreeBuilder(_registry.kind_for, problems).build(optimizer, _paths.ROOT), problems
 
 

@@ -51,7 +51,8 @@ class RegistrationError(OptTreeError):
 
 
 class MalformedWrapper(OptTreeError):
-    """A known wrapper class lacks the attributes its kind defines, or yields bad children."""
+    """A known wrapper class lacks the attributes its kind defines, or yields bad children;
+    or a tree built by hand is not the one opttree builds for its optimizer."""
 
 
 class UnmappedParameter(OptTreeError):

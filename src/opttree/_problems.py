@@ -69,6 +69,8 @@ class ProblemKind(enum.Enum):
     UNRELEASABLE_STATE = "unreleasable-state"
     """State that ``reset(..., release=True)`` cannot delete: not rebuilt by its optimizer,
     kept state in its entries, captured addresses, or a Megatron wrapper above it."""
+    FOREIGN_TREE = "foreign-tree"
+    """A tree built by hand that is not the one opttree builds for its optimizer."""
     CHECKPOINT_LAYOUT = "checkpoint-layout"
     """A state dict that is not laid out as Megatron writes it, met while saving or loading."""
 
@@ -90,6 +92,7 @@ _ERRORS: dict[ProblemKind, type[OptTreeError]] = {
     ProblemKind.UNKNOWN_WRAPPER: UnknownWrapper,
     ProblemKind.OPTIMIZER_CYCLE: OptimizerCycle,
     ProblemKind.MALFORMED_WRAPPER: MalformedWrapper,
+    ProblemKind.FOREIGN_TREE: MalformedWrapper,
     ProblemKind.HIDDEN_OPTIMIZER: HiddenOptimizer,
     ProblemKind.UNSUPPORTED_OPTIMIZER: UnsupportedOptimizer,
     ProblemKind.PARTIAL_GROUP: PartialResetRefused,
