@@ -309,3 +309,30 @@ def test_a_hybrid_whose_sub_optimizer_state_raises_is_reported_by_the_master_che
     assert any(p.kind is opttree.ProblemKind.MALFORMED_WRAPPER and "reading the copies it keeps raised RuntimeError" in p.message for p in problems)
     with pytest.raises(opttree.MalformedWrapper, match="items refused"):
         opttree.sync_masters(optimizer, model=model)
+
+
+@pytest.mark.parametrize("name", [n for n in ("bf16", "fp32") if n in testing.available()])
+def test_a_model_whose_parameters_the_stack_does_not_step_is_reported_and_not_synced(name: str) -> None:
+    """Megatron's side: ``load_state_dict(..., assign=True)`` puts new tensors in the
+    model, and the stack keeps stepping the old ones, whose copies still match them. opttree
+    reports the model's parameters that no optimizer of the stack steps, and refuses to
+    sync copies that cannot be told to stand for them; an unrelated model alike."""
+    stack = testing.build(name)
+    stack.train(0, K)
+    module = stack.model.module
+    before = [param.detach().clone() for param in stack.main_params()]
+    new = {key: torch.randn_like(value) for key, value in module.state_dict().items()}
+    module.load_state_dict(new, assign=True)
+
+    stack.train(K, 1)  # Megatron steps the tensors it was built over, not the model's
+    stepped = [not torch.equal(a, b) for a, b in zip(stack.main_params(), before, strict=True)]
+    problems = opttree.validate(stack.optimizer, model=stack.model)
+    unrelated = opttree.validate(stack.optimizer, model=torch.nn.Linear(3, 3))
+
+    assert all(stepped) and all(not (p is q) for p, q in zip(module.parameters(), stack.main_params()))
+    for found in (problems, unrelated):
+        assert [p.kind for p in found] == [opttree.ProblemKind.UNCHECKED_MASTER]
+        assert "is stepped by no optimizer of the stack" in found[0].message
+    with pytest.raises(opttree.StaleMaster, match="is stepped by no optimizer of the stack"):
+        opttree.sync_masters(stack.optimizer, model=stack.model)
+    assert opttree.validate(stack.optimizer, model=testing.build(name).model) != ()

@@ -26,7 +26,7 @@ from opttree._errors import OptTreeError
 from opttree._nodes import Node
 from opttree._preflight import Extents, overlap, plain_torch, ranges, unwritable_reason
 from opttree._problems import Problem, ProblemKind
-from opttree._selection import INNER_PARAMS, InnerParams, model_parameters
+from opttree._selection import INNER_PARAMS, InnerParams, model_parameters, tree_params
 
 
 def _walk(node: Node) -> Iterator[Node]:
@@ -211,21 +211,25 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
     seen: set[int] = set()  # a copy reached twice (a GPU sub-optimizer's fp32 copy) is compared once
     compared: list[_Pair] = []
     params: dict[int, tuple[str, torch.Tensor]] = {}
+    readable = True
     for node in _walk(root):
         cls = type(node.optimizer).__qualname__
         try:
             pairs = list(_pairs(node))
         except OptTreeError as error:
             problems.append(error.problem or Problem(ProblemKind.MALFORMED_WRAPPER, node.path, cls, str(error)))
+            readable = False
             continue
         except Exception as error:  # noqa: BLE001  # a wrapper's own containers may raise anything
             message = f"reading the copies it keeps raised {type(error).__name__}: {error}"
             problems.append(Problem(ProblemKind.MALFORMED_WRAPPER, node.path, cls, message))
+            readable = False
             continue
         for param, inner in pairs:
             if not isinstance(cast(object, param), torch.Tensor):
                 message = f"it names a {type(param).__qualname__} as a parameter its copies stand for, expected a tensor"
                 problems.append(Problem(ProblemKind.UNCHECKED_MASTER, node.path, cls, message))
+                readable = False
                 continue
             name = _param_name(names, param)
             params.setdefault(id(param), (name, param))
@@ -247,6 +251,8 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
                     problems.append(Problem(ProblemKind.UNCHECKED_MASTER, node.path, cls, message))
                     continue
                 compared.append(_Pair(node.path, cls, name, param, copy, part))
+    if readable:  # else what the stack steps is not known, which is reported already
+        _check_held(root, model_params, params, problems)
     stale: list[tuple[_Pair, Problem]] = []
     for pair, differ in _stale_pairs(compared):
         if isinstance(differ, str):
@@ -260,6 +266,23 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
         problems.append(Problem(ProblemKind.STALE_MASTER, pair.path, pair.cls, message))
         stale.append((pair, problems[-1]))
     return MasterCheck(tuple(problems), tuple(stale), tuple(compared), tuple(params.values()), tuple(model_params))
+
+
+def _check_held(
+    root: Node, model_params: list[tuple[str, torch.Tensor]], stepped: dict[int, tuple[str, torch.Tensor]], problems: list[Problem]
+) -> None:
+    """The model's trainable parameters must be the ones the stack steps: a stack built
+    over tensors the model no longer has (``load_state_dict(..., assign=True)`` puts new
+    ones in its place) keeps training those, and its copies match them, not the model."""
+    held = {*stepped, *map(id, tree_params(root))}
+    missing = [name for name, param in model_params if param.requires_grad and id(param) not in held]
+    if missing:
+        message = (
+            f"the model's parameter {missing[0]} ({len(missing)} of its trainable parameters in all) is stepped by no "
+            "optimizer of the stack: the stack was built over other tensors (load_state_dict(..., assign=True) "
+            "replaces a model's parameters), or another optimizer steps it; its copies cannot be told to stand for it"
+        )
+        problems.append(Problem(ProblemKind.UNCHECKED_MASTER, root.path, type(root.optimizer).__qualname__, message))
 
 
 def _elements(tensor: torch.Tensor) -> str:
