@@ -205,3 +205,14 @@ def test_a_tree_built_by_hand_unlike_the_built_one_is_refused_and_reported(
     assert [p.kind for p in problems] == [opttree.ProblemKind.FOREIGN_TREE]
     assert "<root>" in opttree.describe(given)
     assert opttree.reset(opttree.tree(optimizer)).tensors_zeroed == 2  # the tree opttree builds resets it
+
+
+@pytest.mark.parametrize("flag", ["release", "keep_loss_scale"])
+def test_a_flag_that_is_not_a_bool_is_refused_with_nothing_changed(flag: str) -> None:
+    """``release="False"``, read from a config as a string, is true: it would delete every
+    state entry."""
+    optimizer = stepped_adamw(2)
+    before = snapshot(optimizer)
+    with pytest.raises(opttree.OptTreeError, match=f"{flag} must be True or False, got a str"):
+        opttree.reset(optimizer, **{flag: "False"})  # type: ignore[arg-type]
+    assert unchanged(optimizer, before) and len(optimizer.state) == 2

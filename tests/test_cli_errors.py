@@ -52,6 +52,12 @@ def failing() -> object:
     raise ValueError("no optimizer today")
 
 
+def exiting() -> object:
+    """A training entry point that exits where it has nothing to do: a CI gate running
+    ``opttree validate`` on it must fail, not pass having validated nothing."""
+    sys.exit(0)
+
+
 def run(command: str, factory: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "opttree", command, factory], capture_output=True, text=True, check=False, timeout=180
@@ -82,6 +88,7 @@ def test_describe_json_gives_a_refused_part_as_a_childless_wrapper(capsys: pytes
     [
         ("nothing", "tests.test_cli_errors:nothing() returned a NoneType, not an optimizer: expected a torch.optim.Optimizer"),
         ("failing", "tests.test_cli_errors:failing() raised ValueError: no optimizer today"),
+        ("exiting", "tests.test_cli_errors:exiting() raised SystemExit(0) before returning an optimizer"),
     ],
 )
 def test_a_factory_that_gives_no_optimizer_is_one_line_and_a_failure(
@@ -103,3 +110,9 @@ def test_validate_prints_the_problems_and_fails_on_an_error(capsys: pytest.Captu
 
     assert main(["validate", "tests.test_cli:homegrown", "--json"]) == 1
     assert json.loads(capsys.readouterr().out) == {"problems": [p.to_dict() for p in opttree.validate(homegrown())]}
+
+
+def test_a_factory_that_exits_fails_the_command_in_a_shell() -> None:
+    finished = run("validate", "tests.test_cli_errors:exiting")
+    assert finished.returncode == 1 and finished.stdout == ""
+    assert finished.stderr.strip() == "tests.test_cli_errors:exiting() raised SystemExit(0) before returning an optimizer"

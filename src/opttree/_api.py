@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -11,7 +12,7 @@ from attrs import evolve
 from opttree import _distributed, _paths, _registry
 from opttree._adapter import TreeBuilder, Truncated, too_deep_in, unlike_built
 from opttree._describe import DescribeVisitor
-from opttree._errors import ReleaseRefused
+from opttree._errors import OptTreeError, ReleaseRefused
 from opttree._masters import SyncReport, check_masters
 from opttree._masters import sync_masters as _sync_masters
 from opttree._nodes import Node
@@ -118,6 +119,10 @@ def reset(
     :class:`~opttree.ReleaseRefused` and changes nothing. ``keys`` cannot be combined
     with it: an entry is deleted whole, or the optimizer would not rebuild it.
     """
+    for name, flag in (("keep_loss_scale", keep_loss_scale), ("release", release)):
+        if not isinstance(cast(object, flag), bool):  # release="False" would delete every entry
+            msg = f"{name} must be True or False, got a {type(flag).__qualname__}"
+            raise OptTreeError(msg)
     if release and keys is not None:
         msg = "release=True deletes whole state entries, which their optimizer builds again: leave keys out"
         raise ReleaseRefused(msg)

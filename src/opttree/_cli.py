@@ -63,8 +63,8 @@ def load_factory(spec: str) -> Callable[[], object]:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except Exception as error:
-        msg = f"importing {module_name} raised {type(error).__name__}: {error}"
+    except (Exception, SystemExit) as error:  # a module that exits at import validated nothing
+        msg = f"importing {module_name} raised {_raised(error)}"
         raise SystemExit(msg) from error
     factory: object = getattr(module, attribute, None)
     if not callable(factory):
@@ -78,9 +78,15 @@ def call_factory(spec: str) -> object:
     factory = load_factory(spec)
     try:
         return factory()
-    except Exception as error:
-        msg = f"{spec}() raised {type(error).__name__}: {error}"
+    except (Exception, SystemExit) as error:  # sys.exit(0) in the factory must not pass as validated
+        msg = f"{spec}() raised {_raised(error)}"
         raise SystemExit(msg) from error
+
+
+def _raised(error: BaseException) -> str:
+    if isinstance(error, SystemExit):
+        return f"SystemExit({error.code!r}) before returning an optimizer"
+    return f"{type(error).__name__}: {error}"
 
 
 def refuse_non_optimizer(spec: str, problems: Sequence[Problem]) -> None:
