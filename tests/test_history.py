@@ -294,3 +294,28 @@ def test_float64_history_is_pruned_by_a_float64_threshold() -> None:
     opttree.prune(optimizer, 0.3, keys=["exp_avg"])
     pruned = next(iter(optimizer.state.values()))["exp_avg"]
     assert int((pruned == 0).sum()) == 3 and torch.equal(pruned, values * (values > torch.quantile(values, 0.3)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_history_is_compared_with_an_unrounded_threshold(dtype: torch.dtype) -> None:
+    """The 0.9 quantile of [1, 1.0078125] is 1.00703; rounded to bfloat16 it is 1.0078125,
+    which would prune the element above it too."""
+    values = torch.tensor([1.0, 1.0078125], dtype=dtype)
+    optimizer = one_adamw(values.clone())
+    opttree.prune(optimizer, 0.9, keys=["exp_avg"])
+    pruned = next(iter(optimizer.state.values()))["exp_avg"]
+    assert pruned.tolist() == [0.0, 1.0078125]
+
+
+def test_nan_history_is_pruned_and_the_rest_ranked_among_themselves() -> None:
+    """11 NaN among 1000: the quantile of the 989 others keeps their largest 1%, where a
+    quantile over NaN is NaN and would prune every element."""
+    values = torch.arange(1.0, 1001.0)
+    values[:11] = float("nan")
+    optimizer = one_adamw(values.clone())
+    opttree.prune(optimizer, 0.99, keys=["exp_avg"])
+    pruned = next(iter(optimizer.state.values()))["exp_avg"]
+    finite = values[11:]
+    kept = finite > torch.quantile(finite, 0.99)
+    assert not pruned[:11].isnan().any() and not pruned[:11].any()
+    assert torch.equal(pruned[11:] != 0, kept) and int(kept.sum()) == 10

@@ -100,13 +100,21 @@ def _tensors(plan: ResetPlan) -> list[torch.Tensor]:
     return [t for tensors in plan.state.lists.values() for t in tensors]
 
 
-def _threshold(magnitude: torch.Tensor, fraction: float) -> torch.Tensor:
-    """``torch.quantile(magnitude, fraction)`` (linear), without quantile's size limit,
-    in float32 or, for float64 history, in float64."""
-    ordered = magnitude.flatten().to(torch.promote_types(magnitude.dtype, torch.float32)).sort().values
-    position = fraction * (ordered.numel() - 1)
-    low, high = int(position), min(int(position) + 1, ordered.numel() - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+def _kept_by_magnitude(magnitude: torch.Tensor, fraction: float) -> torch.Tensor:
+    """Where ``magnitude`` is above its ``fraction`` quantile (linear, as
+    ``torch.quantile``, without its size limit), computed and compared in float32, or
+    float64 for float64 history: a threshold rounded to bfloat16 or float16 could round
+    up past elements above it. The quantile is of the elements that are not NaN (which
+    sort last, and would make it NaN where they are many): NaN is above no threshold."""
+    wide = magnitude.flatten().to(torch.promote_types(magnitude.dtype, torch.float32))
+    ordered = wide.sort().values
+    count = int(ordered.numel() - ordered.isnan().sum())
+    if count == 0:
+        return torch.zeros_like(magnitude, dtype=torch.bool)
+    position = fraction * (count - 1)
+    low, high = int(position), min(int(position) + 1, count - 1)
+    threshold = ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    return (wide > threshold).reshape(magnitude.shape)
 
 
 def prune(
@@ -126,7 +134,7 @@ def prune(
     share, drawn from ``generator`` tensor by tensor, key by key and then in the leaf's
     parameter order. Pruned elements become +0 (multiplying by a mask would leave -0, and
     NaN), and a NaN element, whose magnitude is above no threshold, is pruned by
-    magnitude; so ``fraction=1.0`` zeroes them bitwise as a reset of those keys does; step
+    magnitude, the quantile being of the other elements; so ``fraction=1.0`` zeroes them bitwise as a reset of those keys does; step
     counters are kept. Raises as ``reset`` does, having changed nothing.
 
     "Each tensor" is each tensor a leaf holds. Under a ``DistributedOptimizer`` that is this
@@ -151,8 +159,7 @@ def prune(
             raise PartialResetRefused(msg)
 
     def by_magnitude(t: torch.Tensor) -> torch.Tensor:
-        magnitude = t.abs()
-        return magnitude > _threshold(magnitude, share).to(t.dtype)
+        return _kept_by_magnitude(t.abs(), share)
 
     def at_random(t: torch.Tensor) -> torch.Tensor:
         return torch.rand(t.shape, generator=generator, device=t.device) > share
