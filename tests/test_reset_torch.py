@@ -167,3 +167,21 @@ def test_a_partial_reset_of_a_first_step_fill_is_refused_and_one_leaving_it_alon
 
     assert report.tensors_zeroed == 4 and all(not entry["prev"].any() for entry in optimizer.state.values())
     assert all(torch.equal(entry["step_size"], size) for entry, size in zip(optimizer.state.values(), sizes, strict=True))
+
+
+def test_a_partial_reset_by_parameters_of_a_first_step_fill_says_which_keys_to_name() -> None:
+    """A reset by ``params`` alone keeps step counters, so it cannot delete Rprop's entries
+    whole: refused, naming the keys that can; given them, the selected entries are deleted,
+    and the others kept."""
+    net = model()
+    optimizer = torch.optim.Rprop(net.parameters(), lr=0.01)
+    train(net, optimizer, 0, 2)
+    first, *others = list(net.parameters())
+    kept = {id(p): optimizer.state[p]["step_size"].clone() for p in others}
+
+    with pytest.raises(opttree.PartialResetRefused, match=r"pass keys=\['prev', 'step', 'step_size'\]"):
+        opttree.reset(optimizer, params=[first])
+    opttree.reset(optimizer, params=[first], keys=["prev", "step", "step_size"])
+
+    assert first not in optimizer.state
+    assert all(torch.equal(optimizer.state[p]["step_size"], kept[id(p)]) for p in others)

@@ -249,10 +249,12 @@ class LeafInspector:
         if not any(map(self.selection.resets, self.schema.filled)):
             return False
         if not all(map(self.selection.resets, resettable)):
+            named = ", ".join(repr(key) for key in sorted(resettable))
             message = (
                 f"its {', '.join(sorted(self.schema.filled))} start from its group's values at its first step, and "
-                f"a reset of them without all of {', '.join(sorted(resettable))} cannot delete its entries for it to "
-                "build them again: name all of them in keys, or none of its filled keys"
+                f"a reset of them without all of {named} cannot delete its entries for it to build them again "
+                f"(a partial reset keeps step counters unless keys names 'step'): pass keys=[{named}], "
+                "or keys without its filled ones"
             )
             self.problem(node, ProblemKind.PARTIAL_GROUP, message)
             return False
