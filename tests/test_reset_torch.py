@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -185,3 +187,56 @@ def test_a_partial_reset_by_parameters_of_a_first_step_fill_says_which_keys_to_n
 
     assert first not in optimizer.state
     assert all(torch.equal(optimizer.state[p]["step_size"], kept[id(p)]) for p in others)
+
+
+def differentiable_run(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer], how: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights and the gradient through two steps after a reset (``how``) or with a fresh
+    optimizer, of a differentiable optimizer over a non-leaf parameter, as in meta-learning."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 3, requires_grad=True)
+    first, then = torch.randn(4, 3), torch.randn(4, 3)
+    p = w * 1.0
+    optimizer = make([p])
+    for i in range(2):
+        p.grad = w * first * (i + 1)
+        optimizer.step()
+    if how == "fresh":
+        optimizer = make([p])
+    else:
+        opttree.reset(optimizer, release=how == "release")
+    for i in range(2):
+        p.grad = w * then * (i + 1)
+        optimizer.step()
+    torch.autograd.backward((p**2).sum())
+    assert w.grad is not None
+    return p.detach().clone(), w.grad.clone()
+
+
+DIFFERENTIABLE: list[tuple[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer], str]] = [
+    ("Adam", lambda ps: torch.optim.Adam(ps, lr=0.01, differentiable=True), "release"),
+    ("RMSprop", lambda ps: torch.optim.RMSprop(ps, lr=0.01, differentiable=True), "release"),
+    ("SGD", lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9, differentiable=True), "reset"),
+]
+
+
+@pytest.mark.parametrize(("make", "exact"), [case[1:] for case in DIFFERENTIABLE], ids=[case[0] for case in DIFFERENTIABLE])
+def test_a_differentiable_optimizers_history_is_not_zeroed_in_place(
+    make: Callable[[list[torch.Tensor]], torch.optim.Optimizer], exact: str
+) -> None:
+    """Zeroed in place, its history keeps its autograd graph: the weights match a fresh
+    optimizer's and the gradients through them do not. Refused, with nothing changed;
+    released (or dropped, as SGD's buffer is), the gradients match too."""
+    w = torch.randn(4, 3, requires_grad=True)
+    p = w * 1.0
+    optimizer = make([p])
+    p.grad = w * 2.0
+    optimizer.step()
+    if exact == "release":
+        before = {key: value.detach().clone() for key, value in optimizer.state[p].items()}
+        with pytest.raises(opttree.UnsupportedOptimizerState, match="differentiable=True and its state carries autograd history"):
+            opttree.reset(optimizer)
+        assert all(torch.equal(optimizer.state[p][key].detach(), value) for key, value in before.items())
+
+    weights, gradient = differentiable_run(make, exact)
+    fresh_weights, fresh_gradient = differentiable_run(make, "fresh")
+    assert torch.equal(weights, fresh_weights) and torch.equal(gradient, fresh_gradient)

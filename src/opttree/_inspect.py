@@ -41,6 +41,27 @@ _DTYPE_AND_DEVICE = operator.attrgetter("dtype", "device")
 _OPTIMIZER = operator.attrgetter("optimizer")
 
 
+_DIFFERENTIABLE = (
+    "it is differentiable=True and its state carries autograd history, which zeroing in place keeps: "
+    "gradients through its next steps would flow into the history a fresh optimizer does not have; "
+    "reset it with release=True, which deletes its entries for its next step to build"
+)
+
+
+def _differentiable(optimizer: torch.optim.Optimizer) -> bool:
+    return any(group.get("differentiable") for group in optimizer.param_groups)
+
+
+def _carries_history(state: Mapping[torch.Tensor, StateEntry], actions: Mapping[str, KeyAction]) -> bool:
+    """Whether a tensor a reset writes in place takes part in autograd, as a differentiable
+    optimizer's state does after a step under grad mode (one it drops takes its history along)."""
+    written = [value for entry in state.values() for key, value in entry.items() if actions.get(key) not in _NOT_WRITTEN]
+    return any(tensor.requires_grad for tensor in tensors_held(written))
+
+
+_NOT_WRITTEN = (KeyAction.DROP, KeyAction.KEEP, None)
+
+
 _NOT_EXACT_IN_PLACE = (
     "a reset deletes its entries, whose values it builds from its group's at its first step, and "
     "filled in place they would keep today's lr: it cannot be reset exactly"
@@ -186,6 +207,9 @@ class LeafInspector:
             return
         if self.schema.indivisible and self.takes_part(node, in_groups, state):
             return
+        if not self.selection.release and _differentiable(optimizer) and _carries_history(state, self.actions):
+            self.problem(node, ProblemKind.UNWRITABLE_STATE, _DIFFERENTIABLE)
+            return
         plan.leaves += self.selection.reaches(in_groups)
         if self.selection.release:
             self.plan_release(node, plan.state)
@@ -229,6 +253,8 @@ class LeafInspector:
         groups, params, states, held, entries = found
         if any(map(operator.contains, groups, repeat("step"))) and any(group.get("step") is not None for group in groups):
             return None
+        if any(group.get("differentiable") for group in groups):
+            return None  # its state may carry autograd history: looked at leaf by leaf
         with plain_reads():
             if len(set(map(_DTYPE_AND_DEVICE, params))) > 1:
                 return None
@@ -468,7 +494,8 @@ class LeafInspector:
         if not self.schema.rebuilds_missing:
             message = (
                 "its schema does not say that it builds a missing state entry again on its next step "
-                "(torch's Adagrad builds its state in __init__): reset it without release"
+                "(torch's Adagrad builds its state in __init__, and not every supported torch release builds a "
+                "missing entry again): reset it without release"
             )
             self.problem(node, ProblemKind.UNRELEASABLE_STATE, message)
             return

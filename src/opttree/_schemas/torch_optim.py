@@ -8,7 +8,9 @@ values (Rprop's and ASGD's entries are deleted instead where a reset takes them 
 read the lr at their first step); SGD's ``momentum_buffer`` (a copy of the first gradient) and everything LBFGS keeps
 (lists, numbers and tensors it builds on its first step) are dropped. Every per-parameter
 step starts as a float tensor but SparseAdam's, an int. Every class but
-Adagrad builds a missing entry again on its next step, so its state can be released.
+Adagrad builds a missing entry again on its next step, so its state can be released
+(Adagrad builds its state in ``__init__``; torch 2.13 and 2.14 also build a missing entry on
+a step, which opttree, supporting torch from 2.4, does not rely on).
 """
 
 from __future__ import annotations
