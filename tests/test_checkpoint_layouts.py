@@ -250,3 +250,16 @@ def test_a_layer_wise_chain_loads_master_weights_by_index_and_refuses_them_short
 
     assert refused.value.problem is not None and refused.value.problem.path == "chained[0]"
     assert same(state, given)
+
+
+def test_the_checkpoint_functions_take_the_tree_of_a_stack_as_the_others_do(tmp_path: Path) -> None:
+    stack = recipe("fp32")
+    root = opttree.tree(stack.optimizer)
+    with stack.device:
+        state = opttree.sharded_state_dict(root, model_state(stack))
+        loaded = fresh_like(stack)
+        opttree.load_state_dict(opttree.tree(loaded.optimizer), copy.deepcopy(saved(stack)))
+    assert "common_step" in entries(state)
+    loaded.train(K, K)
+    stack.train(K, K)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.main_params(), stack.main_params(), strict=True))

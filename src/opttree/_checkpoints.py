@@ -58,12 +58,12 @@ def _has_steps(entries: dict[object, object]) -> bool:
 
 
 def _megatron_root(optimizer: object) -> Node:
-    root = tree(optimizer)
-    if isinstance(root, LeafNode) or not hasattr(optimizer, "sharded_state_dict"):
+    root = tree(optimizer)  # a tree passed in stands for its root's optimizer
+    if isinstance(root, LeafNode) or not hasattr(root.optimizer, "sharded_state_dict"):
         problem = Problem(
             ProblemKind.CHECKPOINT_LAYOUT,
             root.path,
-            type(optimizer).__qualname__,
+            type(root.optimizer).__qualname__,
             "not a Megatron optimizer: it has no sharded_state_dict",
         )
         raise problem.to_error()
@@ -90,7 +90,7 @@ def sharded_state_dict(
         raise layout_error(root, "model_sharded_state_dict", f"is a {what}, where Megatron takes the model's sharded state dict")
     if given[1] is not None and not isinstance(given[1], dict):
         raise layout_error(root, "metadata", f"is a {type(given[1]).__qualname__}, where Megatron takes a dict or None")
-    sharded_state_dict_of = getattr(optimizer, "sharded_state_dict")
+    sharded_state_dict_of = getattr(root.optimizer, "sharded_state_dict")
     state: dict[str, object] = _megatrons(
         root, "sharded_state_dict", lambda: sharded_state_dict_of(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
     )
@@ -125,7 +125,7 @@ def load_state_dict(
     ]
     for leaf, entries in stepless:
         entries[STEP_KEY] = _fresh_step(leaf)
-    load = getattr(optimizer, "load_state_dict")
+    load = getattr(root.optimizer, "load_state_dict")
     _megatrons(root, "load_state_dict", lambda: load(state_dict))
 
 
