@@ -139,7 +139,9 @@ def sync_masters(optimizer: object, *, model: torch.nn.Module | None = None) -> 
 
     Megatron's own ``reload_model_params()`` does it where the stack has it; the copies
     are then compared again, and any still stale (or, without a reload, every stale one)
-    are written by opttree and named in the report. ``model`` only names parameters.
+    are written by opttree and named in the report. ``model`` names the parameters, and
+    must be one the stack steps some trainable parameters of (else, as after
+    ``load_state_dict(..., assign=True)``, its copies stand for other tensors).
     Raises :class:`~opttree.StaleMaster`, having written nothing, where a copy's part of
     its parameter is not known.
     """

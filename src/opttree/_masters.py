@@ -271,16 +271,18 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
 def _check_held(
     root: Node, model_params: list[tuple[str, torch.Tensor]], stepped: dict[int, tuple[str, torch.Tensor]], problems: list[Problem]
 ) -> None:
-    """The model's trainable parameters must be the ones the stack steps: a stack built
-    over tensors the model no longer has (``load_state_dict(..., assign=True)`` puts new
-    ones in its place) keeps training those, and its copies match them, not the model."""
+    """The stack must step some of the model's trainable parameters: one built over
+    tensors the model no longer has (``load_state_dict(..., assign=True)`` puts new ones
+    in their place) keeps training those, and its copies match them, not the model. Some
+    not stepped is no problem: other optimizers may step them (a chain member checked
+    with the whole model, an embedding under its own optimizer)."""
     held = {*stepped, *map(id, tree_params(root))}
-    missing = [name for name, param in model_params if param.requires_grad and id(param) not in held]
-    if missing:
+    trainable = [name for name, param in model_params if param.requires_grad]
+    if trainable and not any(id(param) in held for _, param in model_params if param.requires_grad):
         message = (
-            f"the model's parameter {missing[0]} ({len(missing)} of its trainable parameters in all) is stepped by no "
-            "optimizer of the stack: the stack was built over other tensors (load_state_dict(..., assign=True) "
-            "replaces a model's parameters), or another optimizer steps it; its copies cannot be told to stand for it"
+            f"the stack steps none of the model's {len(trainable)} trainable parameters ({trainable[0]} first): it was "
+            "built over other tensors (load_state_dict(..., assign=True) replaces a model's parameters), or the "
+            "model is not its; its copies cannot be told to stand for the model's weights"
         )
         problems.append(Problem(ProblemKind.UNCHECKED_MASTER, root.path, type(root.optimizer).__qualname__, message))
 
