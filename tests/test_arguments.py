@@ -42,10 +42,12 @@ class UnreadableModel(torch.nn.Module):
         (lambda o: opttree.prune(o, 0.5, keys=5), "keys must be a state key or a list of them, got a int"),  # type: ignore[arg-type]
         (lambda o: opttree.validate(o, group="world"), "group must be a process group of an initialised torch.distributed, got a str"),  # type: ignore[arg-type]
         (lambda o: opttree.describe(o, group=5), "group must be a process group"),  # type: ignore[arg-type]
+        (lambda o: opttree.reset(o, group="world"), "group must be a process group"),  # type: ignore[arg-type]
     ],
     ids=[
         "params int", "keys int", "keys unhashable", "params one tensor", "params one module", "model dict", "model unreadable",
         "params empty", "predicate matches none", "keys empty", "prune keys int", "validate group str", "describe group int",
+        "reset group str",
     ],
 )
 def test_a_reset_refuses_arguments_of_the_wrong_kind(call: Callable[[torch.optim.Optimizer], object], message: str) -> None:

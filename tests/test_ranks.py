@@ -136,3 +136,47 @@ def test_a_layer_wise_partial_reset_selects_parameters_of_other_ranks_with_nothi
 
     everything = [name for name, _ in testing.build("dist_muon").model.named_parameters()]
     assert results == [everything, everything]
+
+
+class AgreedResult(NamedTuple):
+    rank: int
+    alone: str
+    agreed: str
+    changed: int
+
+
+def refused_on_one_rank() -> AgreedResult:
+    """``"step"`` for ``up`` and ``down.weight``: the rank holding ``down.weight`` but not
+    ``down.bias`` holds part of a step unit and refuses, the other holds all of its own.
+    Alone, each rank decides for itself; with ``group``, they agree."""
+    stack = testing.build("dist_fp32")
+    stack.train(0, K)
+    named = dict(stack.model.named_parameters())
+    chosen = [named["module.up.weight"], named["module.up.bias"], named["module.down.weight"]]
+    before = [v.clone() for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values()]
+    outcomes = []
+    for group in (None, dist.group.WORLD):
+        try:
+            opttree.reset(stack.optimizer, params=chosen, keys=["step"], group=group)
+            outcomes.append("reset")
+        except opttree.OptTreeError as error:
+            outcomes.append(f"{type(error).__name__}: {error}")
+        if group is None:  # put it back, to try again in agreement
+            after = [v for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values()]
+            for old, new in zip(before, after, strict=True):
+                new.copy_(old)
+    after = [v for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values()]
+    changed = sum(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    return AgreedResult(dist.get_rank(), outcomes[0], outcomes[1], changed)
+
+
+def test_ranks_given_the_group_refuse_a_partial_reset_alike() -> None:
+    results = testing.run_ranks(refused_on_one_rank, 2)
+
+    alone = [r.alone for r in results]
+    assert "reset" in alone and any(outcome.startswith("PartialResetRefused") for outcome in alone)  # apart
+    refusing = next(r.rank for r in results if r.alone != "reset")
+    for r in results:
+        assert r.agreed.startswith("PartialResetRefused") and r.changed == 0
+        if r.rank != refusing:
+            assert f"rank {refusing}:" in r.agreed

@@ -95,6 +95,7 @@ def reset(
     model: torch.nn.Module | None = None,
     keep_loss_scale: bool = False,
     release: bool = False,
+    group: dist.ProcessGroup | None = None,
 ) -> ResetReport:
     """Reset optimizer history so the next step equals a fresh optimizer's.
 
@@ -118,7 +119,35 @@ def reset(
     checkpoints of an emptied state fail; otherwise it raises
     :class:`~opttree.ReleaseRefused` and changes nothing. ``keys`` cannot be combined
     with it: an entry is deleted whole, or the optimizer would not rebuild it.
+
+    With a process group (collective: call it on every rank of ``group``), the ranks
+    agree before any writes: where one refuses, every rank raises, naming that rank, and
+    none changes anything. A partial reset's checks see each rank's own shards, so
+    without it one rank can refuse what another carries out.
     """
+    try:
+        visitor = _planned_reset(optimizer, params, keys, model, keep_loss_scale=keep_loss_scale, release=release)
+    except OptTreeError as error:
+        if group is not None:
+            _distributed.agree(group, error)  # every rank learns of it, and raises
+        raise
+    if group is not None:
+        refused = _distributed.agree(group, None)
+        if refused is not None:
+            raise refused
+    return visitor.carry_out()
+
+
+def _planned_reset(
+    optimizer: object,
+    params: Iterable[torch.Tensor] | Callable[[str], bool] | None,
+    keys: Iterable[str] | None,
+    model: torch.nn.Module | None,
+    *,
+    keep_loss_scale: bool,
+    release: bool,
+) -> ResetVisitor:
+    """A reset checked and planned, ready to carry out; its refusal raised."""
     for name, flag in (("keep_loss_scale", keep_loss_scale), ("release", release)):
         if not isinstance(cast(object, flag), bool):  # release="False" would delete every entry
             msg = f"{name} must be True or False, got a {type(flag).__qualname__}"
@@ -130,7 +159,11 @@ def reset(
     selection = EVERYTHING if params is None and keys is None else select(root, params, keys, model)
     if release:
         selection = evolve(selection, release=True)
-    return ResetVisitor._selecting(selection, keep_loss_scale=keep_loss_scale).reset(root)
+    visitor = ResetVisitor._selecting(selection, keep_loss_scale=keep_loss_scale)
+    refused = visitor.refusal(root)
+    if refused is not None:
+        raise refused
+    return visitor
 
 
 def sync_masters(optimizer: object, *, model: torch.nn.Module | None = None) -> SyncReport:

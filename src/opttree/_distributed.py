@@ -82,10 +82,32 @@ def summarise(root: Node, problems: tuple[Problem, ...] = ()) -> RankSummary:
     return RankSummary(dist.get_rank(), root.accept(ShapeVisitor()), state_bytes.total, problems)
 
 
+def _check_group(group: object) -> None:
+    if not isinstance(group, dist.ProcessGroup) or not dist.is_initialized():
+        raise OptTreeError(f"group must be a process group of an initialised torch.distributed, got a {type(group).__qualname__}")
+
+
+def agree(group: dist.ProcessGroup, refused: OptTreeError | None) -> OptTreeError | None:
+    """Collective: this rank's refusal, or, where it has none, the first other rank's, so
+    that every rank of ``group`` refuses or goes ahead alike (a check can pass on one
+    rank's shards and fail on another's)."""
+    _check_group(group)
+    found = None if refused is None else (str(refused), refused.problem)
+    gathered: list[tuple[str, Problem | None] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, found, group=group)
+    if refused is not None:
+        return refused
+    for index, item in enumerate(gathered):
+        if item is not None:
+            text, problem = item
+            rank = dist.get_global_rank(group, index)
+            return problem.on_rank(rank).to_error() if problem is not None else OptTreeError(f"rank {rank}: {text}")
+    return None
+
+
 def gather(root: Node, group: dist.ProcessGroup, problems: tuple[Problem, ...] = ()) -> list[RankSummary] | None:
     """Every rank's summary of its tree on group rank 0, in rank order; ``None`` on the other ranks."""
-    if not isinstance(cast(object, group), dist.ProcessGroup) or not dist.is_initialized():
-        raise OptTreeError(f"group must be a process group of an initialised torch.distributed, got a {type(group).__qualname__}")
+    _check_group(group)
     summary = summarise(root, problems)
     leader = dist.get_global_rank(group, 0)
     is_leader = dist.get_rank() == leader
