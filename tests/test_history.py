@@ -219,9 +219,7 @@ def test_history_of_a_dtype_prune_or_scale_cannot_change_is_refused_before_any_w
     assert bits(history(optimizer)) == bits(before)
     opttree.scale(optimizer, 0.5)  # complex history scales
     assert all(torch.equal(a, 0.5 * b) for a, b in zip(history(optimizer), before, strict=True))
-    _, trained_adamw = trained()
-    last = list(trained_adamw.state.values())[-1]
-    last["exp_avg"] = torch.ones(3, dtype=torch.int32)
+    trained_adamw = after_float_history(torch.ones(3, dtype=torch.int32))
     kept = history(trained_adamw)
     with pytest.raises(opttree.PartialResetRefused, match="scale changes floating-point or complex history, and 'exp_avg' holds torch.int32"):
         opttree.scale(trained_adamw, 0.5)
@@ -239,14 +237,26 @@ def test_scale_refuses_a_factor_that_would_make_history_infinite() -> None:
 
 
 def one_adamw(history: torch.Tensor, key: str = "exp_avg") -> torch.optim.AdamW:
-    """An AdamW stepped once over a parameter, and then one more, an empty one, whose
-    ``key`` is ``history``."""
-    params = [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(0))]
+    """An AdamW over a parameter shaped and typed as ``history`` and an empty one, stepped
+    once where torch's AdamW steps that dtype, whose first ``key`` is ``history``."""
+    steps = history.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    params = [torch.nn.Parameter(torch.zeros_like(history), requires_grad=steps), torch.nn.Parameter(torch.ones(0))]
     optimizer = torch.optim.AdamW(params)
     for p in params:
-        p.grad = torch.ones_like(p)
+        p.grad = torch.ones_like(p) if p.requires_grad else None
     optimizer.step()
     optimizer.state[params[0]][key] = history
+    return optimizer
+
+
+def after_float_history(history: torch.Tensor) -> torch.optim.AdamW:
+    """An AdamW stepped over a float32 parameter, then holding ``history`` as the
+    ``exp_avg`` of a parameter of its dtype and shape that torch's AdamW does not step."""
+    first, second = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.zeros_like(history), requires_grad=False)
+    optimizer = torch.optim.AdamW([first, second])
+    first.grad = torch.ones_like(first)
+    optimizer.step()
+    optimizer.state[second].update(exp_avg=history, exp_avg_sq=torch.zeros_like(history), step=torch.tensor(1.0))
     return optimizer
 
 
@@ -276,8 +286,7 @@ def test_scale_passes_over_empty_history() -> None:
 
 def test_float8_history_is_refused_by_prune_before_any_write() -> None:
     """torch compares no float8 tensors: prune raised after pruning the tensors before."""
-    _, optimizer = trained()
-    list(optimizer.state.values())[-1]["exp_avg"] = torch.ones(3).to(torch.float8_e4m3fn)
+    optimizer = after_float_history(torch.ones(3).to(torch.float8_e4m3fn))
     before = [t.float() for t in history(optimizer)]
     with pytest.raises(opttree.PartialResetRefused, match="'exp_avg' holds torch.float8_e4m3fn"):
         opttree.prune(optimizer, 0.5)

@@ -173,7 +173,7 @@ def test_an_error_in_one_of_many_sub_optimizers_names_it_and_changes_nothing(
 def test_state_held_for_a_neighbours_parameter_is_a_warning_at_the_holder() -> None:
     optimizer, _, _ = trained_hybrid()
     subs: list[torch.optim.Optimizer] = optimizer.cpu_optimizers
-    cross_leaf_orphan(subs[17], subs[18])
+    cross_leaf_orphan(subs[17], subs[24])  # a neighbour's parameter of its size: seven sizes in turn
 
     problems = opttree.validate(optimizer)
 

@@ -298,3 +298,9 @@ def test_kept_state_in_containers_that_shares_memory_with_history_is_refused(hol
         entry["snapshots"] = [entry["exp_avg"].clone()]
     report = opttree.reset(optimizer)
     assert report.bytes_kept == sum(entry["snapshots"][0].nbytes for entry in optimizer.state.values())
+
+
+def test_like_param_names_only_zeroed_or_filled_keys() -> None:
+    with pytest.raises(opttree.RegistrationError, match=r"like_param names \['master_param'\], which are neither zeroed nor filled"):
+        opttree.StateSchema(zero={"exp_avg"}, keep={"master_param"}, like_param={"exp_avg", "master_param"})
+    assert opttree.StateSchema(zero={"exp_avg"}, like_param={"exp_avg"}).like_param == frozenset({"exp_avg"})

@@ -240,3 +240,40 @@ def test_a_differentiable_optimizers_history_is_not_zeroed_in_place(
     weights, gradient = differentiable_run(make, exact)
     fresh_weights, fresh_gradient = differentiable_run(make, "fresh")
     assert torch.equal(weights, fresh_weights) and torch.equal(gradient, fresh_gradient)
+
+
+@pytest.mark.parametrize("name", ["Adagrad", "RMSprop", "Adam"])
+@pytest.mark.parametrize("change", ["cast", "resized"])
+def test_history_unlike_its_cast_or_resized_parameter_is_refused_and_released_exactly(name: str, change: str) -> None:
+    """``module.double()`` after a step, or a weight swapped through ``.data``, leaves the
+    history as it was built: zeroed in place it would stay float32 or short, where a fresh
+    optimizer builds it as the parameter is now (Adagrad and RMSprop then train apart in
+    silence; Adam raises at its next step). Refused with nothing changed; where the
+    optimizer rebuilds entries, ``release=True`` trains as a fresh one does."""
+    make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] = lambda ps: getattr(torch.optim, name)(ps, lr=0.01)  # noqa: E731
+    net = model()
+    optimizer = make(list(net.parameters()))
+    train(net, optimizer, 0, 2)
+    if change == "cast":
+        net.double()
+    else:
+        weight = next(net.parameters())
+        weight.data = torch.cat([weight.data, weight.data])
+    before = {id(p): {k: v.clone() for k, v in optimizer.state[p].items()} for p in net.parameters()}
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="they were cast or resized after it was built"):
+        opttree.reset(optimizer)
+    assert all(torch.equal(optimizer.state[p][k], v) for p in net.parameters() for k, v in before[id(p)].items())
+
+    if name == "Adagrad":  # it builds its state in __init__: no release
+        return
+    params = list(net.parameters())
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh = make(twins)
+    opttree.reset(optimizer, release=True)
+    for held, stepping in ((params, optimizer), (twins, fresh)):
+        for _ in range(2):
+            for p in held:
+                p.grad = torch.full_like(p, 0.5)
+            stepping.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, twins, strict=True))

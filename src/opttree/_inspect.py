@@ -30,7 +30,7 @@ from opttree._containers import (
     tensors_in,
 )
 from opttree._plan import ResetPlan, StateEntry, StatePlan
-from opttree._preflight import identities, plain_reads, ranges, unfillable_reason, writable_ranges
+from opttree._preflight import _DTYPE, _NBYTES, Extents, identities, plain_reads, ranges, unfillable_reason, writable_ranges
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import KeyAction, ScaleLookup, StateSchema, StepType
 from opttree._selection import EVERYTHING, Selection
@@ -442,6 +442,8 @@ class LeafInspector:
             if isinstance(checked, tuple):
                 self.unwritable(node, key, checked, count)
                 continue
+            if key in self.schema.like_param:
+                self.unlike_params(node, key, checked, held, entries, count)  # planned on, for what else is wrong
             into.bytes_reset += checked.nbytes
             into.written.extend(checked.owned((*owner, key)))
             if action is KeyAction.FILL:
@@ -455,6 +457,28 @@ class LeafInspector:
             scale_of = self.schema.scale_of
             if scale_of is not None:
                 self.plan_scales(node, owner, scale_of, held, entries, key, into)
+
+    def unlike_params(
+        self, node: LeafNode, key: str, checked: Extents, held: list[torch.Tensor], entries: list[StateEntry], count: int
+    ) -> None:
+        """History the optimizer builds like its parameter that is of another dtype or size
+        than the parameters it is held for, as a problem: they were cast or resized after it
+        was built, and a fresh optimizer would build it as they are now. Compared by dtypes
+        and total bytes, two reads a parameter."""
+        params = held if count == len(entries) else list(compress(held, (key in entry for entry in entries)))
+        with plain_reads():
+            dtypes = set(map(_DTYPE, params))
+            size = sum(map(_NBYTES, params))
+        if checked.dtypes <= dtypes and checked.nbytes == size:
+            return
+        what = ", ".join(sorted(str(dtype).removeprefix("torch.") for dtype in checked.dtypes))
+        theirs = ", ".join(sorted(str(dtype).removeprefix("torch.") for dtype in dtypes))
+        message = (
+            f"history of {what} in {checked.nbytes} bytes, where its parameters are {theirs} in {size}: they were cast "
+            "or resized after it was built, and a fresh optimizer would build it as they are now; "
+            + ("reset with release=True for it to build it so, or rebuild the optimizer" if self.schema.rebuilds_missing else "rebuild the optimizer")
+        )
+        self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
 
     def plan_unselected(self, node: LeafNode, owner: tuple[str, str], entries: list[StateEntry], into: StatePlan) -> None:
         """A partial reset keeps the state of the parameters it does not select: its memory

@@ -192,6 +192,8 @@ class Extents:
     nbytes: int = 0
     owners: list[tuple[int, Owner]] = field(factory=list)
     unseen: int = 0
+    dtypes: set[torch.dtype] = field(factory=set)
+    """The dtypes of the tensors, where :func:`writable_ranges` placed them."""
 
     def extend(self, other: Extents) -> None:
         base = len(self.starts)
@@ -294,7 +296,10 @@ def writable_ranges(tensors: Sequence[torch.Tensor]) -> Extents | tuple[int, str
         reasons = [reason for reason in map(unwritable_reason, tensors) if reason is not None]
     if reasons:
         return len(reasons), reasons[0]
-    return ranges(tensors)
+    found = ranges(tensors)
+    with plain_reads():
+        found.dtypes.update(map(_DTYPE, tensors))
+    return found
 
 
 def _surely_writable(tensors: Sequence[torch.Tensor]) -> Extents | None:
@@ -336,6 +341,7 @@ def _surely_writable(tensors: Sequence[torch.Tensor]) -> Extents | None:
         found.starts.extend(starts)
         found.ends.extend(ends)
         found.nbytes += sum(sizes)
+        found.dtypes |= dtypes
     return found
 
 

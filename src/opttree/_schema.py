@@ -87,6 +87,12 @@ class StateSchema:
 
     ``step_type``: what a per-parameter ``step`` starts as (:class:`StepType`).
 
+    ``like_param``: zeroed or filled keys the optimizer creates shaped and typed as their
+    parameter (``zeros_like(param)``). Where they no longer are (the parameter was cast by
+    ``module.double()`` or resized through ``.data`` after the optimizer built them), a
+    reset in place would keep them so where a fresh optimizer builds them as the
+    parameter is now: refused.
+
     ``starts_at_first_step``: the optimizer builds a parameter's entry at its first step,
     filled from its group's values then (Rprop's ``step_size`` from the lr), so a fill in
     place would freeze today's lr where a scheduler moves it before the next step: a reset
@@ -117,6 +123,7 @@ class StateSchema:
     indivisible: bool = field(default=False, kw_only=True)
     starts_at_first_step: bool = field(default=False, kw_only=True)
     step_type: StepType = field(default=StepType.TENSOR, kw_only=True)
+    like_param: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
 
     @property
     def filled(self) -> frozenset[str]:
@@ -136,6 +143,9 @@ class StateSchema:
             if not callable(value) and (not isinstance(value, (int, float)) or isinstance(value, bool)):
                 msg = f"the fill of {key!r} is a {type(value).__qualname__}: expected a number or (group, defaults) -> number"
                 raise RegistrationError(msg)
+        if not self.like_param <= self.zero | self.filled:
+            msg = f"like_param names {sorted(self.like_param - self.zero - self.filled)}, which are neither zeroed nor filled"
+            raise RegistrationError(msg)
         if "step" in self.zero | self.drop | self.keep | self.filled | self.identity:
             msg = "'step' is described by StateSchema.step, not by a key set"
             raise RegistrationError(msg)
