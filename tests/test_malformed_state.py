@@ -292,3 +292,22 @@ def test_a_release_from_a_state_that_deletes_by_its_own_code_is_refused() -> Non
         opttree.reset(optimizer, release=True)
 
     assert len(optimizer.state) == count
+
+
+def test_sparse_momentum_is_described_in_the_bytes_a_reset_reports() -> None:
+    """SGD over a sparse embedding keeps a sparse momentum buffer: its indices and values,
+    not its dense size, as the reset that drops it reports."""
+    embedding = torch.nn.Embedding(10, 3, sparse=True)
+    optimizer = torch.optim.SGD(embedding.parameters(), lr=0.1, momentum=0.9)
+    for i in range(3):
+        optimizer.zero_grad()
+        torch.autograd.backward(embedding(torch.tensor([i, 3 * i + 1])).pow(2).sum())
+        optimizer.step()
+    buffer = optimizer.state[embedding.weight]["momentum_buffer"]
+    held = buffer._indices().nbytes + buffer._values().nbytes
+    assert held < buffer.numel() * buffer.element_size()
+
+    text = opttree.describe(optimizer)
+    report = opttree.reset(optimizer)
+
+    assert f"state={held} B" in text and report.bytes_reset == held

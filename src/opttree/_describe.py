@@ -21,7 +21,7 @@ from attrs import evolve, field, frozen
 from opttree._containers import malformed, pooled, tensors_held
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._inspect import step_number
-from opttree._preflight import plain_reads, plain_torch
+from opttree._preflight import plain_reads, plain_torch, ranges
 from opttree._report import format_bytes
 from opttree._scalers import scaler_text
 from opttree._runs import alike_runs, sibling_groups
@@ -61,11 +61,12 @@ def _bytes_by_placement(tensors: list[torch.Tensor]) -> dict[tuple[torch.dtype, 
 
 
 def nbytes(tensor: torch.Tensor) -> int:
-    """A tensor's bytes; a sparse one, which has no byte size, counts its dense size."""
+    """A tensor's bytes; a sparse one, which has no byte size, counts its indices and
+    values, as a reset's report does."""
     try:
         return tensor.nbytes
     except RuntimeError:
-        return tensor.numel() * tensor.element_size()
+        return ranges([tensor]).nbytes
 
 
 def _step_text(counters: list[object]) -> str:
