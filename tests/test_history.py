@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import opttree
 from opttree import testing
-from tests.helpers import Refuse, RefuseCalls, model, train
+from tests.helpers import Refuse, RefuseCalls, model, stepped_adamw, train
 
 HISTORY = ("exp_avg", "exp_avg_sq")
 
@@ -328,3 +328,35 @@ def test_nan_history_is_pruned_and_the_rest_ranked_among_themselves() -> None:
     kept = finite > torch.quantile(finite, 0.99)
     assert not pruned[:11].isnan().any() and not pruned[:11].any()
     assert torch.equal(pruned[11:] != 0, kept) and int(kept.sum()) == 10
+
+
+def inf_on_rank_zero(group: bool) -> tuple[int, str, bool]:
+    """History holding inf on rank 0 only: scale refuses there and goes ahead elsewhere,
+    unless the ranks agree."""
+    optimizer = stepped_adamw(2)
+    if dist.get_rank() == 0:
+        next(iter(optimizer.state.values()))["exp_avg"][0] = float("inf")
+    before = [t.clone() for t in history(optimizer)]
+    try:
+        opttree.scale(optimizer, 0.5, group=dist.group.WORLD if group else None)
+        outcome = "scaled"
+    except opttree.PartialResetRefused as error:
+        outcome = str(error)
+    return dist.get_rank(), outcome, bits(history(optimizer)) == bits(before)
+
+
+def agreeing() -> tuple[int, str, bool]:
+    return inf_on_rank_zero(True)
+
+
+def alone() -> tuple[int, str, bool]:
+    return inf_on_rank_zero(False)
+
+
+def test_ranks_given_the_group_refuse_a_scale_alike() -> None:
+    (_, zero, _), (_, one, one_unchanged) = testing.run_ranks(alone, 2)
+    assert "holding inf or NaN" in zero and one == "scaled" and not one_unchanged  # apart
+
+    for rank, outcome, unchanged_here in testing.run_ranks(agreeing, 2):
+        assert "holding inf or NaN" in outcome and unchanged_here
+        assert rank == 0 or outcome.startswith("rank 0:")

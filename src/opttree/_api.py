@@ -125,17 +125,10 @@ def reset(
     none changes anything. A partial reset's checks see each rank's own shards, so
     without it one rank can refuse what another carries out.
     """
-    try:
-        visitor = _planned_reset(optimizer, params, keys, model, keep_loss_scale=keep_loss_scale, release=release)
-    except OptTreeError as error:
-        if group is not None:
-            _distributed.agree(group, error)  # every rank learns of it, and raises
-        raise
-    if group is not None:
-        refused = _distributed.agree(group, None)
-        if refused is not None:
-            raise refused
-    return visitor.carry_out()
+    planned = _distributed.agreed(
+        group, lambda: _planned_reset(optimizer, params, keys, model, keep_loss_scale=keep_loss_scale, release=release)
+    )
+    return planned.carry_out()
 
 
 def _planned_reset(

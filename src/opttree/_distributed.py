@@ -7,14 +7,15 @@ parameters holds a stub optimizer). Every rank sends a small summary of its own 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import groupby
-from typing import cast
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from attrs import frozen
 
-from opttree import _paths
+from opttree import _errors, _paths
 from opttree._containers import malformed
 from opttree._describe import nbytes
 from opttree._errors import OptTreeError
@@ -22,6 +23,9 @@ from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._problems import Problem, ProblemKind
 from opttree._report import format_bytes
 from opttree._visitor import NodeVisitor, TraverserVisitor
+
+
+_Planned = TypeVar("_Planned")
 
 
 class ShapeVisitor(NodeVisitor[str]):
@@ -92,17 +96,37 @@ def agree(group: dist.ProcessGroup, refused: OptTreeError | None) -> OptTreeErro
     that every rank of ``group`` refuses or goes ahead alike (a check can pass on one
     rank's shards and fail on another's)."""
     _check_group(group)
-    found = None if refused is None else (str(refused), refused.problem)
-    gathered: list[tuple[str, Problem | None] | None] = [None] * dist.get_world_size(group)
+    found = None if refused is None else (type(refused).__name__, str(refused), refused.problem)
+    gathered: list[tuple[str, str, Problem | None] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, found, group=group)
     if refused is not None:
         return refused
     for index, item in enumerate(gathered):
         if item is not None:
-            text, problem = item
+            name, text, problem = item
             rank = dist.get_global_rank(group, index)
-            return problem.on_rank(rank).to_error() if problem is not None else OptTreeError(f"rank {rank}: {text}")
+            if problem is not None:
+                return problem.on_rank(rank).to_error()
+            cls = vars(_errors).get(name)
+            kind = cls if isinstance(cls, type) and issubclass(cls, OptTreeError) else OptTreeError
+            return kind(f"rank {rank}: {text}")
     return None
+
+
+def agreed(group: dist.ProcessGroup | None, plan: Callable[[], _Planned]) -> _Planned:
+    """``plan()``, which checks everything an operation could refuse and writes nothing;
+    with a process group (collective), every rank raises where any rank's plan refused."""
+    try:
+        planned = plan()
+    except OptTreeError as error:
+        if group is not None:
+            agree(group, error)  # every rank learns of it, and raises
+        raise
+    if group is not None:
+        refused = agree(group, None)
+        if refused is not None:
+            raise refused
+    return planned
 
 
 def gather(root: Node, group: dist.ProcessGroup, problems: tuple[Problem, ...] = ()) -> list[RankSummary] | None:

@@ -18,8 +18,10 @@ from collections.abc import Callable, Iterable
 from typing import Literal, cast
 
 import torch
+import torch.distributed as dist
 from attrs import evolve
 
+from opttree import _distributed
 from opttree._api import tree
 from opttree._errors import PartialResetRefused
 from opttree._plan import ResetPlan
@@ -126,6 +128,7 @@ def prune(
     params: ParamsArg | None = None,
     keys: Iterable[str] | None = None,
     model: torch.nn.Module | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> ResetReport:
     """Set ``fraction`` of each selected history tensor's elements to zero: those smallest in
     magnitude (at or below the tensor's ``fraction`` quantile, as ReLoRA computes it, so
@@ -140,23 +143,29 @@ def prune(
     "Each tensor" is each tensor a leaf holds. Under a ``DistributedOptimizer`` that is this
     rank's shard of a parameter's history, so the magnitude threshold is the shard's own
     quantile, not the whole parameter's: ranks prune their shards independently, without
-    communicating."""
-    with plain_torch():
-        share = _real(fraction)
-    if share is None or not 0.0 <= share <= 1.0:
-        raise PartialResetRefused(f"fraction must be a number between 0 and 1, got {_described(fraction)}")
-    if by not in ("magnitude", "random"):
-        raise PartialResetRefused(f"by must be 'magnitude' or 'random', got {by!r}")
-    if generator is not None and not isinstance(cast(object, generator), torch.Generator):
-        raise PartialResetRefused(f"generator must be a torch.Generator or None, got {_described(generator)}")
-    plan = _plan(optimizer, params, keys, model, "prune", _REAL_FLOATS)
-    tensors = _tensors(plan)
-    if by == "random" and generator is not None:
+    communicating. With ``group`` (collective) the ranks agree to prune or refuse, as
+    ``reset`` does."""
+
+    def planned() -> tuple[float, ResetPlan]:
         with plain_torch():
-            devices = {tensor.device.type for tensor in tensors} - {generator.device.type}
-        if devices:
-            msg = f"prune draws from a {generator.device.type} generator, which cannot draw for the {devices.pop()} history it selects"
-            raise PartialResetRefused(msg)
+            share = _real(fraction)
+        if share is None or not 0.0 <= share <= 1.0:
+            raise PartialResetRefused(f"fraction must be a number between 0 and 1, got {_described(fraction)}")
+        if by not in ("magnitude", "random"):
+            raise PartialResetRefused(f"by must be 'magnitude' or 'random', got {by!r}")
+        if generator is not None and not isinstance(cast(object, generator), torch.Generator):
+            raise PartialResetRefused(f"generator must be a torch.Generator or None, got {_described(generator)}")
+        plan = _plan(optimizer, params, keys, model, "prune", _REAL_FLOATS)
+        if by == "random" and generator is not None:
+            with plain_torch():
+                devices = {tensor.device.type for tensor in _tensors(plan)} - {generator.device.type}
+            if devices:
+                msg = f"prune draws from a {generator.device.type} generator, which cannot draw for the {devices.pop()} history it selects"
+                raise PartialResetRefused(msg)
+        return share, plan
+
+    share, plan = _distributed.agreed(group, planned)
+    tensors = _tensors(plan)
 
     def by_magnitude(t: torch.Tensor) -> torch.Tensor:
         return _kept_by_magnitude(t.abs(), share)
@@ -179,22 +188,31 @@ def scale(
     params: ParamsArg | None = None,
     keys: Iterable[str] | None = None,
     model: torch.nn.Module | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> ResetReport:
     """Multiply each selected history tensor by ``factor`` in place (a run that halved its
     first moment after a spike: ``keys=["exp_avg"], factor=0.5``); step counters are kept.
     ``factor`` must be a finite number >= 0: a negative second moment, or a NaN one, makes
     the next step's update NaN. It is refused where the product would not be finite: a
     factor or an element carried past the largest value of the history's dtype, or
-    history that holds inf or NaN already."""
-    with plain_torch():
-        ratio = _real(factor)
-    if ratio is None or not 0.0 <= ratio < math.inf:
-        raise PartialResetRefused(f"factor must be a finite number >= 0, got {_described(factor)}")
-    plan = _plan(optimizer, params, keys, model, "scale", _FLOATS)
+    history that holds inf or NaN already. With ``group`` (collective) the ranks agree to
+    scale or refuse, as ``reset`` does."""
+
+    def planned() -> tuple[float, ResetPlan, list[torch.Tensor]]:
+        with plain_torch():
+            ratio = _real(factor)
+        if ratio is None or not 0.0 <= ratio < math.inf:
+            raise PartialResetRefused(f"factor must be a finite number >= 0, got {_described(factor)}")
+        plan = _plan(optimizer, params, keys, model, "scale", _FLOATS)
+        with plain_torch(), torch.no_grad():
+            tensors = [tensor for tensor in _tensors(plan) if tensor.numel()]
+            if tensors:
+                _refuse_non_finite(tensors, ratio)
+        return ratio, plan, tensors
+
+    ratio, plan, tensors = _distributed.agreed(group, planned)
     with plain_torch(), torch.no_grad():
-        tensors = [tensor for tensor in _tensors(plan) if tensor.numel()]
         if tensors:
-            _refuse_non_finite(tensors, ratio)
             torch._foreach_mul_(tensors, ratio)
     return evolve(plan.report(), action="scale")
 
