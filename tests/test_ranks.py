@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import pytest
@@ -180,3 +181,27 @@ def test_ranks_given_the_group_refuse_a_partial_reset_alike() -> None:
         assert r.agreed.startswith("PartialResetRefused") and r.changed == 0
         if r.rank != refusing:
             assert f"rank {refusing}:" in r.agreed
+
+
+def failing_on_rank_one() -> tuple[int, str]:
+    """A ``params`` generator that raises on rank 1 only: with ``group``, rank 0 must not wait
+    in the agreement for a rank that left it."""
+    stack = testing.build("dist_fp32")
+    stack.train(0, 1)
+
+    def chosen() -> Iterator[torch.Tensor]:
+        if dist.get_rank() == 1:
+            raise ValueError("no parameters here")
+        yield next(stack.model.parameters())
+
+    try:
+        opttree.reset(stack.optimizer, params=chosen(), keys=["exp_avg"], group=dist.group.WORLD)
+        return dist.get_rank(), "reset"
+    except Exception as error:  # noqa: BLE001  # what each rank raised is the result
+        return dist.get_rank(), f"{type(error).__name__}: {error}"
+
+
+def test_a_rank_failing_outside_opttree_is_not_waited_for_by_the_others() -> None:
+    (_, zero), (_, one) = testing.run_ranks(failing_on_rank_one, 2)
+    assert zero == "OptTreeError: rank 1: planning raised ValueError: no parameters here"
+    assert one == "ValueError: no parameters here"

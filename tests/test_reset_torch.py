@@ -277,3 +277,18 @@ def test_history_unlike_its_cast_or_resized_parameter_is_refused_and_released_ex
                 p.grad = torch.full_like(p, 0.5)
             stepping.step()
     assert all(torch.equal(a, b) for a, b in zip(params, twins, strict=True))
+
+
+def test_history_swapped_between_parameters_of_other_dtypes_is_refused() -> None:
+    """Totals can hide it: float32 and float64 weights swapped through ``.data`` keep the
+    bytes and the dtypes of the whole optimizer; each history against its own parameter
+    does not."""
+    first, second = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+    optimizer = torch.optim.Adagrad([first, second], lr=0.1)
+    for p in (first, second):
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    first.data, second.data = second.data, first.data
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="they were cast or resized after it was built"):
+        opttree.reset(optimizer)

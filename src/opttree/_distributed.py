@@ -118,9 +118,10 @@ def agreed(group: dist.ProcessGroup | None, plan: Callable[[], _Planned]) -> _Pl
     with a process group (collective), every rank raises where any rank's plan refused."""
     try:
         planned = plan()
-    except OptTreeError as error:
+    except Exception as error:  # noqa: BLE001  # any error: the other ranks must not wait for this one
         if group is not None:
-            agree(group, error)  # every rank learns of it, and raises
+            shared = error if isinstance(error, OptTreeError) else OptTreeError(f"planning raised {type(error).__name__}: {error}")
+            agree(group, shared)  # every rank learns of it, and raises
         raise
     if group is not None:
         refused = agree(group, None)

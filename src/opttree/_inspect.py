@@ -463,14 +463,15 @@ class LeafInspector:
     ) -> None:
         """History the optimizer builds like its parameter that is of another dtype or size
         than the parameters it is held for, as a problem: they were cast or resized after it
-        was built, and a fresh optimizer would build it as they are now. Compared by dtypes
-        and total bytes, two reads a parameter."""
+        was built, and a fresh optimizer would build it as they are now. Compared by bytes,
+        each tensor with its parameter's, and by the dtypes they hold: two reads a parameter."""
         params = held if count == len(entries) else list(compress(held, (key in entry for entry in entries)))
         with plain_reads():
             dtypes = set(map(_DTYPE, params))
-            size = sum(map(_NBYTES, params))
-        if checked.dtypes <= dtypes and checked.nbytes == size:
+            sizes = list(map(_NBYTES, params))
+        if checked.dtypes <= dtypes and checked.sizes == sizes:
             return
+        size = sum(sizes)
         what = ", ".join(sorted(str(dtype).removeprefix("torch.") for dtype in checked.dtypes))
         theirs = ", ".join(sorted(str(dtype).removeprefix("torch.") for dtype in dtypes))
         message = (

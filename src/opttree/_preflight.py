@@ -194,6 +194,8 @@ class Extents:
     unseen: int = 0
     dtypes: set[torch.dtype] = field(factory=set)
     """The dtypes of the tensors, where :func:`writable_ranges` placed them."""
+    sizes: list[int] = field(factory=list)
+    """The bytes of each tensor, in order, where :func:`writable_ranges` placed them."""
 
     def extend(self, other: Extents) -> None:
         base = len(self.starts)
@@ -299,6 +301,7 @@ def writable_ranges(tensors: Sequence[torch.Tensor]) -> Extents | tuple[int, str
     found = ranges(tensors)
     with plain_reads():
         found.dtypes.update(map(_DTYPE, tensors))
+        found.sizes = list(map(_NBYTES, tensors))
     return found
 
 
@@ -342,6 +345,7 @@ def _surely_writable(tensors: Sequence[torch.Tensor]) -> Extents | None:
         found.ends.extend(ends)
         found.nbytes += sum(sizes)
         found.dtypes |= dtypes
+        found.sizes.extend(sizes)
     return found
 
 
