@@ -20,6 +20,7 @@ import torch
 from opttree import _registry
 from opttree._adapter import instance_attribute, mapping_attribute, sequence_attribute
 from opttree._dispatch import LazyDispatch
+from opttree._inspect import step_number
 from opttree._nodes import LeafNode, Node
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import StepLocation
@@ -209,8 +210,8 @@ def _steps_in_groups(node: Node, state: object, loading: bool) -> StateDicts:
         raise layout_error(node, "param_groups", "is not a list of param groups, each a dict")
     _check_pairing(node, _groups(node), groups)
     if node.children and isinstance(node.children[0], LeafNode) and _counts_per_parameter(node.children[0]):
-        steps = {_number(group.get("step")) for group in groups}
-        if len(steps) != 1 or None in steps:
+        steps = {step_number(group.get("step")) for group in groups}
+        if len(steps) != 1 or not all(step is not None and math.isfinite(step) for step in steps):
             message = "its param groups do not hold one step (Megatron's load reads each parameter's step from them)"
             raise layout_error(node, "step", message)
     _check_scaler(node, checked)
@@ -219,14 +220,6 @@ def _steps_in_groups(node: Node, state: object, loading: bool) -> StateDicts:
         if sharding not in SHARDING_TYPES:
             raise layout_error(node, "param_state_sharding_type", f"{sharding!r} is not one of {', '.join(sorted(SHARDING_TYPES))}")
     yield from ()
-
-
-def _number(step: object) -> float | None:
-    if isinstance(step, torch.Tensor) and step.numel() == 1:
-        return float(step.item())
-    if isinstance(step, (int, float)) and not isinstance(step, bool) and math.isfinite(step):
-        return float(step)
-    return None
 
 
 def _chained(node: Node, state: object, loading: bool) -> StateDicts:
@@ -247,14 +240,11 @@ def _layer_wise(node: Node, state: object, loading: bool) -> StateDicts:
     """``LayerWiseDistributedOptimizer``: a chain whose load first turns each member's
     master weights, which a sharded load gives back by index in a dict, into the list
     ``Float16OptimizerWithFloat16Params`` loads; they are checked as that list."""
-    if not loading:
-        yield from _chained(node, state, loading)
-    elif len(node.children) == 1:
-        yield from _chained(node, _masters_listed(state), loading)
-    elif isinstance(state, dict):
-        yield from _chained(node, {key: _masters_listed(member) for key, member in state.items()}, loading)
-    else:
-        yield from _chained(node, state, loading)
+    if loading and len(node.children) == 1:
+        state = _masters_listed(state)
+    elif loading and isinstance(state, dict):
+        state = {key: _masters_listed(member) for key, member in state.items()}
+    yield from _chained(node, state, loading)
 
 
 def _masters_listed(member: object) -> object:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from itertools import groupby
-from typing import TypeVar, cast
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist

@@ -26,7 +26,6 @@ from opttree._api import tree
 from opttree._errors import PartialResetRefused
 from opttree._plan import ResetPlan
 from opttree._preflight import plain_torch
-from opttree._problems import Severity
 from opttree._report import ResetReport
 from opttree._selection import ParamsArg, key_names, select
 from opttree._validate import ValidateVisitor
@@ -49,10 +48,9 @@ def _plan(
     root = tree(optimizer)
     chosen = select(root, params, key_list, model)
     visitor = ValidateVisitor._selecting(evolve(chosen, steps=False))
-    visitor.check(root)
-    errors = [p for p in visitor.problems if p.severity is Severity.ERROR]
-    if errors:
-        raise errors[0].to_error(others=len(errors) - 1)
+    refused = visitor.refusal(root)
+    if refused is not None:
+        raise refused
     plan = visitor._plan
     state = plan.state
     changed_otherwise = [key for _, key in state.drop] + [key for (key, _, _), _ in state.fills] + [key for key, _ in state.identities]

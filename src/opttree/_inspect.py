@@ -241,7 +241,7 @@ class LeafInspector:
         if self.selection.tensors is None:
             self.plan.leaves += len(leaves)
         else:
-            self.plan.leaves += sum(self.selection.reaches(chain.from_iterable(g["params"] for g in leaf.optimizer.param_groups)) for leaf in leaves)
+            self.plan.leaves += sum(self.selection.holds(leaf.optimizer) for leaf in leaves)
         return True
 
     def _plan_alike(self, leaves: Sequence[LeafNode]) -> StatePlan | None:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from opttree._errors import OptTreeError
 from opttree._nodes import Node
-from opttree._problems import Severity
 from opttree._report import ResetReport
 from opttree._validate import ValidateVisitor
 
@@ -22,15 +20,6 @@ class ResetVisitor(ValidateVisitor):
         if refused is not None:
             raise refused
         return self.carry_out()
-
-    def refusal(self, root: Node) -> OptTreeError | None:
-        """Check the whole tree and plan its reset: the error a reset raises, or None."""
-        self.check(root)
-        errors = [p for p in self.problems if p.severity is Severity.ERROR]
-        if errors:
-            self._forget_plan()  # the error's traceback holds this visitor: let the state go
-            return errors[0].to_error(others=len(errors) - 1)
-        return None
 
     def carry_out(self) -> ResetReport:
         """Carry out the plan :meth:`refusal` made and found nothing wrong with."""

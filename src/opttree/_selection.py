@@ -13,6 +13,7 @@ shard held by another rank) is selected with nothing to reset here.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from itertools import chain
 from typing import cast
 
 import torch
@@ -54,6 +55,10 @@ class Selection:
         partial reset by parameters, one that holds a selected parameter."""
         chosen = self.tensors
         return chosen is None or any(id(param) in chosen for param in params)
+
+    def holds(self, optimizer: torch.optim.Optimizer) -> bool:
+        """:meth:`reaches`, for the parameters of ``optimizer``'s groups."""
+        return self.reaches(chain.from_iterable(group["params"] for group in optimizer.param_groups))
 
     def resets(self, key: str) -> bool:
         if key == "step":
@@ -113,7 +118,6 @@ def layer_wise_inner(wrapper: object, path: str) -> Iterable[tuple[torch.Tensor,
     """LayerWiseDistributedOptimizer gives each rank whole parameters to step, listed per
     rank (None with a single rank): those of other ranks are claimed with nothing to reset
     here; this rank's pass on to its members."""
-    rank = _group_rank(wrapper, path)
     for name in ("dp_cp_params_list", "expt_dp_params_list"):
         per_rank = getattr(wrapper, name, None)
         if per_rank is None:
@@ -121,25 +125,22 @@ def layer_wise_inner(wrapper: object, path: str) -> Iterable[tuple[torch.Tensor,
         if not isinstance(per_rank, list) or not all(isinstance(params, list) for params in per_rank):
             msg = f"{type(wrapper).__qualname__} at {path}: {name} is not a list of lists of parameters per rank"
             raise MalformedWrapper(msg)
-        group_rank = rank(name)
+        group_rank = _rank_in(wrapper, path, name)
         for owner, params in enumerate(per_rank):
             if owner != group_rank:
                 yield from ((param, ()) for param in params)
 
 
-def _group_rank(wrapper: object, path: str) -> Callable[[str], int]:
-    """This process's rank in the group that a layer-wise list divides its parameters over."""
-
-    def rank(name: str) -> int:
-        group_name = "dp_cp" if name == "dp_cp_params_list" else "expt_dp"  # in pg_collection (0.16 and later)
-        group = getattr(getattr(wrapper, "pg_collection", None), group_name, None)
-        try:
-            return int(torch.distributed.get_rank(group))
-        except (RuntimeError, ValueError) as error:
-            msg = f"{type(wrapper).__qualname__} at {path}: this rank in its {name} group cannot be read: {error}"
-            raise MalformedWrapper(msg) from error
-
-    return rank
+def _rank_in(wrapper: object, path: str, name: str) -> int:
+    """This process's rank in the group that the layer-wise list ``name`` divides its
+    parameters over (in ``pg_collection``, megatron-core 0.16 and later)."""
+    group_name = "dp_cp" if name == "dp_cp_params_list" else "expt_dp"
+    group = getattr(getattr(wrapper, "pg_collection", None), group_name, None)
+    try:
+        return int(torch.distributed.get_rank(group))
+    except (RuntimeError, ValueError) as error:
+        msg = f"{type(wrapper).__qualname__} at {path}: this rank in its {name} group cannot be read: {error}"
+        raise MalformedWrapper(msg) from error
 
 
 def hybrid_inner(wrapper: object, path: str) -> Iterable[tuple[torch.Tensor, Sequence[torch.Tensor]]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import operator
-from itertools import chain
 from typing import Self, cast
 
 import torch
@@ -17,7 +16,7 @@ from opttree._inspect import LeafInspector
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._plan import ResetPlan, StateEntry
 from opttree._preflight import Owner, duplicates, overlap, plain_torch, ranges, unique_ranges
-from opttree._problems import Problem, ProblemKind
+from opttree._problems import Problem, ProblemKind, Severity
 from opttree._scalers import loss_scaler, plan_scaler
 from opttree._schema import StateSchema
 from opttree._runs import alike_runs, sibling_groups
@@ -44,7 +43,7 @@ class _ReachedLeaves(TraverserVisitor):
         schema = _registry.schema_for(type(node.optimizer))
         if node.shared_with is not None or schema is None or malformed(node.optimizer) is not None:
             return  # checked at its first path; refused as unsupported or malformed
-        if self.selection.reaches(chain.from_iterable(group["params"] for group in node.optimizer.param_groups)):
+        if self.selection.holds(node.optimizer):
             self.leaves.append((node, schema))
 
 
@@ -88,6 +87,15 @@ class ValidateVisitor(TraverserVisitor):
         visitor = cls(keep_loss_scale=keep_loss_scale)
         visitor._selection = selection
         return visitor
+
+    def refusal(self, root: Node) -> OptTreeError | None:
+        """:meth:`check` the whole tree: the error a reset of it raises, or None."""
+        self.check(root)
+        errors = [p for p in self.problems if p.severity is Severity.ERROR]
+        if errors:
+            self._forget_plan()  # the error's traceback holds this visitor: let the state go
+            return errors[0].to_error(others=len(errors) - 1)
+        return None
 
     def check(self, root: Node) -> None:
         """Walk ``root`` and run the tree-wide checks, as plain torch calls (see
