@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import abc
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -86,6 +88,109 @@ def test_registering_twice_is_refused() -> None:
         opttree.register_schema(Lion, opttree.StateSchema(zero={"exp_avg"}))
     with pytest.raises(opttree.RegistrationError, match="registered already"):
         opttree.register_wrapper(LoraChain, children=lora_children)
+
+
+def test_a_class_is_registered_as_a_leaf_or_a_wrapper_not_both() -> None:
+    with pytest.raises(opttree.RegistrationError, match="a schema for .*Lion is registered already: a class is a leaf with a schema or a wrapper, not both"):
+        opttree.register_wrapper(Lion, children=lambda wrapper: [])
+    with pytest.raises(opttree.RegistrationError, match="a wrapper kind for .*LoraChain is registered already"):
+        opttree.register_schema(LoraChain, opttree.StateSchema(zero={"exp_avg"}))
+
+
+class Lookahead(torch.optim.Optimizer):
+    """A wrapper that is an optimizer itself: it steps the optimizer it wraps and keeps slow
+    weights and a counter of its own in its ``state``, as Lookahead does."""
+
+    def __init__(self, base: torch.optim.Optimizer, *, share_state: bool = False) -> None:
+        self.base = base
+        super().__init__([p for group in base.param_groups for p in group["params"]], {"alpha": 0.5})
+        self.param_groups = base.param_groups
+        if share_state:
+            self.state = base.state
+
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        self.base.step()
+        if self.state is self.base.state:
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                own = self.state[p]
+                slow = own.setdefault("slow", p.detach().clone())
+                own["count"] = own.get("count", 0) + 1
+                slow.lerp_(p.detach(), 0.5)
+
+
+opttree.register_wrapper(Lookahead, children=lambda wrapper: [("base", wrapper.base)] if isinstance(wrapper, Lookahead) else [])
+
+
+def test_a_registered_wrapper_with_state_of_its_own_is_refused_with_nothing_changed() -> None:
+    """Its kind names the optimizer it steps, whose state a reset covers; its own slow
+    weights and counter would be kept, and training would not be a fresh one's."""
+    net = model()
+    wrapper = Lookahead(torch.optim.AdamW(net.parameters(), lr=1e-2))
+    train(net, wrapper, 0, 2)
+    before = {id(p): ({k: v.clone() for k, v in wrapper.base.state[p].items()}, dict(wrapper.state[p])) for p in net.parameters()}
+
+    problems = opttree.validate(wrapper)
+    assert [(p.kind, p.path, p.cls) for p in problems] == [(opttree.ProblemKind.UNSUPPORTED_STATE, "<root>", "Lookahead")]
+    assert "holds state of its own (4 of its 4 entries are none of its optimizers', with keys count, slow)" in problems[0].message
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="holds state of its own"):
+        opttree.reset(wrapper)
+
+    for p in net.parameters():
+        history, own = before[id(p)]
+        assert all(torch.equal(wrapper.base.state[p][k], v) for k, v in history.items())
+        assert wrapper.state[p]["count"] == own["count"] == 2 and wrapper.state[p]["slow"] is own["slow"]
+
+
+def test_a_registered_wrapper_whose_state_is_its_optimizers_resets_exactly() -> None:
+    net, twin = model(), model()
+    twin.load_state_dict(net.state_dict())
+    wrapper = Lookahead(torch.optim.AdamW(net.parameters(), lr=1e-2), share_state=True)
+    train(net, wrapper, 0, 2)
+    assert opttree.validate(wrapper) == ()
+    opttree.reset(wrapper)
+    fresh = Lookahead(torch.optim.AdamW(twin.parameters(), lr=1e-2), share_state=True)
+    twin.load_state_dict(net.state_dict())
+    train(net, wrapper, 2, 2)
+    train(twin, fresh, 2, 2)
+    assert weights_equal(net, twin)
+
+
+def test_a_class_that_two_unrelated_registrations_apply_to_is_refused_not_guessed() -> None:
+    """Schemas registered for two abstract classes that an optimizer class is registered
+    under: neither is its own, and neither is the built-in schema of its base, SGD."""
+
+    class Momentum(abc.ABC):
+        pass
+
+    class Adaptive(abc.ABC):
+        pass
+
+    class Both(torch.optim.SGD):
+        pass
+
+    opttree.register_schema(Momentum, opttree.StateSchema(drop={"momentum_buffer"}))
+    opttree.register_schema(Adaptive, opttree.StateSchema(zero={"exp_avg"}))
+    Momentum.register(Both)
+    Adaptive.register(Both)
+    param = torch.nn.Parameter(torch.ones(3))
+    optimizer = Both([param], lr=0.1, momentum=0.9)
+    param.grad = torch.ones(3)
+    optimizer.step()
+    buffer = optimizer.state[param]["momentum_buffer"].clone()
+
+    reason = "registered through both .*Adaptive and .*Momentum, neither a subclass of the other: register .*Both itself"
+    (problem,) = opttree.validate(optimizer)
+    assert problem.kind is opttree.ProblemKind.UNSUPPORTED_OPTIMIZER and re.search(reason, problem.message)
+    assert "Both" in opttree.describe(optimizer)
+    with pytest.raises(opttree.UnsupportedOptimizer, match=reason):
+        opttree.reset(optimizer)
+    assert torch.equal(optimizer.state[param]["momentum_buffer"], buffer)
+
+    opttree.register_schema(Both, opttree.StateSchema(drop={"momentum_buffer"}))
+    opttree.reset(optimizer)
+    assert "momentum_buffer" not in optimizer.state[param]
 
 
 def test_a_key_named_history_and_kept_is_refused() -> None:

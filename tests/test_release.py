@@ -138,6 +138,35 @@ def test_under_megatron_wrappers_a_release_is_refused_with_nothing_changed(name:
     assert all(unchanged(leaf, b) for leaf, b in zip(stack.leaves(), before, strict=True))
 
 
+@pytest.mark.skipif("dist_bf16" not in testing.available(), reason="needs the dist_bf16 recipe")
+def test_a_users_registered_subclass_of_a_megatron_wrapper_still_refuses_a_release() -> None:
+    """Registering a wrapper kind for a subclass of Megatron's (as ``UnknownWrapper``
+    advises for unknown ones) does not make its checkpoints Megatron's no longer."""
+    from megatron.core.optimizer import ChainedOptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    class LoggingDistributedOptimizer(DistributedOptimizer):
+        """A user's subclass with Megatron's layout."""
+
+    def inner(wrapper: object) -> list[tuple[str, object]]:
+        assert isinstance(wrapper, DistributedOptimizer)
+        return [("optimizer", wrapper.optimizer)]
+
+    opttree.register_wrapper(LoggingDistributedOptimizer, children=inner)
+    stack = testing.build("dist_bf16")
+    stack.train(0, 2)
+    root = stack.optimizer
+    distributed = root.chained_optimizers[0] if isinstance(root, ChainedOptimizer) else root
+    assert isinstance(distributed, DistributedOptimizer)
+    distributed.__class__ = LoggingDistributedOptimizer
+    before = [tensors_of(leaf) for leaf in stack.leaves()]
+
+    with pytest.raises(opttree.ReleaseRefused, match="Megatron cannot checkpoint an emptied optimizer state"):
+        opttree.reset(distributed, release=True)
+
+    assert all(unchanged(leaf, b) for leaf, b in zip(stack.leaves(), before, strict=True))
+
+
 def test_megatron_itself_cannot_checkpoint_an_emptied_state(tmp_path: Path) -> None:
     """The other side of the refusal: the state a release would leave, built by hand."""
     stack = testing.build("fp32")

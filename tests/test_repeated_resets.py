@@ -219,7 +219,7 @@ def test_history_shrunk_in_place_after_a_reset_is_refused_as_unlike_its_paramete
     assert shrunk.data_ptr() == address
     before = [entry["exp_avg"].clone() for entry in optimizer.state.values()]
 
-    with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'exp_avg': history of float32 in .* bytes, where its parameters"):
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"key 'exp_avg': history of shape \(1,\) float32 where its parameter is shape \(\d+,\) float32"):
         opttree.reset(optimizer)
 
     assert all(torch.equal(entry["exp_avg"], old) for entry, old in zip(optimizer.state.values(), before, strict=True))

@@ -261,7 +261,7 @@ def test_history_unlike_its_cast_or_resized_parameter_is_refused_and_released_ex
         weight.data = torch.cat([weight.data, weight.data])
     before = {id(p): {k: v.clone() for k, v in optimizer.state[p].items()} for p in net.parameters()}
 
-    with pytest.raises(opttree.UnsupportedOptimizerState, match="they were cast or resized after it was built"):
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="the parameter was cast, reshaped or swapped after it was built"):
         opttree.reset(optimizer)
     assert all(torch.equal(optimizer.state[p][k], v) for p in net.parameters() for k, v in before[id(p)].items())
 
@@ -279,6 +279,45 @@ def test_history_unlike_its_cast_or_resized_parameter_is_refused_and_released_ex
     assert all(torch.equal(a, b) for a, b in zip(params, twins, strict=True))
 
 
+@pytest.mark.parametrize("change", ["transposed", "flattened", "half beside bfloat16"])
+def test_history_of_its_parameters_bytes_but_not_its_shape_or_dtype_is_refused(change: str) -> None:
+    """A weight reshaped, or cast to another dtype of its width, keeps the bytes of its
+    history: compared tensor by tensor with its own parameter, shape and dtype, it is
+    still refused, with nothing changed. Zeroed in place, AdamW would raise at its next
+    step, where a fresh one steps; released, it trains as a fresh one does."""
+    dtype = torch.bfloat16 if change == "half beside bfloat16" else torch.float32
+    net = torch.nn.Linear(3, 2).to(dtype)
+    params = list(net.parameters())
+    optimizer = torch.optim.AdamW(params, lr=0.01)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.full_like(p, 0.5)
+        optimizer.step()
+    weight = net.weight
+    if change == "transposed":
+        weight.data = weight.data.t().contiguous()
+    elif change == "flattened":
+        weight.data = weight.data.reshape(6)
+    else:
+        weight.data = weight.data.to(torch.float16)  # the bias stays bfloat16: the dtypes held are the same
+    before = {id(p): {k: v.clone() for k, v in optimizer.state[p].items()} for p in params}
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'exp_avg': history of shape \\(2, 3\\) .* where its parameter is shape"):
+        opttree.reset(optimizer)
+    assert opttree.validate(optimizer)[0].key == "exp_avg"
+    assert all(torch.equal(optimizer.state[p][k], v) for p in params for k, v in before[id(p)].items())
+
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh = torch.optim.AdamW(twins, lr=0.01)
+    opttree.reset(optimizer, release=True)
+    for held, stepping in ((params, optimizer), (twins, fresh)):
+        for _ in range(2):
+            for p in held:
+                p.grad = torch.full_like(p, 0.5)
+            stepping.step()
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(params, twins, strict=True))
+
+
 def test_history_swapped_between_parameters_of_other_dtypes_is_refused() -> None:
     """Totals can hide it: float32 and float64 weights swapped through ``.data`` keep the
     bytes and the dtypes of the whole optimizer; each history against its own parameter
@@ -290,5 +329,5 @@ def test_history_swapped_between_parameters_of_other_dtypes_is_refused() -> None
     optimizer.step()
     first.data, second.data = second.data, first.data
 
-    with pytest.raises(opttree.UnsupportedOptimizerState, match="they were cast or resized after it was built"):
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="the parameter was cast, reshaped or swapped after it was built"):
         opttree.reset(optimizer)

@@ -43,17 +43,22 @@ class LazyDispatch(Generic[V]):
         self._values: dict[type, V] = {}
         self._lazy: dict[str, V] = {}
         self._found: dict[type, V | None] = {}
+        self._ambiguous: dict[type, str] = {}
         self._lock = threading.Lock()
 
     def register(self, cls: type, value: V) -> None:
         with self._lock:
             self._add(cls, value)
-            self._found.clear()
+            self._forget()
 
     def register_lazy(self, dotted: str, value: V) -> None:
         with self._lock:
             self._lazy[dotted] = value
-            self._found.clear()
+            self._forget()
+
+    def _forget(self) -> None:
+        self._found.clear()
+        self._ambiguous.clear()
 
     def is_registered(self, cls_or_dotted: type | str) -> bool:
         with self._lock:
@@ -70,6 +75,13 @@ class LazyDispatch(Generic[V]):
             with self._lock:
                 return self._resolve(cls)
 
+    def ambiguity(self, cls: type) -> str | None:
+        """Why ``cls`` has no value though registrations apply to it: two registered
+        classes it derives from (abstract ones, through ``register`` or a subclass hook),
+        neither a subclass of the other, so that no one value is its own. None otherwise."""
+        self.lookup(cls)
+        return self._ambiguous.get(cls)
+
     def _add(self, cls: type, value: V) -> None:
         self._values[cls] = value
         self._owners.register(cls, _owner_of(cls))
@@ -81,6 +93,13 @@ class LazyDispatch(Generic[V]):
             dotted = dotted_name(klass)
             if dotted in self._lazy:
                 self._add(klass, self._lazy.pop(dotted))
-        owner = self._owners.dispatch(cls)(None)
+        try:
+            owner = self._owners.dispatch(cls)(None)
+        except RuntimeError:  # singledispatch's "Ambiguous dispatch"
+            applying = [registered for registered in self._values if issubclass(cls, registered)]
+            nearest = [a for a in applying if not any(b is not a and issubclass(b, a) for b in applying)]
+            names = " and ".join(sorted(map(dotted_name, nearest)))
+            self._ambiguous[cls] = f"{dotted_name(cls)} is registered through both {names}, neither a subclass of the other: register {cls.__qualname__} itself"
+            owner = None
         found = self._found[cls] = None if owner is None else self._values[owner]
         return found

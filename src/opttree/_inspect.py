@@ -30,7 +30,7 @@ from opttree._containers import (
     tensors_in,
 )
 from opttree._plan import ResetPlan, StateEntry, StatePlan
-from opttree._preflight import _DTYPE, _NBYTES, Extents, identities, plain_reads, ranges, unfillable_reason, writable_ranges
+from opttree._preflight import _DTYPE, _SHAPE, Extents, identities, plain_reads, ranges, unfillable_reason, writable_ranges
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import KeyAction, ScaleLookup, StateSchema, StepType
 from opttree._selection import EVERYTHING, Selection
@@ -67,6 +67,16 @@ _NOT_EXACT_IN_PLACE = (
     "filled in place they would keep today's lr: it cannot be reset exactly"
 )
 """What to do instead, where a reset of a ``starts_at_first_step`` leaf cannot delete its entries."""
+
+
+def _layouts(params: list[torch.Tensor]) -> tuple[list[torch.Size], list[torch.dtype]]:
+    """The shape and dtype of each parameter, as their C++ objects hold them."""
+    with plain_reads():
+        return list(map(_SHAPE, params)), list(map(_DTYPE, params))
+
+
+def _layout_text(shape: torch.Size, dtype: torch.dtype) -> str:
+    return f"shape {tuple(shape)} {str(dtype).removeprefix('torch.')}"
 
 
 def _placement(params: Sequence[torch.Tensor]) -> Placement:
@@ -406,6 +416,7 @@ class LeafInspector:
             picked = [param_id in chosen for param_id in map(id, held)]
             self.plan_unselected(node, owner, list(compress(entries, map(operator.not_, picked))), into)
             held, entries = list(compress(held, picked)), list(compress(entries, picked))
+        layouts: tuple[list[torch.Size], list[torch.dtype]] | None = None  # read at the first key built like them
         for key, count in Counter(chain.from_iterable(entries)).items():
             action = self.actions.get(key)
             if action is None:
@@ -443,7 +454,9 @@ class LeafInspector:
                 self.unwritable(node, key, checked, count)
                 continue
             if key in self.schema.like_param:
-                self.unlike_params(node, key, checked, held, entries, count)  # planned on, for what else is wrong
+                if layouts is None:
+                    layouts = _layouts(held)
+                self.unlike_params(node, key, tensors, checked.dtypes, layouts, entries, count)  # planned on, for what else is wrong
             into.bytes_reset += checked.nbytes
             into.written.extend(checked.owned((*owner, key)))
             if action is KeyAction.FILL:
@@ -459,24 +472,34 @@ class LeafInspector:
                 self.plan_scales(node, owner, scale_of, held, entries, key, into)
 
     def unlike_params(
-        self, node: LeafNode, key: str, checked: Extents, held: list[torch.Tensor], entries: list[StateEntry], count: int
+        self,
+        node: LeafNode,
+        key: str,
+        tensors: list[torch.Tensor],
+        dtypes: list[torch.dtype],
+        layouts: tuple[list[torch.Size], list[torch.dtype]],
+        entries: list[StateEntry],
+        count: int,
     ) -> None:
-        """History the optimizer builds like its parameter that is of another dtype or size
-        than the parameters it is held for, as a problem: they were cast or resized after it
-        was built, and a fresh optimizer would build it as they are now. Compared by bytes,
-        each tensor with its parameter's, and by the dtypes they hold: two reads a parameter."""
-        params = held if count == len(entries) else list(compress(held, (key in entry for entry in entries)))
+        """History the optimizer builds like its parameter that is of another shape or dtype
+        than its own parameter, as a problem: the parameter was cast, reshaped or swapped
+        after it was built, and a fresh optimizer would build it as the parameter is now.
+        ``tensors`` and their ``dtypes`` are the key's history in entry order; ``layouts``
+        the shapes and dtypes of the parameters of all ``entries``."""
+        param_shapes, param_dtypes = layouts
+        if count != len(entries):
+            having = [key in entry for entry in entries]
+            param_shapes, param_dtypes = list(compress(param_shapes, having)), list(compress(param_dtypes, having))
         with plain_reads():
-            dtypes = set(map(_DTYPE, params))
-            sizes = list(map(_NBYTES, params))
-        if checked.dtypes <= dtypes and checked.sizes == sizes:
+            shapes = list(map(_SHAPE, tensors))
+        if shapes == param_shapes and dtypes == param_dtypes:
             return
-        size = sum(sizes)
-        what = ", ".join(sorted(str(dtype).removeprefix("torch.") for dtype in checked.dtypes))
-        theirs = ", ".join(sorted(str(dtype).removeprefix("torch.") for dtype in dtypes))
+        unlike = [i for i, (a, b, c, d) in enumerate(zip(shapes, dtypes, param_shapes, param_dtypes, strict=True)) if a != c or b is not d]
+        first = unlike[0]
         message = (
-            f"history of {what} in {checked.nbytes} bytes, where its parameters are {theirs} in {size}: they were cast "
-            "or resized after it was built, and a fresh optimizer would build it as they are now; "
+            f"history of {_layout_text(shapes[first], dtypes[first])} where its parameter is "
+            f"{_layout_text(param_shapes[first], param_dtypes[first])} ({len(unlike)} of {count} such): the parameter was "
+            "cast, reshaped or swapped after it was built, and a fresh optimizer would build it as the parameter is now; "
             + ("reset with release=True for it to build it so, or rebuild the optimizer" if self.schema.rebuilds_missing else "rebuild the optimizer")
         )
         self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)

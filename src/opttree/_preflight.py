@@ -40,6 +40,7 @@ def _getter(name: str) -> Callable[[torch.Tensor], object]:
 _DATA_PTR = cast(Callable[[torch.Tensor], int], _Tensor.data_ptr)
 _NBYTES = cast(Callable[[torch.Tensor], int], _getter("nbytes"))
 _DTYPE = cast(Callable[[torch.Tensor], torch.dtype], _getter("dtype"))
+_SHAPE = cast(Callable[[torch.Tensor], torch.Size], _getter("shape"))
 _LAYOUT = cast(Callable[[torch.Tensor], torch.layout], _getter("layout"))
 _IS_META = cast(Callable[[torch.Tensor], bool], _getter("is_meta"))
 _IS_NESTED = cast(Callable[[torch.Tensor], bool], _getter("is_nested"))
@@ -192,10 +193,8 @@ class Extents:
     nbytes: int = 0
     owners: list[tuple[int, Owner]] = field(factory=list)
     unseen: int = 0
-    dtypes: set[torch.dtype] = field(factory=set)
-    """The dtypes of the tensors, where :func:`writable_ranges` placed them."""
-    sizes: list[int] = field(factory=list)
-    """The bytes of each tensor, in order, where :func:`writable_ranges` placed them."""
+    dtypes: list[torch.dtype] = field(factory=list)
+    """The dtype of each tensor, in order, where :func:`writable_ranges` placed them."""
 
     def extend(self, other: Extents) -> None:
         base = len(self.starts)
@@ -300,8 +299,7 @@ def writable_ranges(tensors: Sequence[torch.Tensor]) -> Extents | tuple[int, str
         return len(reasons), reasons[0]
     found = ranges(tensors)
     with plain_reads():
-        found.dtypes.update(map(_DTYPE, tensors))
-        found.sizes = list(map(_NBYTES, tensors))
+        found.dtypes = list(map(_DTYPE, tensors))
     return found
 
 
@@ -328,7 +326,8 @@ def _surely_writable(tensors: Sequence[torch.Tensor]) -> Extents | None:
         sizes = list(map(_NBYTES, chunk))
         if 0 in starts and any(compress(sizes, map(operator.not_, starts))):
             return None  # meta tensors and freed storages show no address
-        dtypes = set(map(_DTYPE, chunk))
+        chunk_dtypes = list(map(_DTYPE, chunk))
+        dtypes = set(chunk_dtypes)
         if not _QUANTIZED.isdisjoint(dtypes) or any(map(_IS_NEG, chunk)) or any(map(_IS_NESTED, chunk)):
             return None
         if not _COMPLEX.isdisjoint(dtypes) and any(map(_IS_CONJ, chunk)):
@@ -344,8 +343,7 @@ def _surely_writable(tensors: Sequence[torch.Tensor]) -> Extents | None:
         found.starts.extend(starts)
         found.ends.extend(ends)
         found.nbytes += sum(sizes)
-        found.dtypes |= dtypes
-        found.sizes.extend(sizes)
+        found.dtypes.extend(chunk_dtypes)
     return found
 
 

@@ -21,9 +21,17 @@ _user_kinds: LazyDispatch[Expander] = LazyDispatch()
 
 
 def schema_for(cls: type) -> StateSchema | None:
-    """The schema of a leaf class: a user's registration wins over a built-in one."""
+    """The schema of a leaf class: a user's registration wins over a built-in one. A class
+    that users' registrations apply to ambiguously has none: see :func:`unregistered_reason`."""
     schema = _user_schemas.lookup(cls)
-    return _builtin_schemas.lookup(cls) if schema is None else schema
+    if schema is None and _user_schemas.ambiguity(cls) is None:
+        return _builtin_schemas.lookup(cls)
+    return schema
+
+
+def unregistered_reason(cls: type) -> str:
+    """Why a leaf class has no schema."""
+    return _user_schemas.ambiguity(cls) or f"no state schema is registered for {cls.__module__}.{cls.__qualname__}"
 
 
 def step_location(cls: type) -> StepLocation | None:
@@ -33,14 +41,18 @@ def step_location(cls: type) -> StepLocation | None:
 
 
 def kind_for(cls: type) -> Expander | None:
+    """A class's wrapper kind (or leaf kind): a user's registration wins over a built-in
+    one; none where users' registrations apply to it ambiguously."""
     expand = _user_kinds.lookup(cls)
-    return _builtin_kinds.lookup(cls) if expand is None else expand
+    if expand is None and _user_kinds.ambiguity(cls) is None:
+        return _builtin_kinds.lookup(cls)
+    return expand
 
 
-def is_users_kind(cls: type) -> bool:
-    """Whether a wrapper class's kind is a user's registration rather than one of
-    Megatron's built-in kinds."""
-    return _user_kinds.lookup(cls) is not None
+def is_megatron_class(cls: type) -> bool:
+    """Whether a wrapper class is one of Megatron's or derives from one, whoever registered
+    its kind: its checkpoints then need what Megatron's do (one step over its state)."""
+    return any(str(getattr(base, "__module__", "")).partition(".")[0] == "megatron" for base in cls.__mro__)
 
 
 def _refuse_non_class(function: str, cls_or_dotted: object) -> None:
@@ -62,6 +74,16 @@ def _refuse_repeat(table: LazyDispatch[StateSchema] | LazyDispatch[Expander], wh
         raise RegistrationError(msg)
 
 
+def _refuse_both(cls_or_dotted: type | str, registering: str) -> None:
+    """A class is a leaf or a wrapper, not both: where it were, its wrapper kind would win
+    and its schema would go unused in silence."""
+    other, table = ("wrapper kind", _user_kinds) if registering == "schema" else ("schema", _user_schemas)
+    if table.is_registered(cls_or_dotted):
+        name = cls_or_dotted if isinstance(cls_or_dotted, str) else dotted_name(cls_or_dotted)
+        msg = f"a {other} for {name} is registered already: a class is a leaf with a schema or a wrapper, not both"
+        raise RegistrationError(msg)
+
+
 def register_schema(cls_or_dotted: type | str, schema: StateSchema) -> None:
     """Register the state schema of a leaf optimizer class and its subclasses.
 
@@ -74,6 +96,7 @@ def register_schema(cls_or_dotted: type | str, schema: StateSchema) -> None:
         raise RegistrationError(msg)
     _refuse_non_class("register_schema", cls_or_dotted)
     _refuse_repeat(_user_schemas, "schema", cls_or_dotted)
+    _refuse_both(cls_or_dotted, "schema")
     if isinstance(cls_or_dotted, str):
         _user_schemas.register_lazy(cls_or_dotted, schema)
     else:
@@ -95,6 +118,7 @@ def register_wrapper(
     if inner_params is not None:
         _refuse_uncallable("inner_params", inner_params)
     _refuse_repeat(_user_kinds, "wrapper kind", cls_or_dotted)
+    _refuse_both(cls_or_dotted, "wrapper")
     expand = children_expander(children)
     if isinstance(cls_or_dotted, str):
         _user_kinds.register_lazy(cls_or_dotted, expand)

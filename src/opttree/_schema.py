@@ -88,10 +88,10 @@ class StateSchema:
     ``step_type``: what a per-parameter ``step`` starts as (:class:`StepType`).
 
     ``like_param``: zeroed or filled keys the optimizer creates shaped and typed as their
-    parameter (``zeros_like(param)``). Where they no longer are (the parameter was cast by
-    ``module.double()`` or resized through ``.data`` after the optimizer built them), a
-    reset in place would keep them so where a fresh optimizer builds them as the
-    parameter is now: refused.
+    parameter (``zeros_like(param)``). Where one no longer has its own parameter's shape
+    and dtype (the parameter was cast by ``module.double()``, or reshaped or swapped through
+    ``.data``, after the optimizer built it), a reset in place would keep it so where a
+    fresh optimizer builds it as the parameter is now: refused.
 
     ``starts_at_first_step``: the optimizer builds a parameter's entry at its first step,
     filled from its group's values then (Rprop's ``step_size`` from the lr), so a fill in

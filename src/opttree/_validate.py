@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
+from itertools import chain
 from typing import Self, cast
 
 import torch
@@ -221,10 +223,12 @@ class ValidateVisitor(TraverserVisitor):
         return inspector
 
     def visit_children(self, node: Node) -> None:
-        """Record the children and the optimizers ``node`` holds, then visit runs of siblings."""
+        """Record the children and the optimizers ``node`` holds, check the wrapper's own
+        state, then visit runs of siblings."""
+        self._check_own_state(node)
         self._contained.extend(map(_OPTIMIZER, node.children))
         self._held.extend((node, held) for held in held_optimizers(node.optimizer, self._counts_as_optimizer))
-        megatron = not _registry.is_users_kind(type(node.optimizer))
+        megatron = _registry.is_megatron_class(type(node.optimizer))
         if megatron:
             self._megatron_above.append(type(node.optimizer).__qualname__)
         try:
@@ -233,6 +237,38 @@ class ValidateVisitor(TraverserVisitor):
         finally:
             if megatron:
                 self._megatron_above.pop()
+
+    def _check_own_state(self, node: Node) -> None:
+        """A wrapper that is a torch optimizer itself (a Lookahead, over the optimizer it
+        steps) may keep state of its own: its kind names only the optimizers it holds,
+        whose state a reset covers, so entries of its ``state`` that are not theirs (a
+        HybridDeviceOptimizer's mirror its sub-optimizers') would be kept. Refused."""
+        if not isinstance(node.optimizer, torch.optim.Optimizer):
+            return
+        own = getattr(node.optimizer, "__dict__", {}).get("state")  # Megatron's is a property over its inner optimizer's
+        if own is None:
+            return
+        cls = type(node.optimizer).__qualname__
+        if not isinstance(own, Mapping):
+            message = f"its own state is a {type(own).__qualname__}, expected a mapping"
+            self.problems.append(Problem(ProblemKind.MALFORMED_STATE, node.path, cls, message))
+            return
+        if not own:
+            return
+        states = _states_under(node)
+        if any(own is state for state in states):
+            return
+        theirs = set(map(object.__hash__, chain.from_iterable(map(_values, states))))
+        kept = [entry for entry in _values(own) if object.__hash__(entry) not in theirs]
+        if not kept and len(own) == len(_values(own)):
+            return
+        keys = sorted({str(key) for entry in kept if isinstance(entry, Mapping) for key in entry})
+        message = (
+            f"holds state of its own ({len(kept)} of its {len(own)} entries are none of its optimizers'"
+            f"{', with keys ' + ', '.join(keys) if keys else ''}), which a reset of the optimizers its kind names "
+            "would keep: reset those optimizers directly, and the wrapper's own state yourself"
+        )
+        self.problems.append(Problem(ProblemKind.UNSUPPORTED_STATE, node.path, cls, message))
 
     def _visit_siblings(self, nodes: tuple[Node, ...]) -> None:
         for item in alike_runs(nodes):
@@ -307,7 +343,7 @@ class ValidateVisitor(TraverserVisitor):
     def _check_release(self, node: Node) -> None:
         """A release under a Megatron wrapper is refused, once, at the outermost one: an
         emptied state is one that Megatron cannot checkpoint until the next step."""
-        if not self._selection.release or self._release_refused or _registry.is_users_kind(type(node.optimizer)):
+        if not self._selection.release or self._release_refused or not _registry.is_megatron_class(type(node.optimizer)):
             return
         self._release_refused = True
         message = (
@@ -349,12 +385,35 @@ class ValidateVisitor(TraverserVisitor):
                     ProblemKind.UNSUPPORTED_OPTIMIZER,
                     node.path,
                     cls.__qualname__,
-                    f"no state schema is registered for {cls.__module__}.{cls.__qualname__}",
+                    _registry.unregistered_reason(cls),
                 )
             )
             return
         inspector.megatron_above = self._megatron_above[-1] if self._megatron_above else None
         inspector.inspect(node)
+
+
+def _states_under(node: Node) -> list[Mapping[object, object]]:
+    """The ``state`` mappings of the leaves below ``node``; one that is not a mapping (which
+    the leaf's own check reports) counts as holding nothing."""
+    states: list[Mapping[object, object]] = []
+    pending = list(node.children)
+    while pending:
+        child = pending.pop()
+        if isinstance(child, LeafNode):
+            state = getattr(child.optimizer, "state", None)
+            if isinstance(state, Mapping):
+                states.append(state)
+        pending.extend(child.children)
+    return states
+
+
+def _values(mapping: Mapping[object, object]) -> list[object]:
+    """A mapping's values, or none where its own code fails to give them."""
+    try:
+        return list(mapping.values())
+    except Exception:  # noqa: BLE001  # a mapping subclass's own code may raise anything
+        return []
 
 
 def _sharing(holders: list[tuple[str, list[StateEntry]]]) -> list[tuple[StateEntry, str]]:
