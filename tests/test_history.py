@@ -162,6 +162,42 @@ def test_what_prune_cannot_change_in_place_is_refused_with_nothing_changed() -> 
         opttree.prune(optimizer, 0.5, by="random", generator=0)  # type: ignore[arg-type]  # as above
 
 
+class FromLearningRate(torch.optim.Optimizer):
+    """Builds each entry at its first step from its group's lr, as Rprop builds its
+    ``step_size``, and counts no steps."""
+
+    def __init__(self, params: object) -> None:
+        super().__init__(params, {"lr": 0.1})  # type: ignore[arg-type]
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                accumulated = self.state[p].setdefault("acc", torch.full_like(p, group["lr"]))
+                accumulated.mul_(1.1).add_(p.grad.abs())
+                p.sub_(p.grad.sign() * accumulated, alpha=0.01)
+
+
+opttree.register_schema(
+    FromLearningRate, opttree.StateSchema(fill={"acc": lambda group, defaults: group["lr"]}, rebuilds_missing=True, starts_at_first_step=True)
+)
+
+
+@pytest.mark.parametrize("change", ["prune", "scale"])
+def test_history_a_reset_deletes_rather_than_writes_is_refused_by_prune_and_scale(change: str) -> None:
+    """A reset of entries built at the first step deletes them; prune and scale write in
+    place and delete nothing, so they refuse, where they reported released entries."""
+    net = model()
+    optimizer = FromLearningRate(net.parameters())
+    train(net, optimizer, 0, 2)
+    before = [entry["acc"].clone() for entry in optimizer.state.values()]
+
+    with pytest.raises(opttree.PartialResetRefused, match="FromLearningRate builds its entries at its first step from its group's values"):
+        opttree.prune(optimizer, 1.0) if change == "prune" else opttree.scale(optimizer, 0.0)
+
+    assert all(torch.equal(entry["acc"], old) for entry, old in zip(optimizer.state.values(), before, strict=True))
+
+
 @pytest.mark.parametrize(
     "factor",
     [-0.5, float("nan"), float("inf"), 10**400, True, "0.5", torch.tensor([0.5, 0.5])],

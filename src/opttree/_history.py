@@ -53,6 +53,13 @@ def _plan(
         raise refused
     plan = visitor._plan
     state = plan.state
+    if state.release:
+        cls = type(state.release[0][0]).__qualname__
+        msg = (
+            f"{what} changes history in place, and {cls} builds its entries at its first step from its group's "
+            "values (its schema's starts_at_first_step), which a reset deletes instead: leave its filled keys out of keys"
+        )
+        raise PartialResetRefused(msg)
     changed_otherwise = [key for _, key in state.drop] + [key for (key, _, _), _ in state.fills] + [key for key, _ in state.identities]
     if changed_otherwise or state.scales:
         name = changed_otherwise[0] if changed_otherwise else "a scaled moment (TE)"
