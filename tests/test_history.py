@@ -4,6 +4,7 @@ quantile) on torch leaves and a Megatron recipe."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 import pytest
@@ -178,9 +179,13 @@ class FromLearningRate(torch.optim.Optimizer):
                 p.sub_(p.grad.sign() * accumulated, alpha=0.01)
 
 
-opttree.register_schema(
-    FromLearningRate, opttree.StateSchema(fill={"acc": lambda group, defaults: group["lr"]}, rebuilds_missing=True, starts_at_first_step=True)
-)
+def learning_rate(group: Mapping[str, object], defaults: Mapping[str, object]) -> float:
+    lr = group["lr"]
+    assert isinstance(lr, float)
+    return lr
+
+
+opttree.register_schema(FromLearningRate, opttree.StateSchema(fill={"acc": learning_rate}, rebuilds_missing=True, starts_at_first_step=True))
 
 
 @pytest.mark.parametrize("change", ["prune", "scale"])

@@ -245,6 +245,23 @@ def test_a_partial_reset_follows_a_registered_wrappers_inner_params() -> None:
     assert wrapper.optimizer.state[wrapper.copies[1]]["exp_avg"].any()
 
 
+def test_a_parameter_whose_named_copies_no_optimizer_holds_is_unmapped() -> None:
+    """``inner_params`` that names copies other than those the wrapper's optimizer steps
+    (clones made again): a partial reset of that parameter would reset nothing."""
+    params = list(model().parameters())
+    wrapper = CopyingWrapper(params)
+    for copy in wrapper.copies:
+        copy.grad = torch.ones_like(copy)
+    wrapper.optimizer.step()
+    wrapper.copies = [copy.detach().clone() for copy in wrapper.copies]  # what inner_params now names
+    before = [entry["exp_avg"].clone() for entry in wrapper.optimizer.state.values()]
+
+    with pytest.raises(opttree.UnmappedParameter, match=r"is held by no optimizer under CopyingWrapper at <root> \(1 of 1"):
+        opttree.reset(wrapper, params=params[:1])
+
+    assert all(torch.equal(e["exp_avg"], b) for e, b in zip(wrapper.optimizer.state.values(), before, strict=True))
+
+
 def test_a_fill_must_be_a_number_or_a_function_and_not_also_a_zero() -> None:
     with pytest.raises(opttree.RegistrationError, match="the fill of 'sum' is a str"):
         opttree.StateSchema(fill={"sum": "0.1"})  # type: ignore[dict-item]

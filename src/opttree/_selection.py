@@ -219,9 +219,10 @@ class SelectVisitor(TraverserVisitor):
             if found is None:
                 continue
             claimed.add(id(param))
-            self.reached.add(found[1])
-            if not inner_tensors and not any(node is other for other in self.elsewhere):
-                self.elsewhere.append(node)
+            if not inner_tensors:  # stepped on another rank; copies it names are reached only where a leaf holds them
+                self.reached.add(found[1])
+                if not any(node is other for other in self.elsewhere):
+                    self.elsewhere.append(node)
             for tensor in inner_tensors:
                 inner[id(tensor)] = (tensor, found[1])
         inner.update({k: v for k, v in outer.items() if k not in claimed})
