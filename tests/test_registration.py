@@ -269,6 +269,27 @@ def test_a_fill_must_be_a_number_or_a_function_and_not_also_a_zero() -> None:
         opttree.StateSchema(zero={"sum"}, fill={"sum": 0.1})
 
 
+@pytest.mark.parametrize(
+    ("arguments", "reason"),
+    [
+        ({"fill": {"sum"}}, r"fill maps state key names to what they start as, got \{'sum'\}"),
+        ({"fill": "sum"}, "fill maps state key names to what they start as, got 'sum'"),
+        ({"fill": None}, "fill maps state key names to what they start as, got None"),
+        ({"fill": (("a", 1.0), ("a", 2.0))}, r"fill names \['a'\] more than once"),
+        ({"fill": {1: 0.0}}, r"got \(1, 0.0\) among its items"),
+        ({"zero": None}, "state keys are given as a set of names, got None"),
+        ({"zero": 5}, "state keys are given as a set of names, got 5"),
+        ({"scale_of": 3.0}, r"scale_of is a function \(optimizer, param, key\) -> scale or None, got a float"),
+        ({"rebuilds_missing": "no"}, "rebuilds_missing must be True or False, got 'no'"),
+        ({"indivisible": 1}, "indivisible must be True or False, got 1"),
+    ],
+    ids=["fill-set", "fill-str", "fill-none", "fill-twice", "fill-key-int", "zero-none", "zero-int", "scale-of", "rebuilds-str", "indivisible-int"],
+)
+def test_a_schema_given_what_it_cannot_mean_is_a_registration_error(arguments: dict[str, object], reason: str) -> None:
+    with pytest.raises(opttree.RegistrationError, match=reason):
+        opttree.StateSchema(**arguments)  # type: ignore[arg-type]  # as an untyped config may
+
+
 def test_a_step_type_describes_a_per_parameter_step() -> None:
     with pytest.raises(opttree.RegistrationError, match="step_type describes a per-parameter step; this schema's step is per-group"):
         opttree.StateSchema(step=opttree.StepLocation.PER_GROUP, step_type=opttree.StepType.INT)

@@ -59,13 +59,33 @@ Complex tensors start at ``complex(v, v)``, as torch's optimizers fill them."""
 
 
 def _fills(value: Mapping[str, Fill] | tuple[tuple[str, Fill], ...]) -> tuple[tuple[str, Fill], ...]:
-    items = value.items() if isinstance(value, Mapping) else value
-    return tuple(sorted(items, key=lambda item: item[0]))
+    """``fill`` as sorted ``(key, fill)`` pairs: from a mapping of key names, or from the
+    pairs themselves, each key named once."""
+    given = cast(object, value)
+    if isinstance(given, Mapping):
+        items: list[object] = list(given.items())
+    elif isinstance(given, (tuple, list)):
+        items = list(given)
+    else:
+        msg = f"fill maps state key names to what they start as, got {given!r}"
+        raise RegistrationError(msg)
+    for item in items:
+        if not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str):
+            msg = f"fill maps state key names to what they start as, got {item!r} among its items"
+            raise RegistrationError(msg)
+    pairs = cast(list[tuple[str, Fill]], items)
+    names = [key for key, _ in pairs]
+    repeated = sorted({key for key in names if names.count(key) > 1})
+    if repeated:
+        msg = f"fill names {repeated} more than once"
+        raise RegistrationError(msg)
+    return tuple(sorted(pairs, key=lambda item: item[0]))
 
 
 def _frozen_keys(keys: frozenset[str] | set[str] | tuple[str, ...] | list[str]) -> frozenset[str]:
     """A set of state key names: one string would be taken apart into its letters."""
-    if isinstance(cast(object, keys), str) or not all(isinstance(cast(object, key), str) for key in keys):
+    given = cast(object, keys)
+    if not isinstance(given, (set, frozenset, tuple, list)) or not all(isinstance(key, str) for key in given):
         msg = f"state keys are given as a set of names, got {keys!r}"
         raise RegistrationError(msg)
     return frozenset(keys)
@@ -135,6 +155,14 @@ class StateSchema:
             if not isinstance(value, kind):
                 msg = f"{name} is a {kind.__name__}, got {value!r}"
                 raise RegistrationError(msg)
+        for flag in ("rebuilds_missing", "indivisible", "starts_at_first_step"):
+            if not isinstance(getattr(self, flag), bool):  # rebuilds_missing="no" would allow a release
+                msg = f"{flag} must be True or False, got {getattr(self, flag)!r}"
+                raise RegistrationError(msg)
+        scale_of: object = self.scale_of
+        if scale_of is not None and not callable(scale_of):
+            msg = f"scale_of is a function (optimizer, param, key) -> scale or None, got a {type(scale_of).__qualname__}"
+            raise RegistrationError(msg)
         names = ("zero", "drop", "keep", "filled", "identity")
         for i, first in enumerate(names):
             for second in names[i + 1 :]:
