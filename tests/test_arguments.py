@@ -209,6 +209,42 @@ def test_a_tree_built_by_hand_unlike_the_built_one_is_refused_and_reported(
     assert opttree.reset(opttree.tree(optimizer)).tensors_zeroed == 2  # the tree opttree builds resets it
 
 
+@pytest.mark.parametrize(("node", "message"), [case[1:] for case in HAND_BUILT if case[2]], ids=[case[0] for case in HAND_BUILT if case[2]])
+def test_the_public_visitors_refuse_a_tree_built_by_hand_unlike_the_built_one(
+    node: Callable[[torch.optim.Adam], opttree.Node], message: str
+) -> None:
+    """``ResetVisitor().reset`` and ``ValidateVisitor().check`` take a tree as the functions
+    do: one that is not the tree opttree builds is reported and refused, not walked."""
+    param, optimizer = trained_adam()
+    given = node(optimizer)
+    before = snapshot(optimizer)
+
+    with pytest.raises(opttree.MalformedWrapper, match=message):
+        opttree.ResetVisitor().reset(given)
+    checker = opttree.ValidateVisitor()
+    checker.check(given)
+
+    assert unchanged(optimizer, before) and float(optimizer.state[param]["step"]) == 3
+    assert [p.kind for p in checker.problems] == [opttree.ProblemKind.FOREIGN_TREE]
+
+
+def test_a_visitor_checks_afresh_each_time_it_is_used() -> None:
+    """A visitor used twice reports what the second tree holds: nothing of the first walk
+    (its optimizers counted as met before, its plan) carries over."""
+    _, first = trained_adam()
+    _, second = trained_adam()
+    checker = opttree.ValidateVisitor()
+    resetter = opttree.ResetVisitor()
+
+    checker.check(opttree.tree(first))
+    checker.check(opttree.tree(first))
+    again = resetter.reset(opttree.tree(first))
+    other = resetter.reset(opttree.tree(second))
+
+    assert checker.problems == []
+    assert again.tensors_zeroed == other.tensors_zeroed == 2 and again.steps == other.steps == 1
+
+
 @pytest.mark.parametrize("flag", ["release", "keep_loss_scale"])
 def test_a_flag_that_is_not_a_bool_is_refused_with_nothing_changed(flag: str) -> None:
     """``release="False"``, read from a config as a string, is true: it would delete every

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import opttree
+from opttree import testing
 from tests.helpers import model, snapshot, stepped_adamw, train, unchanged
 from tests.megatron_parts import chained, config, fp32
 
@@ -400,3 +401,22 @@ def test_a_starting_value_beyond_a_float_is_refused_naming_its_key() -> None:
 
     assert (problem.kind, problem.key) == (opttree.ProblemKind.UNSUPPORTED_STATE, "sum")
     assert unchanged(optimizer, before)
+
+
+@pytest.mark.parametrize("name", [n for n in ("bf16", "dist_bf16") if n in testing.available()])
+def test_a_step_counter_in_a_model_weight_under_a_mixed_precision_wrapper_is_refused(name: str) -> None:
+    """The leaves of a mixed-precision stack step fp32 copies; the bf16 model weights live
+    only in the wrapper. A counter placed in one of them is refused, as one in a leaf's own
+    parameter is, rather than zeroing part of a weight that no leaf holds."""
+    stack = testing.build(name)
+    stack.train(0, 2)
+    weight = next(p for p in stack.model.parameters() if p.dtype is torch.bfloat16 and p.numel() % 2 == 0)
+    entry = next(iter(stack.leaves()[0].state.values()))
+    entry["step"] = weight.detach().view(-1).view(torch.float32)[0]  # two bf16 elements read as one fp32 counter
+    kept = weight.detach().clone()
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"key 'step': shares memory with a parameter of (Float16OptimizerWithFloat16Params|DistributedOptimizer) at chained\[0\]"):
+        opttree.reset(stack.optimizer)
+
+    assert torch.equal(weight.detach(), kept)
+    assert opttree.ProblemKind.ALIASED_STATE in [p.kind for p in opttree.validate(stack.optimizer)]

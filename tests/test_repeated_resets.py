@@ -125,25 +125,23 @@ def test_a_forked_child_resets_with_its_own_threads() -> None:
     assert child.exitcode == 0
 
 
-def test_a_step_key_moving_to_the_next_entry_is_seen() -> None:
-    """A step kept as a Python number moves from the end of one entry to the start of the
-    next: the flattened keys and values stay identical, the entry sizes do not."""
+def test_a_key_moving_to_the_next_entry_is_seen() -> None:
+    """A key moves from the end of one entry to the start of the next: the keys and values
+    flattened over all entries stay identical, the entry sizes do not."""
     params = many_params()
-    optimizer = torch.optim.AdamW(params)
+    optimizer = torch.optim.AdamW(params, amsgrad=True)
     step(optimizer, params, 0)
     first, second = optimizer.state[params[0]], optimizer.state[params[1]]
-    for entry in optimizer.state.values():
-        del entry["step"]
-        entry["step"] = 0  # last, and a number, which the plan sets by entry
-    del second["step"]
+    del second["max_exp_avg_sq"]
     opttree.reset(optimizer)
-    moved = {"step": first.pop("step"), **second}
+    moved = {"max_exp_avg_sq": first.pop("max_exp_avg_sq"), **second}
+    moved["max_exp_avg_sq"].fill_(1.0)
     second.clear()
     second.update(moved)
 
     opttree.reset(optimizer)
 
-    assert "step" not in first and "step" in second
+    assert "max_exp_avg_sq" not in first and not second["max_exp_avg_sq"].any()
 
 
 def test_a_storage_freed_in_place_after_a_reset_is_refused_not_written() -> None:

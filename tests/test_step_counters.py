@@ -75,17 +75,94 @@ def test_a_group_step_on_a_schema_without_steps_is_reset_too() -> None:
     assert optimizer.param_groups[0]["step"] == 0 and report.steps == 1
 
 
-def test_a_per_parameter_step_kept_as_a_python_number_keeps_its_type() -> None:
+def refused_with_one_step_problem(optimizer: torch.optim.Optimizer, message: str) -> None:
+    """validate reports one problem with the step counters, and reset refuses, changing nothing."""
+    before = snapshot(optimizer)
+
+    problems = opttree.validate(optimizer)
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=message):
+        opttree.reset(optimizer)
+
+    assert unchanged(optimizer, before)
+    assert [(p.kind, p.key) for p in problems] == [(opttree.ProblemKind.UNSUPPORTED_STATE, "step")]
+
+
+@pytest.mark.parametrize("number", [3, 3.0], ids=["int", "float"])
+def test_a_python_number_step_where_the_optimizer_counts_in_tensors_is_refused(number: float) -> None:
+    """AdamW starts its steps as tensors and adds to them in place; torch's own step raises
+    for a number. A reset to the number 0 would leave that state, not a fresh one's."""
+    net, optimizer = trained()
+    entry = next(iter(optimizer.state.values()))
+    entry["step"] = number
+    before = snapshot(optimizer)
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=rf"key 'step': step counter is a {type(number).__name__} \(1 of 4 entries\) where AdamW starts it as a tensor"):
+        opttree.reset(optimizer)
+
+    assert unchanged(optimizer, before) and entry["step"] == number
+    with pytest.raises(RuntimeError, match="singleton tensors"):  # torch's side: the state could not step either
+        train(net, optimizer, 3, 1)
+
+
+@pytest.mark.parametrize(
+    ("counter", "what"),
+    [
+        (torch.tensor([3.0, 3.0]), "a float32 tensor of 2 values"),
+        (torch.tensor([], dtype=torch.float32), "a float32 tensor of 0 values"),
+        (torch.tensor(True), "a bool tensor"),
+        (torch.tensor(3 + 0j), "a complex64 tensor"),
+    ],
+    ids=["two-values", "no-value", "bool", "complex"],
+)
+@pytest.mark.parametrize("where", ["state", "group"])
+def test_a_step_tensor_that_does_not_hold_one_real_count_is_refused(counter: torch.Tensor, what: str, where: str) -> None:
+    """Every optimizer counts steps in one real number: zeroed in place, a step of two
+    values, none, a bool or a complex one would stay so, where a fresh optimizer's counts."""
     _, optimizer = trained()
-    entries = list(optimizer.state.values())
-    entries[0]["step"] = 3
-    entries[1]["step"] = 3.0
+    if where == "group":
+        optimizer.param_groups[0]["step"] = counter
+    else:
+        list(optimizer.state.values())[-1]["step"] = counter
+
+    refused_with_one_step_problem(optimizer, rf"key 'step': .*step counter.* {what}, where its optimizer counts steps in one real number")
+
+
+def test_a_single_value_step_tensor_of_any_real_dtype_is_zeroed_in_place() -> None:
+    """A one-element int32 step (TE's capturable FusedAdam keeps its group step so) counts."""
+    _, optimizer = trained()
+    optimizer.param_groups[0]["step"] = counter = torch.tensor([7], dtype=torch.int32)
+    entry = list(optimizer.state.values())[-1]
+    entry["step"] = step = torch.tensor([7.0])
 
     opttree.reset(optimizer)
 
-    assert entries[0]["step"] == 0 and type(entries[0]["step"]) is int
-    assert entries[1]["step"] == 0.0 and type(entries[1]["step"]) is float
-    assert all(not entry["step"] for entry in entries[2:])
+    assert optimizer.param_groups[0]["step"] is counter and not counter.any()
+    assert entry["step"] is step and not step.any()
+
+
+@pytest.mark.parametrize("missing", [1, 3])
+def test_state_entries_holding_history_without_their_step_are_refused(missing: int) -> None:
+    """AdamW builds an entry's step with its moments; one without it raises KeyError at
+    the next step, and a reset that zeroed its moments would not be a fresh optimizer's."""
+    net, optimizer = trained()
+    for entry in list(optimizer.state.values())[:missing]:
+        del entry["step"]
+
+    refused_with_one_step_problem(optimizer, rf"key 'step': {missing} of its 4 state entries hold history but no step counter")
+    with pytest.raises(KeyError, match="step"):  # torch's side
+        train(net, optimizer, 3, 1)
+
+
+def test_an_entry_holding_only_kept_state_is_not_missing_its_step() -> None:
+    """A master copy set up before the first step is kept state, not history built
+    without its step."""
+    net, optimizer = trained()
+    param = next(iter(net.parameters()))
+    optimizer.state[param] = {"master_param": param.detach().double()}
+
+    report = opttree.reset(optimizer)
+
+    assert report.steps == len(optimizer.state) - 1 and "master_param" in optimizer.state[param]
 
 
 @pytest.mark.parametrize("where", ["group", "state"])

@@ -2,7 +2,7 @@
 
 import logging
 
-from opttree._api import describe, reset, sync_masters, tree, validate
+from opttree._api import describe, reset, sync_masters, validate
 from opttree._checkpoints import load_state_dict, sharded_state_dict
 from opttree._history import prune, scale
 from opttree._describe import DescribeVisitor
@@ -29,6 +29,7 @@ from opttree._registry import register_schema, register_wrapper
 from opttree._report import ResetReport
 from opttree._reset import ResetVisitor
 from opttree._schema import StateSchema, StepLocation, StepType
+from opttree._trees import tree
 from opttree._validate import ValidateVisitor
 from opttree._version import __version__
 from opttree._visitor import NodeVisitor, TraverserVisitor

@@ -9,8 +9,7 @@ import torch
 import torch.distributed as dist
 from attrs import evolve
 
-from opttree import _distributed, _paths, _registry
-from opttree._adapter import TreeBuilder, Truncated, too_deep_in, unlike_built
+from opttree import _distributed
 from opttree._describe import DescribeVisitor
 from opttree._errors import OptTreeError, ReleaseRefused
 from opttree._masters import SyncReport, check_masters
@@ -20,44 +19,8 @@ from opttree._problems import Problem
 from opttree._report import ResetReport
 from opttree._reset import ResetVisitor
 from opttree._selection import EVERYTHING, select
+from opttree._trees import lenient_tree, tree
 from opttree._validate import ValidateVisitor
-
-
-def tree(optimizer: object) -> Node:
-    """Build the typed tree of an optimizer stack.
-
-    Raises :class:`~opttree.NotAnOptimizer` for an object that is neither an optimizer
-    nor a known wrapper (:class:`~opttree.UnknownWrapper` for a Megatron optimizer class
-    of no known kind), :class:`~opttree.OptimizerCycle` for a wrapper that contains
-    itself or nests deeper than 64 (a tree built by hand too), and
-    :class:`~opttree.MalformedWrapper` for a known wrapper that lacks its parts. A tree
-    passed in is returned as it is where it is the one this builds for its root's
-    optimizer, and refused (``MalformedWrapper``) where it is not.
-    """
-    if isinstance(optimizer, Node):
-        problems = too_deep_in(optimizer)
-        if problems:
-            raise problems[0].to_error(others=len(problems) - 1)
-        unlike = unlike_built(optimizer, TreeBuilder(_registry.kind_for).build(optimizer.optimizer, optimizer.path))
-        if unlike is not None:
-            raise unlike.to_error()
-        return optimizer
-    return TreeBuilder(_registry.kind_for).build(optimizer, _paths.ROOT)
-
-
-def lenient_tree(optimizer: object) -> tuple[Node, list[Problem]]:
-    """The tree, and the objects the adapter refused, each standing in it as a wrapper
-    without children, for ``validate`` and ``describe``, which report instead of raising;
-    a tree built by hand is refused where it nests too deep, as a built one would be, and
-    reported where it is not the tree built for its root's optimizer."""
-    problems: list[Problem] = []
-    if isinstance(optimizer, Node):
-        too_deep = too_deep_in(optimizer)
-        if too_deep:
-            return optimizer.accept(Truncated()), too_deep
-        unlike = unlike_built(optimizer, TreeBuilder(_registry.kind_for, problems).build(optimizer.optimizer, optimizer.path))
-        return optimizer, [*problems, *([] if unlike is None else [unlike])]
-    return TreeBuilder(_registry.kind_for, problems).build(optimizer, _paths.ROOT), problems
 
 
 def validate(
@@ -75,9 +38,9 @@ def validate(
     """
     root, refused = lenient_tree(optimizer)
     visitor = ValidateVisitor()
-    visitor.check(root)
+    visitor._check_built(root)
     masters = check_masters(root, model).problems if model is not None else ()
-    problems = (*refused, *visitor.problems, *masters)
+    problems = tuple(dict.fromkeys((*refused, *visitor.problems, *masters)))  # a wrapper both checks read fails once
     if group is None:
         return problems
     summaries = _distributed.gather(root, group, problems)
@@ -153,7 +116,7 @@ def _planned_reset(
     if release:
         selection = evolve(selection, release=True)
     visitor = ResetVisitor._selecting(selection, keep_loss_scale=keep_loss_scale)
-    refused = visitor.refusal(root)
+    refused = visitor._refusal_of_built(root)
     if refused is not None:
         raise refused
     return visitor

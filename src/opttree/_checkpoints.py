@@ -28,7 +28,7 @@ from typing import TypeVar
 import torch
 
 from opttree import _registry
-from opttree._api import tree
+from opttree._trees import tree
 from opttree._checkpoint_layouts import STEP_KEY, layout_error, walk
 from opttree._nodes import LeafNode, Node
 from opttree._problems import Problem, ProblemKind

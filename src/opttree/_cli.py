@@ -14,7 +14,8 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from opttree._api import describe, lenient_tree, validate
+from opttree._api import describe, validate
+from opttree._trees import lenient_tree
 from opttree._describe import leaf_text
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._paths import ROOT

@@ -115,7 +115,7 @@ def malformed_outline(optimizer: torch.optim.Optimizer) -> str | None:
     for index, group in enumerate(groups):
         if not isinstance(group, MutableMapping):
             return f"param group {index} is a {type(group).__qualname__}, expected a dict"
-        params = group.get("params")
+        params = group["params"] if "params" in group else None  # read as every later read does
         if not isinstance(params, (list, tuple)):
             return f"param group {index} has no 'params' list"
         if not _tensor_classes(set(map(type, params))):

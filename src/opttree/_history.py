@@ -22,7 +22,7 @@ import torch.distributed as dist
 from attrs import evolve
 
 from opttree import _distributed
-from opttree._api import tree
+from opttree._trees import tree
 from opttree._errors import PartialResetRefused
 from opttree._plan import ResetPlan
 from opttree._preflight import plain_torch
@@ -48,7 +48,7 @@ def _plan(
     root = tree(optimizer)
     chosen = select(root, params, key_list, model)
     visitor = ValidateVisitor._selecting(evolve(chosen, steps=False))
-    refused = visitor.refusal(root)
+    refused = visitor._refusal_of_built(root)
     if refused is not None:
         raise refused
     plan = visitor._plan

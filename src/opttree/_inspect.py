@@ -32,7 +32,7 @@ from opttree._containers import (
 from opttree._plan import ResetPlan, StateEntry, StatePlan
 from opttree._preflight import _DTYPE, _SHAPE, Extents, identities, plain_reads, ranges, unfillable_reason, writable_ranges
 from opttree._problems import Problem, ProblemKind
-from opttree._schema import KeyAction, ScaleLookup, StateSchema, StepType
+from opttree._schema import KeyAction, ScaleLookup, StateSchema, StepLocation, StepType
 from opttree._selection import EVERYTHING, Selection
 
 Placement = tuple[torch.dtype | None, torch.device | None]
@@ -60,6 +60,11 @@ def _carries_history(state: Mapping[torch.Tensor, StateEntry], actions: Mapping[
 
 
 _NOT_WRITTEN = (KeyAction.DROP, KeyAction.KEEP, None)
+
+_ONE_COUNT = (
+    ", where its optimizer counts steps in one real number: zeroed in place it would stay so, "
+    "and the next step would not be a fresh optimizer's"
+)
 
 
 _NOT_EXACT_IN_PLACE = (
@@ -154,6 +159,25 @@ def _zero_like(value: object) -> int | float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return 0 if isinstance(value, int) else 0.0
+
+
+_NOT_COUNTS = frozenset({torch.bool, torch.complex32, torch.complex64, torch.complex128})
+
+
+def odd_step_tensors(found: Extents) -> tuple[int, str] | None:
+    """How many of the step tensors ``found`` describes (from :func:`writable_ranges`) do
+    not count in one real number, as every optimizer's step counter does, and what the
+    first is; None where all do. A reset in place would keep them so (a bool that no
+    longer counts, two counters where the optimizer reads one)."""
+    dtypes = found.dtypes
+    spans = list(map(operator.sub, found.ends, found.starts))
+    if spans == [dtype.itemsize for dtype in dtypes] and _NOT_COUNTS.isdisjoint(dtypes):
+        return None
+    odd = [(span, dtype) for span, dtype in zip(spans, dtypes, strict=True) if span != dtype.itemsize or dtype in _NOT_COUNTS]
+    span, dtype = odd[0]
+    name = str(dtype).removeprefix("torch.")
+    what = f"a {name} tensor" if dtype in _NOT_COUNTS else f"a {name} tensor of {span // dtype.itemsize} values"
+    return len(odd), what
 
 
 class LeafInspector:
@@ -371,6 +395,10 @@ class LeafInspector:
             if isinstance(checked, tuple):
                 self.problem(node, ProblemKind.UNWRITABLE_STATE, f"param group {index}'s step counter is {checked[1]}", "step")
                 return
+            odd = odd_step_tensors(checked)
+            if odd is not None:
+                self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"param group {index}'s step counter is {odd[1]}{_ONE_COUNT}", "step")
+                return
             state.zero_list(("group step", step.dtype, step.device)).append(step)
             state.step_ranges.extend(checked.owned((node.path, type(node.optimizer).__qualname__, "step")))
             state.step_holders.append(("step", [group]))
@@ -417,7 +445,10 @@ class LeafInspector:
             self.plan_unselected(node, owner, list(compress(entries, map(operator.not_, picked))), into)
             held, entries = list(compress(held, picked)), list(compress(entries, picked))
         layouts: tuple[list[torch.Size], list[torch.dtype]] | None = None  # read at the first key built like them
-        for key, count in Counter(chain.from_iterable(entries)).items():
+        counts = Counter(chain.from_iterable(entries))
+        if self.schema.step is StepLocation.PER_PARAMETER and counts["step"] < len(entries):
+            self.stepless_entries(node, held, entries)
+        for key, count in counts.items():
             action = self.actions.get(key)
             if action is None:
                 self.unknown_key(node, key)
@@ -471,6 +502,27 @@ class LeafInspector:
             if scale_of is not None:
                 self.plan_scales(node, owner, scale_of, held, entries, key, into)
 
+    def stepless_entries(self, node: LeafNode, held: list[torch.Tensor], entries: list[StateEntry]) -> None:
+        """Entries that hold history but no step counter, where the optimizer builds them
+        together: zeroed, their history would be read with a step they do not have (torch's
+        Adam raises KeyError), where a fresh optimizer builds both. An entry holding only
+        kept state (a master copy set up before the first step) is not yet built, and one
+        held for a tensor in no param group is never stepped."""
+        schema = self.schema
+        history = schema.zero | schema.filled | schema.identity
+        grouped = {id(param) for group in node.optimizer.param_groups for param in group["params"]}
+        stepless = sum(
+            "step" not in entry and not history.isdisjoint(entry) and id(param) in grouped for param, entry in zip(held, entries, strict=True)
+        )
+        if not stepless:
+            return
+        message = (
+            f"{stepless} of its {len(entries)} state entries hold history but no step counter, which its optimizer "
+            "builds with it: its next step would not be a fresh optimizer's (torch's Adam raises KeyError); a sharded "
+            "checkpoint megatron-core saved at step 0 holds no step: load it with opttree.load_state_dict"
+        )
+        self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, "step")
+
     def unlike_params(
         self,
         node: LeafNode,
@@ -514,7 +566,7 @@ class LeafInspector:
                 self.plan_kept(node, owner, tensors, key_label(key), into)
 
     def plan_kept(
-        self, node: LeafNode, owner: tuple[str, str], tensors: Sequence[torch.Tensor], key: str | None, into: StatePlan
+        self, node: Node, owner: tuple[str, str], tensors: Sequence[torch.Tensor], key: str | None, into: StatePlan
     ) -> int:
         """Record the memory of tensors a reset must leave alone (parameters, where ``key``
         is None), for the aliasing check, and return their bytes; one whose memory cannot
@@ -653,6 +705,15 @@ class LeafInspector:
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
                 return
             zeros.append((entry, zero))
+        if numbers and self.schema.step_type is StepType.TENSOR:
+            message = (
+                f"step counter is a {type(numbers[0][key]).__qualname__} ({len(numbers)} of {len(having)} entries) where "
+                f"{type(node.optimizer).__qualname__} starts it as a tensor, which its step adds to in place (torch's "
+                "raise for a number): a reset to 0 would not train as a fresh optimizer does; load the state "
+                "through the optimizer's load_state_dict, which makes it a tensor"
+            )
+            self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
+            return
         if self.written_by_own_code(node, having if self.schema.step_type is StepType.INT else numbers, "a state entry", key):
             return
         if self.schema.step_type is StepType.INT:
@@ -664,6 +725,11 @@ class LeafInspector:
             checked = writable_ranges(tensors)
             if isinstance(checked, tuple):
                 self.unwritable(node, key, checked, len(having))
+                return
+            odd = odd_step_tensors(checked)
+            if odd is not None:
+                what = "it is" if len(tensors) == 1 else f"{odd[0]} of its {len(tensors)} are; the first is"
+                self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"step counter: {what} {odd[1]}{_ONE_COUNT}", key)
                 return
             into.zero_list((key, *placement)).extend(tensors)
             into.step_ranges.extend(checked.owned((*owner, key)))

@@ -24,6 +24,7 @@ from opttree._containers import malformed
 from opttree._dispatch import LazyDispatch
 from opttree._errors import MalformedWrapper, OptTreeError, PartialResetRefused, UnmappedParameter
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
+from opttree._problems import Problem, ProblemKind
 from opttree._schema import StepLocation
 from opttree._visitor import TraverserVisitor
 
@@ -242,8 +243,9 @@ class SelectVisitor(TraverserVisitor):
         self.through(node)
 
     def visit_leaf(self, node: LeafNode) -> None:
-        if malformed(node.optimizer) is not None:
-            return  # validation reports it; the reset refuses
+        reason = malformed(node.optimizer)
+        if reason is not None:  # its parameters cannot be read: a reset refuses it, as validation reports
+            raise Problem(ProblemKind.MALFORMED_STATE, node.path, type(node.optimizer).__qualname__, reason).to_error()
         for group in node.optimizer.param_groups:
             for param in group["params"]:
                 found = self.flow.get(id(param))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from itertools import chain
 from typing import Self, cast
 
@@ -20,6 +20,7 @@ from opttree._plan import ResetPlan, StateEntry
 from opttree._preflight import Owner, duplicates, overlap, plain_torch, ranges, unique_ranges
 from opttree._problems import Problem, ProblemKind, Severity
 from opttree._scalers import loss_scaler, plan_scaler
+from opttree._trees import lenient_tree
 from opttree._schema import StateSchema
 from opttree._runs import alike_runs, sibling_groups
 from opttree._selection import EVERYTHING, INNER_PARAMS, STEP_UNITS, Selection, tree_params
@@ -64,15 +65,19 @@ class ValidateVisitor(TraverserVisitor):
         and ``pooling=False`` inspects every leaf on its own (the reference pooling must equal)."""
         self._keep_loss_scale = keep_loss_scale
         self._pooling = pooling
+        self._selection = EVERYTHING
+        self._is_optimizer: dict[type, bool] = {}
+        self._restart()
+
+    def _restart(self) -> None:
+        """Forget what an earlier walk found, so that a visitor can check again."""
         self._pooled = False
         self.problems: list[Problem] = []
         """What :meth:`check` found, in the order it found it."""
         self._plan = ResetPlan()
-        self._selection = EVERYTHING
         self._inspectors: dict[type, LeafInspector | None] = {}
         self._contained: list[object] = []
         self._held: list[tuple[Node, Held]] = []
-        self._is_optimizer: dict[type, bool] = {}
         self._release_refused = False
         self._megatron_above: list[str] = []
         """The classes of the Megatron wrappers above the node visited."""
@@ -93,6 +98,14 @@ class ValidateVisitor(TraverserVisitor):
     def refusal(self, root: Node) -> OptTreeError | None:
         """:meth:`check` the whole tree: the error a reset of it raises, or None."""
         self.check(root)
+        return self._first_error()
+
+    def _refusal_of_built(self, root: Node) -> OptTreeError | None:
+        """:meth:`refusal`, for a tree opttree has just built or verified."""
+        self._check_built(root)
+        return self._first_error()
+
+    def _first_error(self) -> OptTreeError | None:
         errors = [p for p in self.problems if p.severity is Severity.ERROR]
         if errors:
             self._forget_plan()  # the error's traceback holds this visitor: let the state go
@@ -100,6 +113,20 @@ class ValidateVisitor(TraverserVisitor):
         return None
 
     def check(self, root: Node) -> None:
+        """Check the tree ``root`` afresh, forgetting any earlier check: a tree built by
+        hand that is not the one opttree builds for its root's optimizer is a problem
+        (``foreign-tree``), as in :func:`opttree.validate`."""
+        checked, problems = lenient_tree(root)
+        self._restart()
+        self.problems.extend(problems)
+        self._walk(checked)
+
+    def _check_built(self, root: Node) -> None:
+        """:meth:`check`, for a tree opttree has just built or verified."""
+        self._restart()
+        self._walk(root)
+
+    def _walk(self, root: Node) -> None:
         """Walk ``root`` and run the tree-wide checks, as plain torch calls (see
         :func:`~opttree._preflight.plain_torch`)."""
         with plain_torch():
@@ -117,7 +144,7 @@ class ValidateVisitor(TraverserVisitor):
         a problem the tree-wide memory check finds in a pooled run then names its leaf."""
         again = type(self)(keep_loss_scale=self._keep_loss_scale, pooling=False)
         again._selection = self._selection
-        again.check(root)
+        again._check_built(root)
         self.problems[:] = again.problems  # the inspectors hold this list
         self._plan = again._plan
 
@@ -286,37 +313,45 @@ class ValidateVisitor(TraverserVisitor):
         """Check the chain's step unit and a release under it, then its members."""
         self._check_step_unit(node)
         self._check_release(node)
+        self._keep_stepped_params(node)
         self.visit_children(node)
 
     def visit_hybrid(self, node: HybridNode) -> None:
         """Check a release under it, plan the steps its own param groups count, then its sub-optimizers."""
         self._check_release(node)
-        if self._selection.resets("step"):
+        pairs = self._keep_stepped_params(node)
+        if self._selection.resets("step") and pairs is not None:
             inspector = LeafInspector(StateSchema(), self._plan, self.problems, self._selection)
-            copies = self._stepped_copies(node)
-            if copies is not None:
-                inspector.plan_copied_group_steps(node, node.optimizer, copies)
+            copies = {} if self._selection.tensors is None else {id(param): copies[0] for param, copies in pairs if copies}
+            inspector.plan_copied_group_steps(node, node.optimizer, copies)
         self.visit_children(node)
 
-    def _stepped_copies(self, node: Node) -> dict[int, torch.Tensor] | None:
-        """The copy of each of a wrapper's parameters that its inner optimizers step, by the
-        parameter's ``id``, where a partial selection needs them (it names copies); None,
-        with a problem, where the wrapper's map of them cannot be read."""
+    def _keep_stepped_params(self, node: Node) -> list[tuple[torch.Tensor, Sequence[torch.Tensor]]] | None:
+        """The parameters a wrapper steps through copies or shards (a mixed-precision
+        wrapper's fp16/bf16 model weights, the parameters a DistributedOptimizer shards),
+        with those copies, as its inner-params function pairs them. The parameters are
+        kept: history sharing their memory would zero model weights no leaf holds. None,
+        with a problem, where the wrapper's pairs cannot be read."""
         inner_params = INNER_PARAMS.lookup(type(node.optimizer))
-        if self._selection.tensors is None or inner_params is None:
-            return {}
+        if inner_params is None:
+            return []
+        cls = type(node.optimizer).__qualname__
         try:
-            return {id(param): copies[0] for param, copies in inner_params(node.optimizer, node.path) if copies}
+            pairs = list(inner_params(node.optimizer, node.path))
         except OptTreeError as error:
-            cls = type(node.optimizer).__qualname__
             self.problems.append(error.problem or Problem(ProblemKind.MALFORMED_WRAPPER, node.path, cls, str(error)))
             return None
+        inspector = LeafInspector(StateSchema(), self._plan, self.problems, self._selection)
+        params = [param for param, _ in pairs if isinstance(param, torch.Tensor)]  # anything else: see check_masters
+        inspector.plan_kept(node, (node.path, cls), params, None, self._plan.state)
+        return pairs
 
     def visit_wrapper(self, node: WrapperNode) -> None:
         """Check the wrapper's step unit, loss scaler and a release under it, then its inner optimizers."""
         self._check_step_unit(node)
         self._check_release(node)
         self._check_loss_scale(node)
+        self._keep_stepped_params(node)
         self.visit_children(node)
 
     def _check_loss_scale(self, node: WrapperNode) -> None:

@@ -1,0 +1,48 @@
+"""The tree of an optimizer stack, built or verified: a tree passed in is used only where
+it is the one opttree builds for its root's optimizer."""
+
+from __future__ import annotations
+
+from opttree import _paths, _registry
+from opttree._adapter import TreeBuilder, Truncated, too_deep_in, unlike_built
+from opttree._nodes import Node
+from opttree._problems import Problem
+
+
+def tree(optimizer: object) -> Node:
+    """Build the typed tree of an optimizer stack.
+
+    Raises :class:`~opttree.NotAnOptimizer` for an object that is neither an optimizer
+    nor a known wrapper (:class:`~opttree.UnknownWrapper` for a Megatron optimizer class
+    of no known kind), :class:`~opttree.OptimizerCycle` for a wrapper that contains
+    itself or nests deeper than 64 (a tree built by hand too), and
+    :class:`~opttree.MalformedWrapper` for a known wrapper that lacks its parts. A tree
+    passed in is returned as it is where it is the one this builds for its root's
+    optimizer, and refused (``MalformedWrapper``) where it is not.
+    """
+    if isinstance(optimizer, Node):
+        problems = too_deep_in(optimizer)
+        if problems:
+            raise problems[0].to_error(others=len(problems) - 1)
+        unlike = unlike_built(optimizer, TreeBuilder(_registry.kind_for).build(optimizer.optimizer, optimizer.path))
+        if unlike is not None:
+            raise unlike.to_error()
+        return optimizer
+    return TreeBuilder(_registry.kind_for).build(optimizer, _paths.ROOT)
+
+
+def lenient_tree(optimizer: object) -> tuple[Node, list[Problem]]:
+    """The tree, and the objects the adapter refused, each standing in it as a wrapper
+    without children, for ``validate`` and ``describe``, which report instead of raising;
+    a tree built by hand is refused where it nests too deep, as a built one would be, and
+    reported where it is not the tree built for its root's optimizer, whose tree is then
+    the one checked."""
+    problems: list[Problem] = []
+    if isinstance(optimizer, Node):
+        too_deep = too_deep_in(optimizer)
+        if too_deep:
+            return optimizer.accept(Truncated()), too_deep
+        built = TreeBuilder(_registry.kind_for, problems).build(optimizer.optimizer, optimizer.path)
+        unlike = unlike_built(optimizer, built)
+        return (optimizer, problems) if unlike is None else (built, [*problems, unlike])
+    return TreeBuilder(_registry.kind_for, problems).build(optimizer, _paths.ROOT), problems
