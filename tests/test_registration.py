@@ -318,6 +318,49 @@ def test_a_users_fill_follows_the_group() -> None:
     assert optimizer.state[first]["sum"].tolist() == [0.5, 0.5] and optimizer.state[second]["sum"].tolist() == [2.0] * 3
 
 
+def _divide_by_zero(group: object, defaults: object) -> float:
+    return 1 / 0
+
+
+def _raising_scale(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str) -> torch.Tensor | None:
+    raise ZeroDivisionError("no scale")
+
+
+def _number_scale(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str) -> torch.Tensor | None:
+    return 1.0  # type: ignore[return-value]  # as an untyped function may
+
+
+@pytest.mark.parametrize(
+    ("schema", "key", "reason"),
+    [
+        (opttree.StateSchema(fill={"sum": _divide_by_zero}, step=opttree.StepLocation.PER_PARAMETER), "sum", "its starting value cannot be worked out: ZeroDivisionError"),
+        (opttree.StateSchema(zero={"sum"}, scale_of=_raising_scale, step=opttree.StepLocation.PER_PARAMETER), "sum", "its schema's scale_of raised ZeroDivisionError: no scale"),
+        (opttree.StateSchema(zero={"sum"}, scale_of=_number_scale, step=opttree.StepLocation.PER_PARAMETER), "sum", "its schema's scale_of gave a float, expected the scale tensor"),
+    ],
+    ids=["fill-raises", "scale-of-raises", "scale-of-gives-a-number"],
+)
+def test_a_registered_function_that_fails_is_reported_at_its_key(schema: opttree.StateSchema, key: str, reason: str) -> None:
+    """A schema's own functions run while planning: what they raise or give that is not
+    what a reset can use is that key's problem, not the leaf's containers'."""
+
+    class Accumulates(torch.optim.Adagrad):
+        pass
+
+    opttree.register_schema(Accumulates, schema)
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = Accumulates([param])
+    param.grad = torch.ones(2)
+    optimizer.step()
+    before = optimizer.state[param]["sum"].clone()
+
+    (problem,) = opttree.validate(optimizer)
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=f"key '{key}': {reason}"):
+        opttree.reset(optimizer)
+
+    assert (problem.kind, problem.key) == (opttree.ProblemKind.UNSUPPORTED_STATE, key) and reason in problem.message
+    assert torch.equal(optimizer.state[param]["sum"], before)
+
+
 class Eigenbasis(torch.optim.Optimizer):
     """A home-made SOAP-like optimizer: a rotation ``Q`` per parameter that starts as the
     identity (of the parameter's first dimension), and a moment, both created on the first

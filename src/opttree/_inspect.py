@@ -655,7 +655,7 @@ class LeafInspector:
                 return
             try:
                 value = self.schema.fill_value(key, group, optimizer.defaults)
-            except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as error:  # a tensor of several values; an int beyond a float
+            except Exception as error:  # noqa: BLE001  # a registered fill function may raise anything
                 message = f"its starting value cannot be worked out: {type(error).__name__}: {error}"
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
                 return
@@ -768,12 +768,21 @@ class LeafInspector:
             if key not in entry:
                 continue
             try:
-                scale = scale_of(node.optimizer, param, key)
+                scale: object = scale_of(node.optimizer, param, key)
             except OptTreeError as error:
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, str(error), key)
                 return
-            if scale is not None:
-                scales.append(scale)
+            except Exception as error:  # noqa: BLE001  # a registered function may raise anything
+                message = f"its schema's scale_of raised {type(error).__name__}: {error}"
+                self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
+                return
+            if scale is None:
+                continue
+            if not isinstance(scale, torch.Tensor):
+                message = f"its schema's scale_of gave a {type(scale).__qualname__}, expected the scale tensor to reset, or None"
+                self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
+                return
+            scales.append(scale)
         checked = writable_ranges(scales)
         if isinstance(checked, tuple):
             self.unwritable(node, f"{key} scale", checked, len(scales))
