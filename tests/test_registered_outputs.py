@@ -54,6 +54,24 @@ def test_children_that_are_not_labelled_pairs_are_a_malformed_wrapper(children: 
     assert opttree.describe(wrapper) == f"Holder (refused: {message})  @ <root>"
 
 
+def test_children_sharing_a_label_are_a_malformed_wrapper_and_under_two_labels_one_leaf() -> None:
+    """Two children at one path are one node to every check: an optimizer given twice under
+    one label was reported as sharing memory with itself. Under two labels it is one leaf
+    reached twice, reset once."""
+    optimizer = stepped_adamw(2)
+    before = snapshot(optimizer)
+    same = registered_holder(lambda w: [("a", w.optimizer), ("a", w.optimizer)])(optimizer)
+    apart = registered_holder(lambda w: [("a", w.optimizer), ("b", w.optimizer)])(optimizer)
+    message = "its children function gave the label 'a' to more than one child: give each its own label"
+
+    with pytest.raises(opttree.MalformedWrapper, match=re.escape(f"Holder at <root>: {message}")):
+        opttree.reset(same)
+    assert unchanged(optimizer, before)
+    assert opttree.validate(same)[0].message == message
+    assert opttree.validate(apart) == ()
+    assert opttree.reset(apart).tensors_zeroed == 4
+
+
 class Copies(CopyingWrapper):
     """A copying wrapper registered with an ``inner_params`` function that a test sets."""
 

@@ -314,11 +314,18 @@ def is_pair(item: object) -> TypeGuard[tuple[object, object]]:
 
 
 def labelled(pairs: list[object], wrapper: object, path: str) -> list[tuple[str, object]]:
-    """A children function's output, each item checked to be a ``(label, inner)`` pair."""
+    """A children function's output, each item checked to be a ``(label, inner)`` pair,
+    each label given once: two children at one path would be one node to every check."""
     for item in pairs:
         if not is_pair(item) or not isinstance(item[0], str):
             raise yielded_wrongly("children", wrapper, path, item, "(label, inner) pairs with a str label")
-    return cast(list[tuple[str, object]], pairs)
+    checked = cast(list[tuple[str, object]], pairs)
+    labels = [label for label, _ in checked]
+    if len(set(labels)) < len(labels):
+        twice = next(label for label in labels if labels.count(label) > 1)
+        message = f"its children function gave the label {twice!r} to more than one child: give each its own label"
+        raise refusal(ProblemKind.MALFORMED_WRAPPER, wrapper, path, message)
+    return checked
 
 
 def children_expander(children: ChildrenFn) -> Expander:
