@@ -282,8 +282,13 @@ def test_a_fill_must_be_a_number_or_a_function_and_not_also_a_zero() -> None:
         ({"scale_of": 3.0}, r"scale_of is a function \(optimizer, param, key\) -> scale or None, got a float"),
         ({"rebuilds_missing": "no"}, "rebuilds_missing must be True or False, got 'no'"),
         ({"indivisible": 1}, "indivisible must be True or False, got 1"),
+        ({"zero": {"m"}, "one_value": {"n"}}, r"one_value names \['n'\], which are neither zeroed nor filled"),
+        ({"zero": {"m"}, "one_value": {"m"}, "like_param": {"m"}}, r"state keys \['m'\] are named in both like_param and one_value"),
     ],
-    ids=["fill-set", "fill-str", "fill-none", "fill-twice", "fill-key-int", "zero-none", "zero-int", "scale-of", "rebuilds-str", "indivisible-int"],
+    ids=[
+        "fill-set", "fill-str", "fill-none", "fill-twice", "fill-key-int", "zero-none", "zero-int", "scale-of", "rebuilds-str",
+        "indivisible-int", "one-value-unknown", "one-value-like-param",
+    ],
 )
 def test_a_schema_given_what_it_cannot_mean_is_a_registration_error(arguments: dict[str, object], reason: str) -> None:
     with pytest.raises(opttree.RegistrationError, match=reason):

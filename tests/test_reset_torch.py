@@ -331,3 +331,27 @@ def test_history_swapped_between_parameters_of_other_dtypes_is_refused() -> None
 
     with pytest.raises(opttree.UnsupportedOptimizerState, match="the parameter was cast, reshaped or swapped after it was built"):
         opttree.reset(optimizer)
+
+
+@pytest.mark.parametrize(
+    ("mu_product", "what"),
+    [
+        (torch.ones(3), "it is a float32 tensor of 3 values"),
+        (torch.tensor(True), "it is a bool tensor"),
+    ],
+    ids=["three-values", "bool"],
+)
+def test_nadams_mu_product_that_is_not_one_real_value_is_refused(mu_product: torch.Tensor, what: str) -> None:
+    """NAdam keeps ``mu_product`` as one value beside any parameter: filled with 1 in place,
+    three values would stay three, and the next step would broadcast them into the weight."""
+    param = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.NAdam([param])
+    param.grad = torch.ones(3)
+    optimizer.step()
+    optimizer.state[param]["mu_product"] = mu_product
+    kept = mu_product.clone()
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=f"key 'mu_product': {what}, where its optimizer keeps one real value"):
+        opttree.reset(optimizer)
+
+    assert torch.equal(mu_product, kept) and float(optimizer.state[param]["step"]) == 1

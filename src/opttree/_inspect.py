@@ -164,10 +164,10 @@ def _zero_like(value: object) -> int | float | None:
 _NOT_COUNTS = frozenset({torch.bool, torch.complex32, torch.complex64, torch.complex128})
 
 
-def odd_step_tensors(found: Extents) -> tuple[int, str] | None:
-    """How many of the step tensors ``found`` describes (from :func:`writable_ranges`) do
-    not count in one real number, as every optimizer's step counter does, and what the
-    first is; None where all do. A reset in place would keep them so (a bool that no
+def not_one_real_value(found: Extents) -> tuple[int, str] | None:
+    """How many of the tensors ``found`` describes (from :func:`writable_ranges`) do not
+    hold one real value, as a step counter or a schema's ``one_value`` key does, and what
+    the first is; None where all do. A reset in place would keep them so (a bool that no
     longer counts, two counters where the optimizer reads one)."""
     dtypes = found.dtypes
     spans = list(map(operator.sub, found.ends, found.starts))
@@ -395,7 +395,7 @@ class LeafInspector:
             if isinstance(checked, tuple):
                 self.problem(node, ProblemKind.UNWRITABLE_STATE, f"param group {index}'s step counter is {checked[1]}", "step")
                 return
-            odd = odd_step_tensors(checked)
+            odd = not_one_real_value(checked)
             if odd is not None:
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"param group {index}'s step counter is {odd[1]}{_ONE_COUNT}", "step")
                 return
@@ -488,6 +488,13 @@ class LeafInspector:
                 if layouts is None:
                     layouts = _layouts(held)
                 self.unlike_params(node, key, tensors, checked.dtypes, layouts, entries, count)  # planned on, for what else is wrong
+            if key in self.schema.one_value:
+                odd = not_one_real_value(checked)
+                if odd is not None:
+                    what = "it is" if count == 1 else f"{odd[0]} of its {count} tensors are; the first is"
+                    message = f"{what} {odd[1]}, where its optimizer keeps one real value: reset in place it would stay so"
+                    self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
+                    continue
             into.bytes_reset += checked.nbytes
             into.written.extend(checked.owned((*owner, key)))
             if action is KeyAction.FILL:
@@ -726,7 +733,7 @@ class LeafInspector:
             if isinstance(checked, tuple):
                 self.unwritable(node, key, checked, len(having))
                 return
-            odd = odd_step_tensors(checked)
+            odd = not_one_real_value(checked)
             if odd is not None:
                 what = "it is" if len(tensors) == 1 else f"{odd[0]} of its {len(tensors)} are; the first is"
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"step counter: {what} {odd[1]}{_ONE_COUNT}", key)

@@ -113,6 +113,10 @@ class StateSchema:
     ``.data``, after the optimizer built it), a reset in place would keep it so where a
     fresh optimizer builds it as the parameter is now: refused.
 
+    ``one_value``: zeroed or filled keys that hold one real value whatever their parameter
+    (NAdam's ``mu_product``). One that holds several, none, or a bool or complex one would
+    stay so through a reset in place: refused.
+
     ``starts_at_first_step``: the optimizer builds a parameter's entry at its first step,
     filled from its group's values then (Rprop's ``step_size`` from the lr), so a fill in
     place would freeze today's lr where a scheduler moves it before the next step: a reset
@@ -144,6 +148,7 @@ class StateSchema:
     starts_at_first_step: bool = field(default=False, kw_only=True)
     step_type: StepType = field(default=StepType.TENSOR, kw_only=True)
     like_param: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
+    one_value: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
 
     @property
     def filled(self) -> frozenset[str]:
@@ -171,8 +176,13 @@ class StateSchema:
             if not callable(value) and (not isinstance(value, (int, float)) or isinstance(value, bool)):
                 msg = f"the fill of {key!r} is a {type(value).__qualname__}: expected a number or (group, defaults) -> number"
                 raise RegistrationError(msg)
-        if not self.like_param <= self.zero | self.filled:
-            msg = f"like_param names {sorted(self.like_param - self.zero - self.filled)}, which are neither zeroed nor filled"
+        for name in ("like_param", "one_value"):
+            named: frozenset[str] = getattr(self, name)
+            if not named <= self.zero | self.filled:
+                msg = f"{name} names {sorted(named - self.zero - self.filled)}, which are neither zeroed nor filled"
+                raise RegistrationError(msg)
+        if self.like_param & self.one_value:
+            msg = f"state keys {sorted(self.like_param & self.one_value)} are named in both like_param and one_value"
             raise RegistrationError(msg)
         if "step" in self.zero | self.drop | self.keep | self.filled | self.identity:
             msg = "'step' is described by StateSchema.step, not by a key set"

@@ -44,9 +44,11 @@ def _per_step(
     step_type: StepType = StepType.TENSOR,
     starts_at_first_step: bool = False,
     unlike: frozenset[str] = frozenset(),
+    one_value: frozenset[str] = frozenset(),
 ) -> StateSchema:
-    """A schema whose history is built ``*_like`` its parameter but for ``unlike``: NAdam's
-    ``mu_product`` and ASGD's ``eta`` and ``mu`` are scalars, Adafactor's are factored."""
+    """A schema whose history is built ``*_like`` its parameter but for ``unlike`` (Adafactor's
+    factored keys) and ``one_value`` (NAdam's ``mu_product`` and ASGD's ``eta`` and ``mu``,
+    which are scalars)."""
     fills = dict(fill or {})
     return StateSchema(
         zero=set(zero),
@@ -56,7 +58,8 @@ def _per_step(
         rebuilds_missing=rebuilds_missing,
         step_type=step_type,
         starts_at_first_step=starts_at_first_step,
-        like_param=(set(zero) | set(fills)) - unlike,
+        like_param=(set(zero) | set(fills)) - unlike - one_value,
+        one_value=one_value,
     )
 
 
@@ -72,13 +75,13 @@ SCHEMAS: dict[str, StateSchema] = {
     "Adam": ADAM,
     "AdamW": ADAM,
     "Adamax": _per_step("exp_avg", "exp_inf"),
-    "NAdam": _per_step("exp_avg", "exp_avg_sq", fill={"mu_product": 1.0}, unlike=frozenset({"mu_product"})),
+    "NAdam": _per_step("exp_avg", "exp_avg_sq", fill={"mu_product": 1.0}, one_value=frozenset({"mu_product"})),
     "RAdam": _per_step("exp_avg", "exp_avg_sq"),
     "Adagrad": _per_step(fill={"sum": _initial_accumulator}, rebuilds_missing=False),  # built in __init__
     "Adadelta": _per_step("square_avg", "acc_delta"),
     "RMSprop": _per_step("square_avg", "momentum_buffer", "grad_avg"),
     "Rprop": _per_step("prev", fill={"step_size": _lr}, starts_at_first_step=True),
-    "ASGD": _per_step("ax", fill={"eta": _lr, "mu": 1.0}, starts_at_first_step=True, unlike=frozenset({"eta", "mu"})),
+    "ASGD": _per_step("ax", fill={"eta": _lr, "mu": 1.0}, starts_at_first_step=True, one_value=frozenset({"eta", "mu"})),
     "SGD": SGD,
     "LBFGS": LBFGS,
     "SparseAdam": _per_step("exp_avg", "exp_avg_sq", step_type=StepType.INT),  # state["step"] = 0
