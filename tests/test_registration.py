@@ -284,10 +284,12 @@ def test_a_fill_must_be_a_number_or_a_function_and_not_also_a_zero() -> None:
         ({"indivisible": 1}, "indivisible must be True or False, got 1"),
         ({"zero": {"m"}, "one_value": {"n"}}, r"one_value names \['n'\], which are neither zeroed nor filled"),
         ({"zero": {"m"}, "one_value": {"m"}, "like_param": {"m"}}, r"state keys \['m'\] are named in both like_param and one_value"),
+        ({"zero": {"m"}, "shape_of": {"m": 3}}, r"the shape_of of 'm' is a int: expected \(param shape\) -> shape"),
+        ({"zero": {"m"}, "shape_of": {"n": tuple}}, r"shape_of names \['n'\], which are neither zeroed nor filled"),
     ],
     ids=[
         "fill-set", "fill-str", "fill-none", "fill-twice", "fill-key-int", "zero-none", "zero-int", "scale-of", "rebuilds-str",
-        "indivisible-int", "one-value-unknown", "one-value-like-param",
+        "indivisible-int", "one-value-unknown", "one-value-like-param", "shape-of-int", "shape-of-unknown",
     ],
 )
 def test_a_schema_given_what_it_cannot_mean_is_a_registration_error(arguments: dict[str, object], reason: str) -> None:
@@ -331,6 +333,10 @@ def _raising_scale(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: s
     raise ZeroDivisionError("no scale")
 
 
+def _raising_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    raise IndexError("no such dimension")
+
+
 def _number_scale(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str) -> torch.Tensor | None:
     return 1.0  # type: ignore[return-value]  # as an untyped function may
 
@@ -341,8 +347,9 @@ def _number_scale(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: st
         (opttree.StateSchema(fill={"sum": _divide_by_zero}, step=opttree.StepLocation.PER_PARAMETER), "sum", "its starting value cannot be worked out: ZeroDivisionError"),
         (opttree.StateSchema(zero={"sum"}, scale_of=_raising_scale, step=opttree.StepLocation.PER_PARAMETER), "sum", "its schema's scale_of raised ZeroDivisionError: no scale"),
         (opttree.StateSchema(zero={"sum"}, scale_of=_number_scale, step=opttree.StepLocation.PER_PARAMETER), "sum", "its schema's scale_of gave a float, expected the scale tensor"),
+        (opttree.StateSchema(zero={"sum"}, shape_of={"sum": _raising_shape}, step=opttree.StepLocation.PER_PARAMETER), "sum", "its schema's shape_of raised IndexError: no such dimension"),
     ],
-    ids=["fill-raises", "scale-of-raises", "scale-of-gives-a-number"],
+    ids=["fill-raises", "scale-of-raises", "scale-of-gives-a-number", "shape-of-raises"],
 )
 def test_a_registered_function_that_fails_is_reported_at_its_key(schema: opttree.StateSchema, key: str, reason: str) -> None:
     """A schema's own functions run while planning: what they raise or give that is not

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
@@ -355,3 +356,30 @@ def test_nadams_mu_product_that_is_not_one_real_value_is_refused(mu_product: tor
         opttree.reset(optimizer)
 
     assert torch.equal(mu_product, kept) and float(optimizer.state[param]["step"]) == 1
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="this torch has no Adafactor")
+@pytest.mark.parametrize(
+    ("key", "wrong", "built"),
+    [("row_var", (2, 4), r"\(2, 4, 1\)"), ("col_var", (2, 3), r"\(2, 1, 3\)"), ("variance", (3,), None)],
+    ids=["row_var", "col_var", "variance"],
+)
+def test_adafactors_factored_history_of_another_shape_than_its_parameter_builds_is_refused(
+    key: str, wrong: tuple[int, ...], built: str | None
+) -> None:
+    """Adafactor reduces a matrix's history to ``row_var`` and ``col_var`` shaped from the
+    parameter's shape; a vector keeps a ``variance`` like it. One of another shape would stay
+    so through a reset in place, where a fresh Adafactor builds it from the parameter."""
+    shape = (5,) if key == "variance" else (2, 4, 3)
+    param = torch.nn.Parameter(torch.randn(*shape))
+    optimizer: torch.optim.Optimizer = torch.optim.Adafactor([param])
+    param.grad = torch.ones_like(param)
+    optimizer.step()
+    assert opttree.validate(optimizer) == ()
+    optimizer.state[param][key] = torch.ones(wrong)
+
+    expected = rf"key '{key}': history of shape {re.escape(str(wrong))} float32 where its parameter is shape {re.escape(str(shape))} float32 \("
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=expected + (f"built as shape {built} float32 for it; " if built else "") + "1 of 1 such"):
+        opttree.reset(optimizer)
+
+    assert optimizer.state[param][key].eq(1).all()

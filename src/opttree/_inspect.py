@@ -195,6 +195,8 @@ class LeafInspector:
         self.problems = problems
         self.selection = selection
         self.actions: dict[str, KeyAction] = schema.actions if selection.everything else schema.actions_for(selection.resets)
+        self.built_like_param = schema.like_param | schema.shaped
+        """The keys the optimizer builds typed as their parameter, and shaped as it or from it."""
         self.megatron_above: str | None = None
         """The class of the innermost Megatron wrapper above the leaf inspected, if any."""
 
@@ -484,7 +486,7 @@ class LeafInspector:
             if isinstance(checked, tuple):
                 self.unwritable(node, key, checked, count)
                 continue
-            if key in self.schema.like_param:
+            if key in self.built_like_param:
                 if layouts is None:
                     layouts = _layouts(held)
                 self.unlike_params(node, key, tensors, checked.dtypes, layouts, entries, count)  # planned on, for what else is wrong
@@ -540,28 +542,43 @@ class LeafInspector:
         entries: list[StateEntry],
         count: int,
     ) -> None:
-        """History the optimizer builds like its parameter that is of another shape or dtype
-        than its own parameter, as a problem: the parameter was cast, reshaped or swapped
-        after it was built, and a fresh optimizer would build it as the parameter is now.
-        ``tensors`` and their ``dtypes`` are the key's history in entry order; ``layouts``
-        the shapes and dtypes of the parameters of all ``entries``."""
+        """History the optimizer builds like its parameter (of its shape, or of the shape
+        ``shape_of`` derives from it, and of its dtype) that is built otherwise, as a
+        problem: the parameter was cast, reshaped or swapped after it was built, and a fresh
+        optimizer would build it as the parameter is now. ``tensors`` and their ``dtypes``
+        are the key's history in entry order; ``layouts`` the shapes and dtypes of the
+        parameters of all ``entries``."""
         param_shapes, param_dtypes = layouts
         if count != len(entries):
             having = [key in entry for entry in entries]
             param_shapes, param_dtypes = list(compress(param_shapes, having)), list(compress(param_dtypes, having))
+        built = param_shapes if key in self.schema.like_param else self.built_shapes(node, key, param_shapes)
+        if built is None:
+            return
         with plain_reads():
             shapes = list(map(_SHAPE, tensors))
-        if shapes == param_shapes and dtypes == param_dtypes:
+        if shapes == built and dtypes == param_dtypes:
             return
-        unlike = [i for i, (a, b, c, d) in enumerate(zip(shapes, dtypes, param_shapes, param_dtypes, strict=True)) if a != c or b is not d]
+        unlike = [i for i, (a, b, c, d) in enumerate(zip(shapes, dtypes, built, param_dtypes, strict=True)) if a != c or b is not d]
         first = unlike[0]
+        as_built = "" if built is param_shapes else f"built as {_layout_text(built[first], param_dtypes[first])} for it; "
         message = (
             f"history of {_layout_text(shapes[first], dtypes[first])} where its parameter is "
-            f"{_layout_text(param_shapes[first], param_dtypes[first])} ({len(unlike)} of {count} such): the parameter was "
+            f"{_layout_text(param_shapes[first], param_dtypes[first])} ({as_built}{len(unlike)} of {count} such): the parameter was "
             "cast, reshaped or swapped after it was built, and a fresh optimizer would build it as the parameter is now; "
             + ("reset with release=True for it to build it so, or rebuild the optimizer" if self.schema.rebuilds_missing else "rebuild the optimizer")
         )
         self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
+
+    def built_shapes(self, node: LeafNode, key: str, param_shapes: list[torch.Size]) -> list[torch.Size] | None:
+        """The shapes ``shape_of`` builds ``key`` in for these parameters; None, with a
+        problem, where the schema's function fails."""
+        try:
+            return [self.schema.built_shape(key, tuple(shape)) for shape in param_shapes]
+        except Exception as error:  # noqa: BLE001  # a registered function may raise anything
+            message = f"its schema's shape_of raised {type(error).__name__}: {error}"
+            self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
+            return None
 
     def plan_unselected(self, node: LeafNode, owner: tuple[str, str], entries: list[StateEntry], into: StatePlan) -> None:
         """A partial reset keeps the state of the parameters it does not select: its memory

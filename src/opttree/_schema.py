@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Callable, Mapping
-from typing import cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar, cast
 
 import torch
 from attrs import field, frozen
@@ -58,28 +58,45 @@ for one that depends on its group (Rprop's ``step_size`` starts at the group's `
 Complex tensors start at ``complex(v, v)``, as torch's optimizers fill them."""
 
 
-def _fills(value: Mapping[str, Fill] | tuple[tuple[str, Fill], ...]) -> tuple[tuple[str, Fill], ...]:
-    """``fill`` as sorted ``(key, fill)`` pairs: from a mapping of key names, or from the
-    pairs themselves, each key named once."""
+ShapeOf = Callable[[tuple[int, ...]], Sequence[int]]
+"""``param shape -> shape``: the shape an optimizer builds a history tensor in, from its
+parameter's (Adafactor's ``row_var`` keeps the parameter's shape with its last dimension 1)."""
+
+_Value = TypeVar("_Value")
+
+
+def _keyed(
+    value: Mapping[str, _Value] | tuple[tuple[str, _Value], ...], field_name: str, meaning: str
+) -> tuple[tuple[str, _Value], ...]:
+    """A field that maps state key names to ``meaning``, as sorted ``(key, value)`` pairs:
+    from a mapping or from the pairs themselves, each key named once."""
     given = cast(object, value)
     if isinstance(given, Mapping):
         items: list[object] = list(given.items())
     elif isinstance(given, (tuple, list)):
         items = list(given)
     else:
-        msg = f"fill maps state key names to what they start as, got {given!r}"
+        msg = f"{field_name} maps state key names to {meaning}, got {given!r}"
         raise RegistrationError(msg)
     for item in items:
         if not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str):
-            msg = f"fill maps state key names to what they start as, got {item!r} among its items"
+            msg = f"{field_name} maps state key names to {meaning}, got {item!r} among its items"
             raise RegistrationError(msg)
-    pairs = cast(list[tuple[str, Fill]], items)
+    pairs = cast(list[tuple[str, _Value]], items)
     names = [key for key, _ in pairs]
     repeated = sorted({key for key in names if names.count(key) > 1})
     if repeated:
-        msg = f"fill names {repeated} more than once"
+        msg = f"{field_name} names {repeated} more than once"
         raise RegistrationError(msg)
     return tuple(sorted(pairs, key=lambda item: item[0]))
+
+
+def _fills(value: Mapping[str, Fill] | tuple[tuple[str, Fill], ...]) -> tuple[tuple[str, Fill], ...]:
+    return _keyed(value, "fill", "what they start as")
+
+
+def _shapes(value: Mapping[str, ShapeOf] | tuple[tuple[str, ShapeOf], ...]) -> tuple[tuple[str, ShapeOf], ...]:
+    return _keyed(value, "shape_of", "functions (param shape) -> shape")
 
 
 def _frozen_keys(keys: frozenset[str] | set[str] | tuple[str, ...] | list[str]) -> frozenset[str]:
@@ -112,6 +129,10 @@ class StateSchema:
     and dtype (the parameter was cast by ``module.double()``, or reshaped or swapped through
     ``.data``, after the optimizer built it), a reset in place would keep it so where a
     fresh optimizer builds it as the parameter is now: refused.
+
+    ``shape_of``: zeroed or filled keys the optimizer builds typed as their parameter, in a
+    shape derived from the parameter's (Adafactor's factored ``row_var`` and ``col_var``),
+    checked as ``like_param`` keys are.
 
     ``one_value``: zeroed or filled keys that hold one real value whatever their parameter
     (NAdam's ``mu_product``). One that holds several, none, or a bool or complex one would
@@ -149,10 +170,26 @@ class StateSchema:
     step_type: StepType = field(default=StepType.TENSOR, kw_only=True)
     like_param: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     one_value: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
+    shape_of: tuple[tuple[str, ShapeOf], ...] = field(converter=_shapes, factory=tuple, kw_only=True)
 
     @property
     def filled(self) -> frozenset[str]:
         return frozenset(key for key, _ in self.fill)
+
+    @property
+    def shaped(self) -> frozenset[str]:
+        """The keys :attr:`shape_of` names."""
+        return frozenset(key for key, _ in self.shape_of)
+
+    @functools.cached_property
+    def _shape_by_key(self) -> dict[str, ShapeOf]:
+        return dict(self.shape_of)
+
+    def built_shape(self, key: str, param_shape: tuple[int, ...]) -> torch.Size:
+        """The shape the optimizer builds ``key`` in for a parameter of ``param_shape``:
+        the parameter's, or :attr:`shape_of`'s for it."""
+        shape_of = self._shape_by_key.get(key)
+        return torch.Size(param_shape if shape_of is None else shape_of(param_shape))
 
     def __attrs_post_init__(self) -> None:
         for name, kind in (("step", StepLocation), ("step_type", StepType)):
@@ -176,14 +213,20 @@ class StateSchema:
             if not callable(value) and (not isinstance(value, (int, float)) or isinstance(value, bool)):
                 msg = f"the fill of {key!r} is a {type(value).__qualname__}: expected a number or (group, defaults) -> number"
                 raise RegistrationError(msg)
-        for name in ("like_param", "one_value"):
-            named: frozenset[str] = getattr(self, name)
+        for key, shape_of in self.shape_of:
+            if not callable(cast(object, shape_of)):
+                msg = f"the shape_of of {key!r} is a {type(shape_of).__qualname__}: expected (param shape) -> shape"
+                raise RegistrationError(msg)
+        layouts = {"like_param": self.like_param, "one_value": self.one_value, "shape_of": self.shaped}
+        for name, named in layouts.items():
             if not named <= self.zero | self.filled:
                 msg = f"{name} names {sorted(named - self.zero - self.filled)}, which are neither zeroed nor filled"
                 raise RegistrationError(msg)
-        if self.like_param & self.one_value:
-            msg = f"state keys {sorted(self.like_param & self.one_value)} are named in both like_param and one_value"
-            raise RegistrationError(msg)
+        for i, (first, first_keys) in enumerate(layouts.items()):
+            for second, second_keys in list(layouts.items())[i + 1 :]:
+                if first_keys & second_keys:
+                    msg = f"state keys {sorted(first_keys & second_keys)} are named in both {first} and {second}"
+                    raise RegistrationError(msg)
         if "step" in self.zero | self.drop | self.keep | self.filled | self.identity:
             msg = "'step' is described by StateSchema.step, not by a key set"
             raise RegistrationError(msg)

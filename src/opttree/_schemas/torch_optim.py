@@ -7,7 +7,9 @@ group's ``lr``) and ``mu``, and NAdam's ``mu_product`` (1) are filled with their
 values (Rprop's and ASGD's entries are deleted instead where a reset takes them whole: they
 read the lr at their first step); SGD's ``momentum_buffer`` (a copy of the first gradient) and everything LBFGS keeps
 (lists, numbers and tensors it builds on its first step) are dropped. Every per-parameter
-step starts as a float tensor but SparseAdam's, an int. Every class but
+step starts as a float tensor but SparseAdam's, an int. Adafactor factors the history of a
+parameter of two or more dimensions into ``row_var`` and ``col_var``, reduced along its last
+and its next-to-last dimension, and keeps a ``variance`` like any other's. Every class but
 Adagrad builds a missing entry again on its next step, so its state can be released
 (Adagrad builds its state in ``__init__``; torch 2.13 and 2.14 also build a missing entry on
 a step, which opttree, supporting torch from 2.4, does not rely on).
@@ -19,7 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
-from opttree._schema import Fill, StateSchema, StepLocation, StepType
+from opttree._schema import Fill, ShapeOf, StateSchema, StepLocation, StepType
 from opttree._schemas._keys import MASTER_PARAM
 
 
@@ -37,18 +39,29 @@ def _initial_accumulator(group: Mapping[str, object], defaults: Mapping[str, obj
     return _number(defaults["initial_accumulator_value"], "initial_accumulator_value")
 
 
+def _rows(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Adafactor's ``row_var``: the parameter's shape, its last dimension reduced to 1."""
+    return (*shape[:-1], 1)
+
+
+def _columns(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Adafactor's ``col_var``: the parameter's shape, its next-to-last dimension reduced to 1."""
+    return (*shape[:-2], 1, *shape[-1:])
+
+
 def _per_step(
     *zero: str,
     fill: Mapping[str, Fill] | None = None,
     rebuilds_missing: bool = True,
     step_type: StepType = StepType.TENSOR,
     starts_at_first_step: bool = False,
-    unlike: frozenset[str] = frozenset(),
+    shape_of: Mapping[str, ShapeOf] | None = None,
     one_value: frozenset[str] = frozenset(),
 ) -> StateSchema:
-    """A schema whose history is built ``*_like`` its parameter but for ``unlike`` (Adafactor's
-    factored keys) and ``one_value`` (NAdam's ``mu_product`` and ASGD's ``eta`` and ``mu``,
-    which are scalars)."""
+    """A schema whose history is built ``*_like`` its parameter but for the keys of
+    ``shape_of`` (Adafactor's factored ones, typed as the parameter in a shape derived from
+    its) and ``one_value`` (NAdam's ``mu_product`` and ASGD's ``eta`` and ``mu``, scalars)."""
+    shapes = dict(shape_of or {})
     fills = dict(fill or {})
     return StateSchema(
         zero=set(zero),
@@ -58,8 +71,9 @@ def _per_step(
         rebuilds_missing=rebuilds_missing,
         step_type=step_type,
         starts_at_first_step=starts_at_first_step,
-        like_param=(set(zero) | set(fills)) - unlike - one_value,
+        like_param=(set(zero) | set(fills)) - set(shapes) - one_value,
         one_value=one_value,
+        shape_of=shapes,
     )
 
 
@@ -85,7 +99,7 @@ SCHEMAS: dict[str, StateSchema] = {
     "SGD": SGD,
     "LBFGS": LBFGS,
     "SparseAdam": _per_step("exp_avg", "exp_avg_sq", step_type=StepType.INT),  # state["step"] = 0
-    "Adafactor": _per_step("row_var", "col_var", "variance", unlike=frozenset({"row_var", "col_var", "variance"})),
+    "Adafactor": _per_step("row_var", "col_var", "variance", shape_of={"row_var": _rows, "col_var": _columns}),
     "Muon": StateSchema(zero={"momentum_buffer"}, keep={MASTER_PARAM}, rebuilds_missing=True, like_param={"momentum_buffer"}),
 }
 """By class name in ``torch.optim``; a class this torch lacks (Muon, Adafactor before
