@@ -151,7 +151,7 @@ class Pooled(NamedTuple):
 _PARAM_GROUPS = operator.attrgetter("param_groups")
 _STATE = operator.attrgetter("state")
 _PARAMS = operator.itemgetter("params")
-_PLAIN_STATES = {dict, defaultdict}
+PLAIN_STATES = {dict, defaultdict}
 """What torch optimizers keep ``state`` in. A subclass may order its keys apart from its
 values (``OrderedDict.move_to_end``), and the pooled pass reads them apart."""
 
@@ -174,7 +174,7 @@ def pooled(optimizers: Sequence[torch.optim.Optimizer]) -> Pooled | None:
     if not set(map(type, param_lists)) <= {list}:
         return None
     params = list(chain.from_iterable(param_lists))
-    if not _tensor_classes(set(map(type, params))) or not set(map(type, states)) <= _PLAIN_STATES:
+    if not _tensor_classes(set(map(type, params))) or not set(map(type, states)) <= PLAIN_STATES:
         return None
     held = list(chain.from_iterable(states))
     if not _tensor_classes(set(map(type, held))):
