@@ -245,6 +245,35 @@ def test_a_visitor_checks_afresh_each_time_it_is_used() -> None:
     assert again.tensors_zeroed == other.tensors_zeroed == 2 and again.steps == other.steps == 1
 
 
+def test_carry_out_needs_a_whole_check_that_passed_and_carries_it_out_once() -> None:
+    """A walk by ``accept`` plans without the tree-wide checks (history aliasing a weight
+    passes them), and a plan carried out once has deleted what it deleted: neither is
+    carried out, with nothing changed."""
+    param, optimizer = trained_adam()
+    optimizer.state[param]["exp_avg"] = param.data  # zeroing it would zero the weight
+    weight = param.detach().clone()
+    walked = opttree.ResetVisitor()
+    opttree.tree(optimizer).accept(walked)
+
+    with pytest.raises(opttree.OptTreeError, match=r"carry_out carries out the plan of a tree that refusal\(\) has just checked whole"):
+        walked.carry_out()
+    assert torch.equal(param.detach(), weight)
+
+    momentum = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    param.grad = torch.ones_like(param)
+    momentum.step()
+    once = opttree.ResetVisitor()
+    assert once.reset(opttree.tree(momentum)).tensors_dropped == 1
+    with pytest.raises(opttree.OptTreeError, match="once: call reset"):
+        once.carry_out()
+
+
+@pytest.mark.parametrize("visitor", [opttree.ResetVisitor, opttree.ValidateVisitor])
+def test_a_visitor_flag_that_is_not_a_bool_is_refused(visitor: type[opttree.ValidateVisitor]) -> None:
+    with pytest.raises(opttree.OptTreeError, match="keep_loss_scale must be True or False, got a str"):
+        visitor(keep_loss_scale="False")  # type: ignore[arg-type]  # read from a config as a string
+
+
 @pytest.mark.parametrize("flag", ["release", "keep_loss_scale"])
 def test_a_flag_that_is_not_a_bool_is_refused_with_nothing_changed(flag: str) -> None:
     """``release="False"``, read from a config as a string, is true: it would delete every

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from opttree._errors import OptTreeError
 from opttree._nodes import Node
 from opttree._report import ResetReport
 from opttree._validate import ValidateVisitor
@@ -22,7 +23,16 @@ class ResetVisitor(ValidateVisitor):
         return self.carry_out()
 
     def carry_out(self) -> ResetReport:
-        """Carry out the plan :meth:`refusal` made and found nothing wrong with."""
+        """Carry out the plan :meth:`refusal` made and found nothing wrong with, once.
+        Raises :class:`~opttree.OptTreeError`, changing nothing, for any other plan: one a
+        walk by ``accept`` made, without the tree-wide checks, or one already carried out."""
+        if not self._passed:
+            msg = (
+                "carry_out carries out the plan of a tree that refusal() has just checked whole and found "
+                "nothing wrong with, once: call reset(root), which does both"
+            )
+            raise OptTreeError(msg)
+        self._passed = False
         for warning in self.problems:
             logger.warning("%s", warning)
         report = self._plan.execute()

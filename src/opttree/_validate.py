@@ -57,12 +57,17 @@ class ValidateVisitor(TraverserVisitor):
     Runs of alike sibling leaves are planned in one pooled pass where that cannot change
     the outcome (:meth:`~opttree._inspect.LeafInspector.inspect_alike`), else leaf by leaf.
     :meth:`check` walks a tree and then runs the checks that need all of it: keys named
-    for a partial reset, optimizers hidden in wrappers, and memory shared by state.
+    for a partial reset, optimizers hidden in wrappers, and memory shared by state. A walk
+    by ``root.accept(visitor)`` alone runs the checks of each node, not those.
     """
 
     def __init__(self, *, keep_loss_scale: bool = False, pooling: bool = True) -> None:
         """A visitor of the whole state; ``keep_loss_scale`` leaves fp16 loss scalers alone,
         and ``pooling=False`` inspects every leaf on its own (the reference pooling must equal)."""
+        for name, flag in (("keep_loss_scale", keep_loss_scale), ("pooling", pooling)):
+            if not isinstance(cast(object, flag), bool):  # keep_loss_scale="False" would keep the scale
+                msg = f"{name} must be True or False, got a {type(flag).__qualname__}"
+                raise OptTreeError(msg)
         self._keep_loss_scale = keep_loss_scale
         self._pooling = pooling
         self._selection = EVERYTHING
@@ -71,6 +76,9 @@ class ValidateVisitor(TraverserVisitor):
 
     def _restart(self) -> None:
         """Forget what an earlier walk found, so that a visitor can check again."""
+        self._passed = False
+        """Whether :meth:`refusal` has just checked the whole tree and found no error: the
+        plan may then be carried out, once."""
         self._pooled = False
         self.problems: list[Problem] = []
         """What :meth:`check` found, in the order it found it."""
@@ -110,6 +118,7 @@ class ValidateVisitor(TraverserVisitor):
         if errors:
             self._forget_plan()  # the error's traceback holds this visitor: let the state go
             return errors[0].to_error(others=len(errors) - 1)
+        self._passed = True
         return None
 
     def check(self, root: Node) -> None:
