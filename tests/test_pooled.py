@@ -84,6 +84,12 @@ def float_history(target: torch.optim.Optimizer, _: torch.optim.Optimizer) -> No
         entry[key] = 0.5
 
 
+def stepless_entry(target: torch.optim.Optimizer, _: torch.optim.Optimizer) -> None:
+    """History without its step, where AdamW builds both (SGD has no step to lose)."""
+    entry = next(iter(target.state.values()))
+    entry.pop("step", None)
+
+
 def cross_leaf_orphan(target: torch.optim.Optimizer, neighbour: torch.optim.Optimizer) -> None:
     """State, well formed, for a parameter of the neighbour."""
     theirs = neighbour.param_groups[0]["params"][0]
@@ -108,7 +114,7 @@ def runs(draw: st.DrawFn) -> list[torch.optim.Optimizer]:
                     draw(st.sampled_from([torch.float32] * 5 + [torch.float64])),
                 )
             )
-    corruption = draw(st.sampled_from([None, unknown_key, float_history, cross_leaf_orphan]))
+    corruption = draw(st.sampled_from([None, unknown_key, float_history, stepless_entry, cross_leaf_orphan]))
     stepped = [i for i, leaf in enumerate(leaves) if leaf.state]
     if corruption is not None and stepped:
         target = draw(st.sampled_from(stepped))
@@ -241,6 +247,16 @@ def test_a_memory_problem_in_a_pooled_run_names_its_leaf(
     corrupt(optimizer.cpu_optimizers)
 
     assert [(p.kind, p.path, p.key) for p in opttree.validate(optimizer)] == [(kind, "sub_optimizers[17]", key)]
+
+
+def test_an_entry_without_its_step_in_a_pooled_run_is_refused_naming_its_leaf() -> None:
+    """Not only in the run's first leaf: every entry of the run counts."""
+    optimizer, _, _ = trained_hybrid()
+    del next(iter(optimizer.cpu_optimizers[17].state.values()))["step"]
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"sub_optimizers\[17\]: key 'step': 1 of its 1 state entries hold history but no step"):
+        opttree.reset(optimizer)
+    assert [(p.path, p.key) for p in opttree.validate(optimizer)] == [("sub_optimizers[17]", "step")]
 
 
 def test_a_partial_reset_of_a_pooled_run_over_a_reordered_state_resets_the_selected_parameter() -> None:

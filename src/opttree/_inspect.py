@@ -298,7 +298,7 @@ class LeafInspector:
             return None
         part = StatePlan()
         owner = (f"{leaves[0].path} .. {leaves[-1].path}", type(optimizers[0]).__qualname__)
-        self.plan_entries(leaves[0], owner, held, list(entries), _placement(params), part)
+        self.plan_entries(leaves[0], owner, held, list(entries), params, part)
         self.plan_kept(leaves[0], owner, params, None, part)
         return part
 
@@ -425,7 +425,7 @@ class LeafInspector:
             if orphans:
                 self.problem(node, ProblemKind.ORPHAN_STATE, f"holds state for {orphans} tensor(s) in no param group")
         owner = (node.path, type(node.optimizer).__qualname__)
-        self.plan_entries(node, owner, held, list(state.values()), _placement(in_groups), into)
+        self.plan_entries(node, owner, held, list(state.values()), in_groups, into)
         self.plan_kept(node, owner, in_groups, None, into)
 
     def plan_entries(
@@ -434,12 +434,14 @@ class LeafInspector:
         owner: tuple[str, str],
         held: list[torch.Tensor],
         entries: list[StateEntry],
-        placement: Placement,
+        in_groups: list[torch.Tensor],
         into: StatePlan,
     ) -> None:
         """Plan the state ``entries`` held for the tensors ``held``, key by key: each key's
         values are gathered and checked in one go, and reported once per leaf if wrong.
-        ``owner`` is the path and class that the ranges recorded for aliasing name."""
+        ``owner`` is the path and class that the ranges recorded for aliasing name;
+        ``in_groups`` the parameters of the groups of the leaves the entries are of."""
+        placement = _placement(in_groups)
         into.entries.extend(identities(entries).owned((*owner, None)))
         chosen = self.selection.tensors
         if chosen is not None:
@@ -449,7 +451,7 @@ class LeafInspector:
         layouts: tuple[list[torch.Size], list[torch.dtype]] | None = None  # read at the first key built like them
         counts = Counter(chain.from_iterable(entries))
         if self.schema.step is StepLocation.PER_PARAMETER and counts["step"] < len(entries):
-            self.stepless_entries(node, held, entries)
+            self.stepless_entries(node, held, entries, in_groups)
         for key, count in counts.items():
             action = self.actions.get(key)
             if action is None:
@@ -511,7 +513,7 @@ class LeafInspector:
             if scale_of is not None:
                 self.plan_scales(node, owner, scale_of, held, entries, key, into)
 
-    def stepless_entries(self, node: LeafNode, held: list[torch.Tensor], entries: list[StateEntry]) -> None:
+    def stepless_entries(self, node: LeafNode, held: list[torch.Tensor], entries: list[StateEntry], in_groups: list[torch.Tensor]) -> None:
         """Entries that hold history but no step counter, where the optimizer builds them
         together: zeroed, their history would be read with a step they do not have (torch's
         Adam raises KeyError), where a fresh optimizer builds both. An entry holding only
@@ -519,7 +521,7 @@ class LeafInspector:
         held for a tensor in no param group is never stepped."""
         schema = self.schema
         history = schema.zero | schema.filled | schema.identity
-        grouped = {id(param) for group in node.optimizer.param_groups for param in group["params"]}
+        grouped = set(map(id, in_groups))
         stepless = sum(
             "step" not in entry and not history.isdisjoint(entry) and id(param) in grouped for param, entry in zip(held, entries, strict=True)
         )
