@@ -191,3 +191,37 @@ def test_megatron_factory_builds_seven_exactly_and_fails_for_the_stated_reason_o
     assert built == {"muon", "adaptive_muon", "lion", "laprop", "soap", "rekls", "oblique_adam"}
     for name, result in results.items():
         assert FACTORY_FAILS.get(name, "exact") in result, (name, result)
+
+
+BUILT_LIKE_THEIR_PARAMETER = {
+    "muon": "momentum_buffer",
+    "adaptive_muon": "momentum_buffer",
+    "muon_hyperball": "momentum_buffer",
+    "lion": "exp_avg",
+    "laprop": "exp_avg",
+    "oblique_sgd": "momentum_buffer",
+    "oblique_adam": "exp_avg",
+    "psgd_pro": "exp_avg",
+}
+"""A history key each builds ``zeros_like`` its parameter, and updates in place with
+``mul_``/``add_``, which cast silently where the parameter's dtype changed."""
+
+
+@pytest.mark.parametrize("name", sorted(BUILT_LIKE_THEIR_PARAMETER))
+def test_history_unlike_a_parameter_cast_after_it_was_built_is_refused(name: str) -> None:
+    """``module.double()`` after training: zeroed in place, float32 history would go on
+    rounding each step where a fresh optimizer builds float64 history; refused, and
+    released the optimizer builds it as the parameter is now."""
+    cls = registered(name)
+    ps = params()
+    optimizer = BUILD[name](cls, ps)
+    train(optimizer, ps, range(2))
+    for p in ps:
+        p.data = p.data.double()
+    key = BUILT_LIKE_THEIR_PARAMETER[name]
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=rf"key '{key}': history of shape \(4, 4\) float32 where its parameter is shape \(4, 4\) float64"):
+        opttree.reset(optimizer)
+
+    opttree.reset(optimizer, release=True)
+    assert not optimizer.state

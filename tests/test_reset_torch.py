@@ -383,3 +383,31 @@ def test_adafactors_factored_history_of_another_shape_than_its_parameter_builds_
         opttree.reset(optimizer)
 
     assert optimizer.state[param][key].eq(1).all()
+
+
+def test_nadams_mu_product_cast_by_a_load_is_refused_and_released_exactly() -> None:
+    """torch's ``load_state_dict`` casts state to a float64 parameter's dtype, ``mu_product``
+    included, which NAdam builds in float32: filled in place it would stay float64 and the
+    next steps would differ from a fresh NAdam's. Released, NAdam builds it as a fresh one."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
+    trained = torch.optim.NAdam([param], decoupled_weight_decay=True)
+    for _ in range(3):
+        param.grad = torch.randn_like(param)
+        trained.step()
+    optimizer = torch.optim.NAdam([param], decoupled_weight_decay=True)
+    optimizer.load_state_dict(trained.state_dict())
+    assert optimizer.state[param]["mu_product"].dtype == torch.float64
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'mu_product': it is float64, where its optimizer builds it in float32: .*release=True"):
+        opttree.reset(optimizer)
+    opttree.reset(optimizer, release=True)
+
+    twin = torch.nn.Parameter(param.detach().clone())
+    fresh = torch.optim.NAdam([twin], decoupled_weight_decay=True)
+    for _ in range(3):
+        grad = torch.randn_like(param)
+        param.grad, twin.grad = grad, grad.clone()
+        optimizer.step()
+        fresh.step()
+    assert torch.equal(param, twin)

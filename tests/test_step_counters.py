@@ -127,8 +127,20 @@ def test_a_step_tensor_that_does_not_hold_one_real_count_is_refused(counter: tor
     refused_with_one_step_problem(optimizer, rf"key 'step': .*step counter.* {what}, where its optimizer counts steps in one real number")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int64])
+def test_a_per_parameter_step_tensor_of_a_dtype_no_fresh_optimizer_counts_in_is_refused(dtype: torch.dtype) -> None:
+    """torch counts a tensor step in float32 (float64 where that is the default dtype):
+    zeroed in place, a bfloat16 one stops counting exactly after 256 steps, and an int64 one
+    fails foreach's arithmetic, where a fresh optimizer's does neither."""
+    _, optimizer = trained()
+    list(optimizer.state.values())[-1]["step"] = torch.tensor(3, dtype=dtype)
+
+    refused_with_one_step_problem(optimizer, rf"key 'step': step counter: 1 of its 4 are; the first is {str(dtype).removeprefix('torch.')}, where a fresh optimizer counts in a float32 or float64 tensor")
+
+
 def test_a_single_value_step_tensor_of_any_real_dtype_is_zeroed_in_place() -> None:
-    """A one-element int32 step (TE's capturable FusedAdam keeps its group step so) counts."""
+    """A one-element int32 group step (TE's capturable FusedAdam keeps its group step so)
+    counts, and a one-element float32 step in state."""
     _, optimizer = trained()
     optimizer.param_groups[0]["step"] = counter = torch.tensor([7], dtype=torch.int32)
     entry = list(optimizer.state.values())[-1]

@@ -180,6 +180,25 @@ def not_one_real_value(found: Extents) -> tuple[int, str] | None:
     return len(odd), what
 
 
+_STEP_DTYPES = frozenset({torch.float32, torch.float64})
+"""What torch's optimizers count a tensor step in (``_get_scalar_dtype``: float64 where it
+is the default dtype; float32 for fused and capturable ones), and Megatron's loads too."""
+
+
+def scalar_dtype() -> torch.dtype:
+    """The dtype torch's optimizers build one-value state in (``_get_scalar_dtype``)."""
+    return torch.float64 if torch.get_default_dtype() is torch.float64 else torch.float32
+
+
+def outside_dtypes(found: Extents, allowed: frozenset[torch.dtype]) -> tuple[int, torch.dtype] | None:
+    """How many of the tensors ``found`` describes are of a dtype outside ``allowed``, and
+    the first such dtype; None where none is."""
+    if allowed.issuperset(found.dtypes):
+        return None
+    wrong = [dtype for dtype in found.dtypes if dtype not in allowed]
+    return len(wrong), wrong[0]
+
+
 class LeafInspector:
     """Plans the leaves of one optimizer class against its schema, recording every problem."""
 
@@ -492,13 +511,8 @@ class LeafInspector:
                 if layouts is None:
                     layouts = _layouts(held)
                 self.unlike_params(node, key, tensors, checked.dtypes, layouts, entries, count)  # planned on, for what else is wrong
-            if key in self.schema.one_value:
-                odd = not_one_real_value(checked)
-                if odd is not None:
-                    what = "it is" if count == 1 else f"{odd[0]} of its {count} tensors are; the first is"
-                    message = f"{what} {odd[1]}, where its optimizer keeps one real value: reset in place it would stay so"
-                    self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
-                    continue
+            if key in self.schema.one_value and self.not_one_value(node, key, checked, count):
+                continue
             into.bytes_reset += checked.nbytes
             into.written.extend(checked.owned((*owner, key)))
             if action is KeyAction.FILL:
@@ -512,6 +526,28 @@ class LeafInspector:
             scale_of = self.schema.scale_of
             if scale_of is not None:
                 self.plan_scales(node, owner, scale_of, held, entries, key, into)
+
+    def not_one_value(self, node: LeafNode, key: str, checked: Extents, count: int) -> bool:
+        """Whether a ``one_value`` key's tensors are not what the optimizer builds: one real
+        value in torch's scalar dtype (after a ``load_state_dict`` that cast it to a float64
+        parameter's dtype, say); reported as a problem."""
+        odd = not_one_real_value(checked)
+        scalar = scalar_dtype()
+        wrong = outside_dtypes(checked, frozenset({scalar}))
+        advice = "reset it with release=True for its optimizer to build it again" if self.schema.rebuilds_missing else "rebuild the optimizer"
+        if odd is not None:
+            what = "it is" if count == 1 else f"{odd[0]} of its {count} tensors are; the first is"
+            message = f"{what} {odd[1]}, where its optimizer keeps one real value: reset in place it would stay so"
+        elif wrong is not None:
+            what = "it is" if count == 1 else f"{wrong[0]} of its {count} tensors are; the first is"
+            message = (
+                f"{what} {str(wrong[1]).removeprefix('torch.')}, where its optimizer builds it in "
+                f"{str(scalar).removeprefix('torch.')}: filled in place it would stay so; {advice}"
+            )
+        else:
+            return False
+        self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
+        return True
 
     def stepless_entries(self, node: LeafNode, held: list[torch.Tensor], entries: list[StateEntry], in_groups: list[torch.Tensor]) -> None:
         """Entries that hold history but no step counter, where the optimizer builds them
@@ -756,6 +792,15 @@ class LeafInspector:
             if odd is not None:
                 what = "it is" if len(tensors) == 1 else f"{odd[0]} of its {len(tensors)} are; the first is"
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"step counter: {what} {odd[1]}{_ONE_COUNT}", key)
+                return
+            wrong = outside_dtypes(checked, _STEP_DTYPES)
+            if wrong is not None:
+                what = "it is" if len(tensors) == 1 else f"{wrong[0]} of its {len(tensors)} are; the first is"
+                message = (
+                    f"step counter: {what} {str(wrong[1]).removeprefix('torch.')}, where a fresh optimizer counts in a "
+                    "float32 or float64 tensor: zeroed in place it would go on counting in that dtype"
+                )
+                self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
                 return
             into.zero_list((key, *placement)).extend(tensors)
             into.step_ranges.extend(checked.owned((*owner, key)))

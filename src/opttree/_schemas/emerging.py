@@ -6,7 +6,9 @@ optimizers, and SOAP, create their whole state at once, on their first step
 as ``torch.eye``; LaProp, ObliqueAdam and SOAP count steps per parameter in a Python
 int, and SOAP's decides when it takes a full eigendecomposition (at step 0).
 ``MuonHyperball``'s ``hyperball_R`` is written on every step before it is read, so it is
-dropped. PSGDPro creates each key on its own when it is missing: its lists of Kronecker
+dropped. Their moments are built ``zeros_like`` their parameter (``like_param``), but
+AdaptiveMuon's ``moment2_buffer``, shaped by its mode, and SOAP's, built in float32 whatever
+the parameter's dtype. PSGDPro creates each key on its own when it is missing: its lists of Kronecker
 factors ``Q`` and Lipschitz constants ``L`` are dropped and rebuilt on the next step.
 Each of them builds a missing entry again, so its state can be released.
 """
@@ -16,14 +18,17 @@ from __future__ import annotations
 from opttree._schema import StateSchema, StepLocation, StepType
 from opttree._schemas._keys import MASTER_PARAM
 
-MUON = StateSchema(zero={"momentum_buffer"}, keep={MASTER_PARAM}, rebuilds_missing=True)
-ADAPTIVE_MUON = StateSchema(zero={"momentum_buffer", "moment2_buffer"}, keep={MASTER_PARAM}, rebuilds_missing=True)
+MUON = StateSchema(zero={"momentum_buffer"}, keep={MASTER_PARAM}, rebuilds_missing=True, like_param={"momentum_buffer"})
+ADAPTIVE_MUON = StateSchema(
+    zero={"momentum_buffer", "moment2_buffer"}, keep={MASTER_PARAM}, rebuilds_missing=True, like_param={"momentum_buffer"}
+)
 _ADAM_LIKE = StateSchema(
     zero={"exp_avg", "exp_avg_sq"},
     keep={MASTER_PARAM},
     step=StepLocation.PER_PARAMETER,
     step_type=StepType.INT,
     rebuilds_missing=True,
+    like_param={"exp_avg", "exp_avg_sq"},
 )
 SOAP = StateSchema(
     zero={"exp_avg", "exp_avg_sq", "L", "R"},
@@ -44,9 +49,11 @@ LAZY: dict[str, StateSchema] = {
     _ORTHOGONALIZED + "spel.Spel": MUON,
     _ORTHOGONALIZED + "sinkhorn_muon.SinkhornMuon": MUON,
     _ORTHOGONALIZED + "muon_hyperball.MuonHyperball": StateSchema(
-        zero={"momentum_buffer"}, drop={"hyperball_R"}, keep={MASTER_PARAM}, rebuilds_missing=True
+        zero={"momentum_buffer"}, drop={"hyperball_R"}, keep={MASTER_PARAM}, rebuilds_missing=True, like_param={"momentum_buffer"}
     ),
-    "emerging_optimizers.scalar_optimizers.lion.Lion": StateSchema(zero={"exp_avg"}, keep={MASTER_PARAM}, rebuilds_missing=True),
+    "emerging_optimizers.scalar_optimizers.lion.Lion": StateSchema(
+        zero={"exp_avg"}, keep={MASTER_PARAM}, rebuilds_missing=True, like_param={"exp_avg"}
+    ),
     "emerging_optimizers.scalar_optimizers.laprop.LaProp": _ADAM_LIKE,
     "emerging_optimizers.riemannian_optimizers.normalized_optimizer.ObliqueSGD": MUON,
     "emerging_optimizers.riemannian_optimizers.normalized_optimizer.ObliqueAdam": _ADAM_LIKE,
@@ -54,6 +61,7 @@ LAZY: dict[str, StateSchema] = {
     "emerging_optimizers.soap.rekls.REKLS": SOAP,
     "emerging_optimizers.psgd.psgd.PSGDPro": StateSchema(
         zero={"exp_avg"},
+        like_param={"exp_avg"},
         drop={"Q", "L"},
         keep={MASTER_PARAM},
         step=StepLocation.PER_PARAMETER,
