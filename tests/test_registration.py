@@ -193,6 +193,28 @@ def test_a_class_that_two_unrelated_registrations_apply_to_is_refused_not_guesse
     assert "momentum_buffer" not in optimizer.state[param]
 
 
+def test_a_class_registered_under_an_abc_after_it_was_looked_up_takes_the_abcs_schema() -> None:
+    """``ABC.register`` after opttree met the class: the answer kept for it is dropped, as
+    singledispatch drops its own, and the schema of the ABC applies."""
+
+    class Buffered(abc.ABC):
+        pass
+
+    class Mine(torch.optim.Optimizer):
+        def __init__(self, params: list[torch.nn.Parameter]) -> None:
+            super().__init__(params, {})
+
+    opttree.register_schema(Buffered, opttree.StateSchema(zero={"buf"}))
+    optimizer = Mine([torch.nn.Parameter(torch.ones(2))])
+    optimizer.state[optimizer.param_groups[0]["params"][0]]["buf"] = torch.ones(2)
+    assert [p.kind for p in opttree.validate(optimizer)] == [opttree.ProblemKind.UNSUPPORTED_OPTIMIZER]
+
+    Buffered.register(Mine)
+
+    assert opttree.validate(optimizer) == ()
+    assert opttree.reset(optimizer).tensors_zeroed == 1
+
+
 def test_a_key_named_history_and_kept_is_refused() -> None:
     with pytest.raises(opttree.RegistrationError, match=r"\['exp_avg'\] are named in both 'zero' and 'keep'"):
         opttree.StateSchema(zero={"exp_avg"}, keep={"exp_avg"})

@@ -9,11 +9,14 @@ Every class in the MRO is resolved before dispatching, so a lazily registered su
 is found even when its parent was resolved earlier.
 
 Threads may look classes up at once: each answer is worked out under a lock and then
-kept in a plain dict, read without the lock, which every registration empties.
+kept in a plain dict, read without the lock, which every registration empties, and so
+does a class registered under an ABC (``abc.get_cache_token()`` changes), as
+``singledispatch`` empties its own cache.
 """
 
 from __future__ import annotations
 
+import abc
 import functools
 import threading
 from collections.abc import Callable
@@ -44,6 +47,7 @@ class LazyDispatch(Generic[V]):
         self._lazy: dict[str, V] = {}
         self._found: dict[type, V | None] = {}
         self._ambiguous: dict[type, str] = {}
+        self._token = abc.get_cache_token()
         self._lock = threading.Lock()
 
     def register(self, cls: type, value: V) -> None:
@@ -69,6 +73,11 @@ class LazyDispatch(Generic[V]):
             return cls_or_dotted in self._values or dotted_name(cls_or_dotted) in self._lazy
 
     def lookup(self, cls: type) -> V | None:
+        token = abc.get_cache_token()
+        if token != self._token:  # a class registered under an ABC may now have a value
+            with self._lock:
+                self._forget()
+                self._token = token
         try:
             return self._found[cls]
         except KeyError:
