@@ -20,6 +20,14 @@ class UnreadableModel(torch.nn.Module):
         raise RuntimeError("named_parameters refused")
 
 
+class NotATensorModel(torch.nn.Module):
+    """A module whose ``_parameters`` hold a number, which named_parameters() yields."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._parameters["w"] = 0.5  # type: ignore[assignment]  # what a hand-edited module may hold
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
@@ -39,6 +47,12 @@ class UnreadableModel(torch.nn.Module):
             "the params predicate accepts none of the model's parameters: the reset would change nothing",
         ),
         (lambda o: opttree.reset(o, keys=[]), "keys names no state key: the reset would change nothing"),
+        (
+            lambda o: opttree.reset(o, params=lambda name: True, model=NotATensorModel()),
+            r"named_parameters\(\) gave a pair of a str and a float, expected \(name, tensor\) pairs",
+        ),
+        (lambda o: opttree.reset(o, model="junk"), "model must be a torch.nn.Module, got a str"),  # type: ignore[arg-type]
+        (lambda o: opttree.prune(o, 0.5, model=[1, 2]), "model must be a torch.nn.Module, got a list"),  # type: ignore[arg-type]
         (lambda o: opttree.prune(o, 0.5, keys=5), "keys must be a state key or a list of them, got a int"),  # type: ignore[arg-type]
         (lambda o: opttree.validate(o, group="world"), "group must be a process group of an initialised torch.distributed, got a str"),  # type: ignore[arg-type]
         (lambda o: opttree.describe(o, group=5), "group must be a process group"),  # type: ignore[arg-type]
@@ -46,7 +60,7 @@ class UnreadableModel(torch.nn.Module):
     ],
     ids=[
         "params int", "keys int", "keys unhashable", "params one tensor", "params one module", "model dict", "model unreadable",
-        "params empty", "predicate matches none", "keys empty", "prune keys int", "validate group str", "describe group int",
+        "params empty", "predicate matches none", "keys empty", "model yields a number", "model str", "prune model list", "prune keys int", "validate group str", "describe group int",
         "reset group str",
     ],
 )
@@ -75,8 +89,12 @@ def test_a_failing_params_predicate_is_named() -> None:
 
 @pytest.mark.parametrize(
     ("model", "message"),
-    [({}, "model must be a torch.nn.Module, got a dict"), (UnreadableModel(), "named_parameters() raised RuntimeError")],
-    ids=["dict", "unreadable"],
+    [
+        ({}, "model must be a torch.nn.Module, got a dict"),
+        (UnreadableModel(), "named_parameters() raised RuntimeError"),
+        (NotATensorModel(), "named_parameters() gave a pair of a str and a float"),
+    ],
+    ids=["dict", "unreadable", "not a tensor"],
 )
 def test_a_model_whose_parameters_cannot_be_read_is_reported_by_validate_and_refused_by_a_sync(
     model: object, message: str
@@ -92,6 +110,15 @@ def test_a_model_whose_parameters_cannot_be_read_is_reported_by_validate_and_ref
     assert (unreadable.kind, unreadable.path) == (opttree.ProblemKind.UNCHECKED_MASTER, "<root>") and message in unreadable.message
     assert stale.kind is opttree.ProblemKind.STALE_MASTER and "its copy of a parameter of shape (2,)" in stale.message
     assert wrapper.copies[0].tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("path", ["", "Lion", " my_pkg.optim.Lion", "my_pkg..Lion", "my_pkg.optim.Lion\n", "my_pkg.optim.Lion()"])
+def test_a_dotted_path_no_class_can_have_is_refused(path: str) -> None:
+    """It would never apply: opttree compares it with ``module.QualName`` of the classes it meets."""
+    with pytest.raises(opttree.RegistrationError, match="register_schema registers a class or its dotted path, module and class name"):
+        opttree.register_schema(path, opttree.StateSchema())
+    with pytest.raises(opttree.RegistrationError, match="register_wrapper registers a class or its dotted path"):
+        opttree.register_wrapper(path, children=lambda w: [])
 
 
 def test_registering_what_is_neither_a_class_nor_a_dotted_path_is_refused() -> None:

@@ -18,7 +18,7 @@ from opttree._nodes import Node
 from opttree._problems import Problem
 from opttree._report import ResetReport
 from opttree._reset import ResetVisitor
-from opttree._selection import EVERYTHING, select
+from opttree._selection import select
 from opttree._trees import lenient_tree, tree
 from opttree._validate import ValidateVisitor
 
@@ -112,7 +112,7 @@ def _planned_reset(
         msg = "release=True deletes whole state entries, which their optimizer builds again: leave keys out"
         raise ReleaseRefused(msg)
     root = tree(optimizer)
-    selection = EVERYTHING if params is None and keys is None else select(root, params, keys, model)
+    selection = select(root, params, keys, model)
     if release:
         selection = evolve(selection, release=True)
     visitor = ResetVisitor._selecting(selection, keep_loss_scale=keep_loss_scale)

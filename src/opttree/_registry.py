@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import cast
 
@@ -55,9 +56,17 @@ def is_megatron_class(cls: type) -> bool:
     return any(str(getattr(base, "__module__", "")).partition(".")[0] == "megatron" for base in cls.__mro__)
 
 
+_DOTTED = re.compile(r"[A-Za-z_]\w*(\.([A-Za-z_]\w*|<locals>))+")
+"""``module.QualName`` as :func:`~opttree._dispatch.dotted_name` writes it: a path no class
+has (``"Lion"``, ``"pkg..Lion"``, one with spaces) would never apply."""
+
+
 def _refuse_non_class(function: str, cls_or_dotted: object) -> None:
     if not isinstance(cls_or_dotted, (type, str)):
         msg = f"{function} registers a class or a dotted path, got a {type(cls_or_dotted).__qualname__}"
+        raise RegistrationError(msg)
+    if isinstance(cls_or_dotted, str) and _DOTTED.fullmatch(cls_or_dotted) is None:
+        msg = f"{function} registers a class or its dotted path, module and class name ('my_pkg.optim.Lion'), got {cls_or_dotted!r}"
         raise RegistrationError(msg)
 
 

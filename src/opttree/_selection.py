@@ -19,7 +19,7 @@ from typing import cast
 import torch
 from attrs import frozen
 
-from opttree._adapter import mapping_attribute, sequence_attribute
+from opttree._adapter import is_pair, mapping_attribute, sequence_attribute, yielded_text
 from opttree._containers import malformed
 from opttree._dispatch import LazyDispatch
 from opttree._errors import MalformedWrapper, OptTreeError, PartialResetRefused, UnmappedParameter
@@ -257,16 +257,26 @@ class SelectVisitor(TraverserVisitor):
 ParamsArg = Iterable[torch.Tensor] | Callable[[str], bool]
 
 
-def model_parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``model.named_parameters()``, or an error saying why they cannot be read."""
+def check_model(model: torch.nn.Module) -> None:
+    """Refuse a ``model=`` that is not a module, before it is needed."""
     if not isinstance(cast(object, model), torch.nn.Module):
         msg = f"model must be a torch.nn.Module, got a {type(model).__qualname__}"
         raise OptTreeError(msg)
+
+
+def model_parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``model.named_parameters()``, or an error saying why they cannot be read."""
+    check_model(model)
     try:
-        return list(model.named_parameters())
+        named: list[object] = list(model.named_parameters())
     except Exception as error:
         msg = f"the parameters of model= cannot be read: named_parameters() raised {type(error).__name__}: {error}"
         raise OptTreeError(msg) from error
+    for item in named:
+        if not (is_pair(item) and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)):
+            msg = f"the parameters of model= cannot be read: named_parameters() gave {yielded_text(item)}, expected (name, tensor) pairs"
+            raise OptTreeError(msg)
+    return cast(list[tuple[str, torch.Tensor]], named)
 
 
 def _accepted(predicate: Callable[[str], bool], name: str) -> bool:
@@ -321,6 +331,8 @@ def select(root: Node, params: ParamsArg | None, keys: Iterable[str] | None, mod
     names ``"step"``: resetting some parameters' moments keeps their step (as ReLoRA and
     SPAM do), and Megatron checkpoints one step per optimizer.
     """
+    if model is not None:
+        check_model(model)
     key_set = None if keys is None else key_names(keys)
     if key_set == frozenset():
         raise PartialResetRefused("keys names no state key: the reset would change nothing")
