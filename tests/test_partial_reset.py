@@ -193,6 +193,38 @@ def test_a_key_no_optimizer_has_is_refused() -> None:
     assert unchanged(optimizer, before)
 
 
+@pytest.mark.parametrize(
+    ("call", "where"),
+    [
+        (lambda o, p: opttree.reset(o, keys=["max_exp_avg_sq"]), "in the tree"),
+        (lambda o, p: opttree.reset(o, params=[p], keys=["max_exp_avg_sq"]), "holding the selected parameters"),
+        (lambda o, p: opttree.prune(o, 0.5, keys=["max_exp_avg_sq"]), "in the tree"),
+        (lambda o, p: opttree.scale(o, 0.5, keys=["max_exp_avg_sq"]), "in the tree"),
+    ],
+    ids=["reset", "reset params", "prune", "scale"],
+)
+def test_keys_of_the_schema_that_no_entry_holds_are_refused_not_a_silent_no_op(
+    call: Callable[[torch.optim.Optimizer, torch.Tensor], object], where: str
+) -> None:
+    """Adam builds ``max_exp_avg_sq`` only with amsgrad=True: named alone, where the state
+    holds none, the call would change nothing and report success."""
+    net = model()
+    optimizer = torch.optim.Adam(net.parameters())
+    train(net, optimizer, 0, 1)
+    before = snapshot(optimizer)
+
+    with pytest.raises(opttree.PartialResetRefused, match=rf"no optimizer {where} holds \['max_exp_avg_sq'\] in its state \(it holds exp_avg, exp_avg_sq, step\)"):
+        call(optimizer, next(net.parameters()))
+    assert unchanged(optimizer, before)
+
+
+def test_keys_named_before_any_state_is_built_change_nothing_without_refusal() -> None:
+    """Nothing is held yet, so a reset of some keys has nothing to reset, as a full one."""
+    optimizer = torch.optim.Adam(model().parameters())
+
+    assert opttree.reset(optimizer, keys=["exp_avg"]).tensors_zeroed == 0
+
+
 def muon_stack() -> testing.MegatronStack:
     """Megatron's Muon stack: its matrices under ``TensorParallelMuon``, the rest under AdamW."""
     if "muon" not in testing.available():

@@ -386,6 +386,7 @@ class LeafInspector:
                     return
                 self.plan.state.drop.append((group, "step"))
                 self.plan.state.steps += 1
+                self.plan.state.found_keys.add("step")
 
     def takes_group(self, node: Node, index: int, params: list[torch.Tensor]) -> bool:
         """Whether the selection takes a group's step, which the group shares: all of its
@@ -433,6 +434,7 @@ class LeafInspector:
                 return
             state.number_steps.append((group, zero))
         state.steps += 1
+        state.found_keys.add("step")
 
     def inspect_state(self, node: LeafNode, in_groups: list[torch.Tensor], into: StatePlan) -> None:
         """Plan one leaf's state, given the parameters of its groups in order."""
@@ -469,6 +471,7 @@ class LeafInspector:
             held, entries = list(compress(held, picked)), list(compress(entries, picked))
         layouts: tuple[list[torch.Size], list[torch.dtype]] | None = None  # read at the first key built like them
         counts = Counter(chain.from_iterable(entries))
+        into.found_keys.update(counts)
         if self.schema.step is StepLocation.PER_PARAMETER and counts["step"] < len(entries):
             self.stepless_entries(node, held, entries, in_groups)
         for key, count in counts.items():
@@ -693,6 +696,7 @@ class LeafInspector:
         if len(self.problems) > problems_before or not held or self.written_by_own_code(node, [state], "its state", None, ProblemKind.UNRELEASABLE_STATE):
             return
         into.release.append((optimizer, held))
+        into.found_keys.update(chain.from_iterable(entries))
         into.released += len(held)
         into.bytes_released += ranges(tensors_held([value for entry in entries for value in entry.values()])).nbytes
 

@@ -58,6 +58,8 @@ class StatePlan:
     bytes_reset: int = 0
     bytes_kept: int = 0
     kept_keys: set[str] = field(factory=set)
+    found_keys: set[object] = field(factory=set)
+    """The state keys the planned entries and groups hold, ``"step"`` for a group step."""
     written: Extents = field(factory=Extents)
     step_ranges: Extents = field(factory=Extents)
     kept_ranges: Extents = field(factory=Extents)
@@ -98,6 +100,7 @@ class StatePlan:
         self.bytes_reset += other.bytes_reset
         self.bytes_kept += other.bytes_kept
         self.kept_keys |= other.kept_keys
+        self.found_keys |= other.found_keys
         self.written.extend(other.written)
         self.step_ranges.extend(other.step_ranges)
         self.kept_ranges.extend(other.kept_ranges)

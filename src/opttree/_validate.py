@@ -178,6 +178,15 @@ class ValidateVisitor(TraverserVisitor):
             holding = "in the tree" if selection.tensors is None else "holding the selected parameters"
             message = f"no optimizer {holding} has history {unknown} (resettable there: {known})"
             self.problems.append(Problem(ProblemKind.UNKNOWN_KEY, root.path, type(root.optimizer).__qualname__, message))
+        found = self._plan.state.found_keys
+        if not unknown and found and named.isdisjoint(found) and not selection.elsewhere:
+            held = ", ".join(sorted(map(str, found)))
+            message = (
+                f"no optimizer {'in the tree' if selection.tensors is None else 'holding the selected parameters'} holds "
+                f"{sorted(named)} in its state (it holds {held}): the reset would change nothing; an optimizer builds some "
+                "keys only with some options (Adam's max_exp_avg_sq with amsgrad=True)"
+            )
+            self.problems.append(Problem(ProblemKind.UNKNOWN_KEY, root.path, type(root.optimizer).__qualname__, message))
         if selection.tensors is None:
             return
         for leaf, schema in reached.leaves:
