@@ -61,6 +61,34 @@ def test_reset_save_load_train_equals_a_fresh_optimizer(name: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(loaded.main_params(), reference.main_params(), strict=True))
 
 
+def _steps(stack: testing.MegatronStack) -> list[torch.Tensor]:
+    return [entry["step"] for leaf in stack.leaves() for entry in leaf.state.values()]
+
+
+@pytest.mark.parametrize("name", [n for n in ("dist_fp32", "dist_bf16") if n in testing.available()])
+def test_a_distributed_optimizers_load_through_opttree_gives_each_entry_its_own_step(name: str) -> None:
+    """``DistributedOptimizer.load_state_dict`` puts every parameter's state on one step
+    tensor, which torch's Adam then advances once per parameter and step (its
+    ``state_dict()`` holds no history: Megatron saves that apart, and its load leaves the
+    history unset until ``load_parameter_state``). Through opttree each entry has its own."""
+    stack = testing.build(name)
+    stack.train(0, K)
+    opttree.reset(stack.optimizer)
+    with stack.device:
+        state = stack.optimizer.state_dict()
+    megatrons, ours = fresh_like(stack), fresh_like(stack)
+    with stack.device:
+        megatrons.optimizer.load_state_dict(copy.deepcopy(state))
+        opttree.load_state_dict(ours.optimizer, copy.deepcopy(state))
+
+    shared, own = _steps(megatrons), _steps(ours)
+    assert len(shared) == len(own) > 1
+    assert len({id(step) for step in shared}) == 1 and len({id(step) for step in own}) == len(own)
+    assert all(float(step) == 0 for step in own)
+    assert opttree.ProblemKind.SHARED_STEP in [p.kind for p in opttree.validate(megatrons.optimizer)]
+    assert opttree.ProblemKind.SHARED_STEP not in [p.kind for p in opttree.validate(ours.optimizer)]
+
+
 def model_state(stack: testing.MegatronStack) -> dict[str, object]:
     module = stack.model.module
     assert isinstance(module, MegatronModule)

@@ -17,7 +17,10 @@ starts it as (a float tensor for torch's, an int for LaProp's: see ``StateSchema
 
 ``DistributedOptimizer`` writes its step into the param groups whatever its value, and
 leaves that count steps per group (TE and apex ``FusedAdam``) keep them in the param
-groups too: neither needs anything.
+groups too: neither needs anything. Its ``load_state_dict`` (megatron-core 0.16.1 and
+0.19.2 measured) gives every parameter's state one step tensor, which torch's Adam then
+advances once per parameter and step: :func:`load_state_dict` gives each entry a step
+tensor of its own, as the optimizer that saved it held.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from opttree._checkpoint_layouts import STEP_KEY, layout_error, walk
 from opttree._nodes import LeafNode, Node
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import StepType
+from opttree._visitor import TraverserVisitor
 
 _Result = TypeVar("_Result")
 
@@ -127,6 +131,33 @@ def load_state_dict(
         entries[STEP_KEY] = _fresh_step(leaf)
     load = getattr(root.optimizer, "load_state_dict")
     _megatrons(root, "load_state_dict", lambda: load(state_dict))
+    _unshare_steps(root)
+
+
+class _Leaves(TraverserVisitor):
+    def __init__(self) -> None:
+        self.found: list[torch.optim.Optimizer] = []
+
+    def visit_leaf(self, node: LeafNode) -> None:
+        if node.shared_with is None:
+            self.found.append(node.optimizer)
+
+
+def _unshare_steps(root: Node) -> None:
+    """Give each state entry that a load left on an earlier entry's step tensor a copy of
+    its own: one tensor counting several parameters' steps advances once per parameter."""
+    leaves = _Leaves()
+    root.accept(leaves)
+    seen: set[int] = set()
+    for optimizer in leaves.found:
+        for entry in optimizer.state.values():
+            step = entry.get("step") if isinstance(entry, dict) else None
+            if not isinstance(step, torch.Tensor):
+                continue
+            if id(step) in seen:
+                entry["step"] = step.detach().clone()
+            else:
+                seen.add(id(step))
 
 
 def _megatrons(root: Node, method: str, call: Callable[[], _Result]) -> _Result:
