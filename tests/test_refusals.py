@@ -85,8 +85,9 @@ def test_validate_reports_every_problem_without_raising() -> None:
         ("unsupported-state", "chained[1].optimizer", "my_ema"),
     ]
     assert all(p.severity is opttree.Severity.ERROR for p in problems)
-    with pytest.raises(opttree.UnsupportedOptimizer, match=r"and 2 more: see opttree.validate"):
+    with pytest.raises(opttree.UnsupportedOptimizer, match=r"and 2 more: see the error's problems") as caught:
         opttree.reset(root)
+    assert sorted(caught.value.problems, key=str) == sorted(problems, key=str) and caught.value.problem == caught.value.problems[0]
 
 
 def test_silently_empty_state_is_a_warning_and_reset_still_runs() -> None:

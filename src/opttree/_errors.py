@@ -12,10 +12,13 @@ class OptTreeError(Exception):
     """Base of every error opttree raises on purpose.
 
     ``problem`` is the finding behind the error, where it came from one: its kind, path,
-    class and key, as :func:`opttree.validate` would report it.
+    class and key, as :func:`opttree.validate` would report it. ``problems`` holds it and
+    every other error the same check found: for a partial reset, ``prune`` or ``scale``
+    too, whose checks of the selection ``validate`` does not make.
     """
 
     problem: Problem | None = None
+    problems: tuple[Problem, ...] = ()
 
 
 class NotAnOptimizer(OptTreeError):

@@ -383,7 +383,7 @@ def _refuse(check: MasterCheck) -> list[_Pair]:
     writes = _writes(check)
     refused = [p for p in check.problems if p.kind is not ProblemKind.STALE_MASTER] or _unwritable(check, writes)
     if refused:
-        raise refused[0].to_error(others=len(refused) - 1)
+        raise refused[0].to_error(others=refused[1:])
     return writes
 
 

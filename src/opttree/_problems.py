@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 from attrs import evolve, field, frozen
 
@@ -142,9 +143,11 @@ class Problem:
         """The same problem, found on ``rank`` of a process group."""
         return evolve(self, rank=rank)
 
-    def to_error(self, *, others: int = 0) -> OptTreeError:
-        """The error a refused reset raises; ``others`` counts further errors found."""
-        message = str(self) if not others else f"{self} (and {others} more: see opttree.validate)"
+    def to_error(self, *, others: Sequence[Problem] = ()) -> OptTreeError:
+        """The error a refused operation raises; ``others`` are the further errors found,
+        which the error carries in ``problems`` after this one."""
+        message = str(self) if not others else f"{self} (and {len(others)} more: see the error's problems)"
         error = self.kind.error(message)
         error.problem = self
+        error.problems = (self, *others)
         return error

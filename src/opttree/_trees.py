@@ -23,7 +23,7 @@ def tree(optimizer: object) -> Node:
     if isinstance(optimizer, Node):
         problems = too_deep_in(optimizer)
         if problems:
-            raise problems[0].to_error(others=len(problems) - 1)
+            raise problems[0].to_error(others=problems[1:])
         unlike = unlike_built(optimizer, TreeBuilder(_registry.kind_for).build(optimizer.optimizer, optimizer.path))
         if unlike is not None:
             raise unlike.to_error()

@@ -117,7 +117,7 @@ class ValidateVisitor(TraverserVisitor):
         errors = [p for p in self.problems if p.severity is Severity.ERROR]
         if errors:
             self._forget_plan()  # the error's traceback holds this visitor: let the state go
-            return errors[0].to_error(others=len(errors) - 1)
+            return errors[0].to_error(others=errors[1:])
         self._passed = True
         return None
 
