@@ -212,7 +212,7 @@ def scale(
         with plain_torch(), torch.no_grad():
             tensors = [tensor for tensor in _tensors(plan) if tensor.numel()]
             if tensors:
-                _refuse_non_finite(tensors, ratio)
+                _refuse_non_finite(tensors, ratio, plan)
         return ratio, plan, tensors
 
     ratio, plan, tensors = _distributed.agreed(group, planned)
@@ -222,16 +222,29 @@ def scale(
     return evolve(plan.report(), action="scale")
 
 
-def _refuse_non_finite(tensors: list[torch.Tensor], ratio: float) -> None:
+def _refuse_non_finite(tensors: list[torch.Tensor], ratio: float, plan: ResetPlan) -> None:
     """Refuse a scale by ``ratio`` whose product is not finite somewhere: history that
     holds inf or NaN already (no factor makes it finite, and 0 makes inf NaN), a factor
     beyond what the history's dtype holds (torch rounds the factor to it), or one that
-    carries an element past the largest value of its dtype."""
+    carries an element past the largest value of its dtype. The refusal names the leaf
+    and key that hold the tensor."""
     peaks = torch._foreach_norm(tensors, math.inf)
     for tensor, peak in zip(tensors, peaks, strict=True):
         largest, highest = torch.finfo(tensor.dtype).max, float(peak)
         if not math.isfinite(highest):
-            raise PartialResetRefused(f"scale found {tensor.dtype} history holding inf or NaN, which no factor makes finite: reset it instead")
+            msg = f"scale found {tensor.dtype} history holding inf or NaN, which no factor makes finite: reset it instead"
+            raise PartialResetRefused(f"{_holder(tensor, plan)}: {msg}")
         if ratio > largest or highest * ratio > largest:
             msg = f"scale by {ratio:g} would carry {tensor.dtype} history (up to {highest:g}) past its largest value, {largest:g}"
-            raise PartialResetRefused(msg)
+            raise PartialResetRefused(f"{_holder(tensor, plan)}: {msg}")
+
+
+def _holder(tensor: torch.Tensor, plan: ResetPlan) -> str:
+    """The leaf and key a planned history tensor is of, as a problem names them."""
+    written = plan.state.written
+    start = tensor.data_ptr()
+    index = next((i for i, at in enumerate(written.starts) if at == start), None)
+    if index is None:
+        return "history"
+    path, cls, key = written.owner(index)
+    return f"{cls} at {path}: key {key!r}"
