@@ -225,6 +225,31 @@ def test_keys_named_before_any_state_is_built_change_nothing_without_refusal() -
     assert opttree.reset(optimizer, keys=["exp_avg"]).tensors_zeroed == 0
 
 
+@pytest.mark.parametrize("name", [n for n in ("bf16", "dist_bf16") if n in testing.available()])
+def test_a_subtree_under_a_megatron_wrapper_is_not_reset_apart_from_its_checkpointed_whole(name: str) -> None:
+    """The leaf below a Megatron wrapper, taken from the built tree: a release, or a reset
+    of some of its steps, would leave a state Megatron cannot checkpoint, which the leaf
+    alone cannot see. Refused with nothing changed; its moments alone may be reset, and
+    the stack checks a selection whole."""
+    stack = testing.build(name)
+    stack.train(0, K)
+    leaf = opttree.tree(stack.optimizer).children[0].children[0]
+    assert isinstance(leaf, opttree.LeafNode)
+    main = leaf.optimizer.param_groups[0]["params"][0]
+    before = snapshot(leaf.optimizer)
+    assert leaf.under == "ChainedOptimizer at <root>"
+
+    with pytest.raises(opttree.ReleaseRefused, match=r"AdamW at chained\[0\].optimizer: a subtree under ChainedOptimizer at <root>, whose state Megatron checkpoints whole"):
+        opttree.reset(leaf, release=True)
+    with pytest.raises(opttree.PartialResetRefused, match="a reset of it alone that resets step counters cannot tell that the rest agrees"):
+        opttree.reset(leaf, params=[main], keys=["step"])
+    assert unchanged(leaf.optimizer, before)
+    assert [p.kind for p in opttree.validate(leaf)] == [opttree.ProblemKind.PARTIAL_STEP]
+
+    assert opttree.reset(leaf, keys=["exp_avg", "exp_avg_sq"]).steps == 0
+    assert opttree.reset(stack.optimizer).steps > 0
+
+
 def muon_stack() -> testing.MegatronStack:
     """Megatron's Muon stack: its matrices under ``TensorParallelMuon``, the rest under AdamW."""
     if "muon" not in testing.available():

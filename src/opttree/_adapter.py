@@ -10,6 +10,7 @@ Attributes are read from the instance ``__dict__``, never through properties:
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Iterable
 from itertools import chain
@@ -19,7 +20,7 @@ import torch
 from attrs import evolve
 
 from opttree import _paths
-from opttree._dispatch import LazyDispatch
+from opttree._dispatch import LazyDispatch, is_megatron_class
 from opttree._errors import OptTreeError
 from opttree._identity import by_identity, identity_key
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
@@ -137,6 +138,8 @@ class TreeBuilder:
         self._kind_of = kind_of
         self._problems = problems
         self._on_path: set[int] = set()
+        self._under: str | None = None
+        """The outermost Megatron wrapper on the current path, as nodes record it."""
         self._leaves: dict[object, str] = {}  # by identity_key
         self._kinds: dict[type, Expander | None] = {}
 
@@ -173,10 +176,15 @@ class TreeBuilder:
         if key in self._on_path:
             raise refusal(ProblemKind.OPTIMIZER_CYCLE, obj, path, "contains itself")
         self._on_path.add(key)
+        outer = self._under
+        if outer is None and is_megatron_class(type(obj)):
+            self._under = f"{type(obj).__qualname__} at {path}"
         try:
-            return expand(self, obj, path)
+            node = expand(self, obj, path)
         finally:
             self._on_path.discard(key)
+            self._under = outer
+        return node if outer is None else evolve(node, under=outer)
 
     def members(self, parent: str, name: str, objects: list[object]) -> list[Node]:
         """The nodes of a sequence attribute's members.
@@ -188,7 +196,7 @@ class TreeBuilder:
         if self.fresh_leaves(objects):
             leaves = cast(list[torch.optim.Optimizer], objects)
             self._leaves.update(zip(leaves, paths, strict=True))
-            return list(map(LeafNode, paths, leaves))
+            return list(map(functools.partial(LeafNode, under=self._under), paths, leaves))
         return [self.build(obj, path) for obj, path in zip(objects, paths, strict=True)]
 
     def fresh_leaves(self, objects: list[object]) -> bool:
@@ -201,7 +209,7 @@ class TreeBuilder:
 
     def leaf(self, optimizer: torch.optim.Optimizer, path: str) -> LeafNode:
         first = self._leaves.setdefault(identity_key(optimizer), path)
-        return LeafNode(path, optimizer, None if first == path else first)
+        return LeafNode(path, optimizer, None if first == path else first, under=self._under)
 
 
 Expander = Callable[[TreeBuilder, object, str], Node]

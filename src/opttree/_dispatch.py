@@ -30,6 +30,12 @@ def dotted_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def is_megatron_class(cls: type) -> bool:
+    """Whether a wrapper class is one of Megatron's or derives from one, whoever registered
+    its kind: its checkpoints then need what Megatron's do (one step over its state)."""
+    return any(str(getattr(base, "__module__", "")).partition(".")[0] == "megatron" for base in cls.__mro__)
+
+
 def _unregistered(_: object) -> type | None:
     return None
 

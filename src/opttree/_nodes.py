@@ -62,6 +62,10 @@ class Node(ABC):
     and its path, as ``describe`` does: ``LeafNode(AdamW @ chained[0].optimizer)``."""
 
     path: str = field(validator=_path)
+    under: str | None = field(default=None, kw_only=True)
+    """The outermost Megatron wrapper above this node, as ``"Class at path"``, where
+    :func:`opttree.tree` built it under one: Megatron checkpoints such a wrapper's state
+    whole, which a reset of this node alone cannot check."""
 
     def __repr__(self) -> str:
         children = f", {len(self.children)} children" if self.children else ""

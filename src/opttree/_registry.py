@@ -50,12 +50,6 @@ def kind_for(cls: type) -> Expander | None:
     return expand
 
 
-def is_megatron_class(cls: type) -> bool:
-    """Whether a wrapper class is one of Megatron's or derives from one, whoever registered
-    its kind: its checkpoints then need what Megatron's do (one step over its state)."""
-    return any(str(getattr(base, "__module__", "")).partition(".")[0] == "megatron" for base in cls.__mro__)
-
-
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.([A-Za-z_]\w*|<locals>))+")
 """``module.QualName`` as :func:`~opttree._dispatch.dotted_name` writes it: a path no class
 has (``"Lion"``, ``"pkg..Lion"``, one with spaces) would never apply."""

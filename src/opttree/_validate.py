@@ -11,6 +11,7 @@ import torch
 
 from opttree import _registry
 from opttree._containers import PLAIN_STATES, malformed, own_writes
+from opttree._dispatch import is_megatron_class
 from opttree._errors import OptTreeError
 from opttree._held import Held, held_optimizers
 from opttree._identity import identity_key, identity_keys
@@ -21,7 +22,7 @@ from opttree._preflight import Owner, duplicates, overlap, plain_torch, ranges, 
 from opttree._problems import Problem, ProblemKind, Severity
 from opttree._scalers import loss_scaler, plan_scaler
 from opttree._trees import lenient_tree
-from opttree._schema import StateSchema
+from opttree._schema import StateSchema, StepLocation
 from opttree._runs import alike_runs, sibling_groups
 from opttree._selection import EVERYTHING, INNER_PARAMS, STEP_UNITS, Selection, tree_params
 from opttree._visitor import TraverserVisitor
@@ -139,6 +140,7 @@ class ValidateVisitor(TraverserVisitor):
         """Walk ``root`` and run the tree-wide checks, as plain torch calls (see
         :func:`~opttree._preflight.plain_torch`)."""
         with plain_torch():
+            self._check_under(root)
             self._contained.append(root.optimizer)
             root.accept(self)
             self._check_keys(root)
@@ -273,7 +275,7 @@ class ValidateVisitor(TraverserVisitor):
         self._check_own_state(node)
         self._contained.extend(map(_OPTIMIZER, node.children))
         self._held.extend((node, held) for held in held_optimizers(node.optimizer, self._counts_as_optimizer))
-        megatron = _registry.is_megatron_class(type(node.optimizer))
+        megatron = is_megatron_class(type(node.optimizer))
         if megatron:
             self._megatron_above.append(type(node.optimizer).__qualname__)
         try:
@@ -397,7 +399,7 @@ class ValidateVisitor(TraverserVisitor):
     def _check_release(self, node: Node) -> None:
         """A release under a Megatron wrapper is refused, once, at the outermost one: an
         emptied state is one that Megatron cannot checkpoint until the next step."""
-        if not self._selection.release or self._release_refused or not _registry.is_megatron_class(type(node.optimizer)):
+        if not self._selection.release or self._release_refused or not is_megatron_class(type(node.optimizer)):
             return
         self._release_refused = True
         message = (
@@ -407,6 +409,26 @@ class ValidateVisitor(TraverserVisitor):
             "reset without release, which keeps the memory and every checkpoint path"
         )
         self.problems.append(Problem(ProblemKind.UNRELEASABLE_STATE, node.path, type(node.optimizer).__qualname__, message))
+
+    def _check_under(self, root: Node) -> None:
+        """A subtree that :func:`opttree.tree` built under a Megatron wrapper: Megatron
+        checkpoints the wrapper's state whole (one step over all its parameters, no emptied
+        state), which a reset of the subtree alone cannot check, so one that resets steps
+        or releases state is refused; the stack, with ``params=``, is checked whole."""
+        selection = self._selection
+        if root.under is None or not (selection.release or selection.steps):
+            return
+        counting = tree_params(root, lambda leaf: _registry.step_location(type(leaf)) not in (None, StepLocation.NONE))
+        if not selection.release and not counting:
+            return
+        what = "empties state" if selection.release else "resets step counters"
+        message = (
+            f"a subtree under {root.under}, whose state Megatron checkpoints whole (one step over all its "
+            f"parameters, no emptied state): a reset of it alone that {what} cannot tell that the rest agrees; reset the "
+            "stack, choosing with params=" + ("" if selection.release else ", or leave 'step' out of keys")
+        )
+        kind = ProblemKind.UNRELEASABLE_STATE if selection.release else ProblemKind.PARTIAL_STEP
+        self.problems.append(Problem(kind, root.path, type(root.optimizer).__qualname__, message, None if selection.release else "step"))
 
     def _check_step_unit(self, node: Node) -> None:
         """A Megatron wrapper that saves one step for all its parameters (see
