@@ -125,7 +125,7 @@ def test_registering_what_is_neither_a_class_nor_a_dotted_path_is_refused() -> N
     with pytest.raises(opttree.RegistrationError, match="register_schema registers a class or a dotted path, got a int"):
         opttree.register_schema(5, opttree.StateSchema())  # type: ignore[arg-type]
     with pytest.raises(opttree.RegistrationError, match="register_wrapper registers a class or a dotted path, got a NoneType"):
-        opttree.register_wrapper(None, children=lambda w: [])  # type: ignore[arg-type]
+        opttree.register_wrapper(None, children=lambda w: [])  # type: ignore[call-overload]
 
 
 def nested_wrappers(depth: int) -> opttree.Node:

@@ -104,6 +104,29 @@ def restart(optimizer: MegatronOptimizer, model_state: dict[str, torch.Tensor]) 
     ranks: int = torch.distributed.get_world_size(group) * parallel_state.get_tensor_model_parallel_world_size()
     scale: torch.Tensor = optimizer.get_loss_scale()
     return float(scale.item()) * ranks + report.tensors_zeroed
+
+
+class LoraChain:
+    """The README's own wrapper, with a typed children function over it."""
+
+    def __init__(self) -> None:
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+
+    def items(self) -> list[tuple[str, torch.optim.Optimizer]]:
+        return list(self.optimizers.items())
+
+
+def register() -> None:
+    opttree.register_wrapper(LoraChain, children=lambda chain: chain.items())
+    opttree.register_schema(
+        "my_pkg.optim.Rprop",
+        opttree.StateSchema(fill={"step_size": lambda group, defaults: group["lr"]}, step=opttree.StepLocation.PER_PARAMETER),
+    )
+
+
+def thin(optimizer: torch.optim.Optimizer) -> int:
+    pruned = opttree.prune(optimizer, torch.tensor(0.5))
+    return pruned.tensors_zeroed + opttree.scale(optimizer, torch.tensor(0.5), keys=["exp_avg"]).tensors_zeroed
 '''
 
 BROKEN = '''

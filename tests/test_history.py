@@ -240,7 +240,7 @@ def test_numpy_and_tensor_numbers_are_numbers() -> None:
     _, optimizer = trained()
     _, reference = trained()
     opttree.prune(optimizer, numpy.float32(0.5))
-    opttree.scale(optimizer, torch.tensor(0.5), keys=["exp_avg"])  # type: ignore[arg-type]  # what an untyped schedule may pass
+    opttree.scale(optimizer, torch.tensor(0.5), keys=["exp_avg"])
     opttree.prune(reference, 0.5)
     opttree.scale(reference, 0.5, keys=["exp_avg"])
     assert bits(history(optimizer)) == bits(history(reference))

@@ -135,5 +135,5 @@ def test_register_wrapper_refuses_an_inner_params_that_is_not_callable() -> None
         pass
 
     with pytest.raises(opttree.RegistrationError, match="needs a callable inner_params function, got a int"):
-        opttree.register_wrapper(Uncallable, children=lambda w: [], inner_params=5)  # type: ignore[arg-type]
+        opttree.register_wrapper(Uncallable, children=lambda w: [], inner_params=5)  # type: ignore[call-overload]
     opttree.register_wrapper(Uncallable, children=lambda w: [])  # the refused registration left nothing behind

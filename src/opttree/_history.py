@@ -12,10 +12,9 @@ does, over tensors its checks found writable.
 from __future__ import annotations
 
 import math
-import numbers
 import operator
 from collections.abc import Callable, Iterable
-from typing import Literal, cast
+from typing import Literal, SupportsFloat, cast
 
 import torch
 import torch.distributed as dist
@@ -24,6 +23,7 @@ from attrs import evolve
 from opttree import _distributed
 from opttree._trees import tree
 from opttree._errors import PartialResetRefused
+from opttree._numbers import real_number
 from opttree._plan import ResetPlan
 from opttree._preflight import plain_torch
 from opttree._report import ResetReport
@@ -84,21 +84,6 @@ _REAL_FLOATS = ("float16, bfloat16, float32 or float64", _PRUNABLE.__contains__)
 _FLOATS = ("floating-point or complex", _SCALABLE.__contains__)
 
 
-def _real(value: object) -> float | None:
-    """``value`` as a float where it is a real number (Python's, NumPy's, a one-element
-    real tensor), else None: not a bool, a string or a number beyond a float."""
-    try:
-        if isinstance(value, torch.Tensor):
-            if value.numel() != 1 or value.dtype is torch.bool or value.is_complex():
-                return None
-            value = value.item()
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            return None
-        return float(value)
-    except (OverflowError, RuntimeError):  # an int beyond a float; a meta tensor
-        return None
-
-
 def _described(value: object) -> str:
     return f"{value!r} (a {type(value).__qualname__})"
 
@@ -126,7 +111,7 @@ def _kept_by_magnitude(magnitude: torch.Tensor, fraction: float) -> torch.Tensor
 
 def prune(
     optimizer: object,
-    fraction: float,
+    fraction: SupportsFloat,
     *,
     by: Literal["magnitude", "random"] = "magnitude",
     generator: torch.Generator | None = None,
@@ -153,7 +138,7 @@ def prune(
 
     def planned() -> tuple[float, ResetPlan]:
         with plain_torch():
-            share = _real(fraction)
+            share = real_number(fraction)
         if share is None or not 0.0 <= share <= 1.0:
             raise PartialResetRefused(f"fraction must be a number between 0 and 1, got {_described(fraction)}")
         if by not in ("magnitude", "random"):
@@ -188,7 +173,7 @@ def prune(
 
 def scale(
     optimizer: object,
-    factor: float,
+    factor: SupportsFloat,
     *,
     params: ParamsArg | None = None,
     keys: Iterable[str] | None = None,
@@ -205,7 +190,7 @@ def scale(
 
     def planned() -> tuple[float, ResetPlan, list[torch.Tensor]]:
         with plain_torch():
-            ratio = _real(factor)
+            ratio = real_number(factor)
         if ratio is None or not 0.0 <= ratio < math.inf:
             raise PartialResetRefused(f"factor must be a finite number >= 0, got {_described(factor)}")
         plan = _plan(optimizer, params, keys, model, "scale", _FLOATS)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from typing import cast
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar, cast, overload
 
 import torch
 
@@ -106,8 +106,27 @@ def register_schema(cls_or_dotted: type | str, schema: StateSchema) -> None:
         _user_schemas.register(cls_or_dotted, schema)
 
 
+_Wrapper = TypeVar("_Wrapper")
+
+
+@overload
 def register_wrapper(
-    cls_or_dotted: type | str, *, children: ChildrenFn, inner_params: InnerParams | None = None
+    cls_or_dotted: type[_Wrapper],
+    *,
+    children: Callable[[_Wrapper], Iterable[tuple[str, object]]],
+    inner_params: Callable[[_Wrapper, str], Iterable[tuple[torch.Tensor, Sequence[torch.Tensor]]]] | None = None,
+) -> None: ...
+
+
+@overload
+def register_wrapper(cls_or_dotted: str, *, children: ChildrenFn, inner_params: InnerParams | None = None) -> None: ...
+
+
+def register_wrapper(
+    cls_or_dotted: type | str,
+    *,
+    children: Callable[..., Iterable[tuple[str, object]]],
+    inner_params: Callable[..., Iterable[tuple[torch.Tensor, Sequence[torch.Tensor]]]] | None = None,
 ) -> None:
     """Register a wrapper kind: ``children(wrapper)`` yields ``(label, inner)`` pairs.
 

@@ -11,6 +11,7 @@ import torch
 from attrs import field, frozen
 
 from opttree._errors import RegistrationError
+from opttree._numbers import real_number
 
 ScaleLookup = Callable[[torch.optim.Optimizer, torch.Tensor, str], "torch.Tensor | None"]
 """``(optimizer, param, key) -> scale``: a tensor kept outside ``state`` that scales a
@@ -52,9 +53,10 @@ class StepType(enum.Enum):
     tensor in its place would change the arithmetic of bias correction."""
 
 
-Fill = float | Callable[[Mapping[str, object], Mapping[str, object]], float]
+Fill = float | Callable[[Mapping[str, object], Mapping[str, object]], object]
 """What a history tensor starts as: a number, or ``(param_group, defaults) -> number``
-for one that depends on its group (Rprop's ``step_size`` starts at the group's ``lr``).
+for one that depends on its group (Rprop's ``step_size`` starts at the group's ``lr``);
+the number Python's, NumPy's or a one-element real tensor, anything else the key's problem.
 Complex tensors start at ``complex(v, v)``, as torch's optimizers fill them."""
 
 
@@ -264,7 +266,12 @@ class StateSchema:
     def fill_value(self, key: str, group: Mapping[str, object], defaults: Mapping[str, object]) -> float:
         """The value ``key`` starts as in ``group``."""
         value = self._fill_by_key[key]
-        return float(value(group, defaults) if callable(value) else value)
+        given = value(group, defaults) if callable(value) else value
+        number = real_number(given)
+        if number is None:
+            msg = f"its fill gave {given!r} (a {type(given).__qualname__}), expected a real number"
+            raise TypeError(msg)
+        return number
 
     @functools.cached_property
     def _fill_by_key(self) -> dict[str, Fill]:

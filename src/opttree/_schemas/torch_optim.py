@@ -25,18 +25,12 @@ from opttree._schema import Fill, ShapeOf, StateSchema, StepLocation, StepType
 from opttree._schemas._keys import MASTER_PARAM
 
 
-def _number(value: object, what: str) -> float:
-    if not isinstance(value, (int, float, torch.Tensor)):
-        raise TypeError(f"{what} is a {type(value).__qualname__}, expected a number")
-    return float(value)
+def _lr(group: Mapping[str, object], defaults: Mapping[str, object]) -> object:
+    return group["lr"]
 
 
-def _lr(group: Mapping[str, object], defaults: Mapping[str, object]) -> float:
-    return _number(group["lr"], "the group's lr")
-
-
-def _initial_accumulator(group: Mapping[str, object], defaults: Mapping[str, object]) -> float:
-    return _number(defaults["initial_accumulator_value"], "initial_accumulator_value")
+def _initial_accumulator(group: Mapping[str, object], defaults: Mapping[str, object]) -> object:
+    return defaults["initial_accumulator_value"]
 
 
 def _rows(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -1,0 +1,22 @@
+"""Numbers as users give them: Python's, NumPy's, or a one-element real tensor."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+
+def real_number(value: object) -> float | None:
+    """``value`` as a float where it is a real number (Python's, NumPy's, a one-element
+    real tensor), else None: not a bool, a string or a number beyond a float."""
+    try:
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1 or value.dtype is torch.bool or value.is_complex():
+                return None
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return None
+        return float(value)
+    except (OverflowError, RuntimeError):  # an int beyond a float; a meta tensor
+        return None
