@@ -4,6 +4,9 @@ quantile) on torch leaves and a Megatron recipe."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from collections.abc import Mapping
 from typing import Literal
 
@@ -401,3 +404,38 @@ def test_ranks_given_the_group_refuse_a_scale_alike() -> None:
     for rank, outcome, unchanged_here in testing.run_ranks(agreeing, 2):
         assert "holding inf or NaN" in outcome and unchanged_here
         assert rank == 0 or outcome.startswith("rank 0:")
+
+
+PRUNE_SHORT_OF_MEMORY = textwrap.dedent(
+    """
+    import resource, torch, opttree
+    small = torch.nn.Parameter(torch.randn(1000))
+    big = torch.nn.Parameter(torch.randn(20_000_000))  # sorting its history needs far more than the limit leaves
+    optimizer = torch.optim.AdamW([small, big])
+    small.grad, big.grad = torch.randn_like(small), torch.randn_like(big)
+    optimizer.step()
+    small.grad = big.grad = None
+    before = optimizer.state[small]["exp_avg"].clone()
+    with open("/proc/self/status") as status:
+        used = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize"))
+    resource.setrlimit(resource.RLIMIT_AS, (used + 200 * 2**20, resource.RLIM_INFINITY))
+    try:
+        opttree.prune(optimizer, 0.5, keys=["exp_avg"])
+        print("pruned")
+    except Exception as error:
+        print(type(error).__name__)
+    print("unchanged" if torch.equal(before, optimizer.state[small]["exp_avg"]) else "changed")
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/status are Linux's")
+def test_a_prune_that_runs_out_of_memory_is_refused_having_changed_nothing() -> None:
+    """Ordering by magnitude allocates a sorted copy of each tensor: all are ordered, and
+    the masks' buffers allocated, before the first write, so memory running out (a limit
+    on the address space stands in for a GPU's) refuses the prune with nothing pruned,
+    where the tensors before the large one were pruned and torch's error raised."""
+    result = subprocess.run([sys.executable, "-c", PRUNE_SHORT_OF_MEMORY], capture_output=True, text=True, timeout=300)
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["PartialResetRefused", "unchanged"]

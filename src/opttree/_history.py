@@ -92,21 +92,44 @@ def _tensors(plan: ResetPlan) -> list[torch.Tensor]:
     return [t for tensors in plan.state.lists.values() for t in tensors]
 
 
-def _kept_by_magnitude(magnitude: torch.Tensor, fraction: float) -> torch.Tensor:
-    """Where ``magnitude`` is above its ``fraction`` quantile (linear, as
-    ``torch.quantile``, without its size limit), computed and compared in float32, or
-    float64 for float64 history: a threshold rounded to bfloat16 or float16 could round
-    up past elements above it. The quantile is of the elements that are not NaN (which
-    sort last, and would make it NaN where they are many): NaN is above no threshold."""
-    wide = magnitude.flatten().to(torch.promote_types(magnitude.dtype, torch.float32))
-    ordered = wide.sort().values
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """What magnitudes are compared in: float32, or float64 for float64 history; a
+    threshold rounded to bfloat16 or float16 could round up past elements above it."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _threshold(tensor: torch.Tensor, fraction: float) -> torch.Tensor | None:
+    """The ``fraction`` quantile of ``tensor``'s magnitudes (linear, as ``torch.quantile``,
+    without its size limit), in :func:`_wide`'s dtype; None where every element is NaN.
+    The quantile is of the elements that are not NaN (which sort last, and would make it
+    NaN where they are many): NaN is above no threshold."""
+    ordered = tensor.flatten().abs().to(_wide(tensor.dtype)).sort().values
     count = int(ordered.numel() - ordered.isnan().sum())
     if count == 0:
-        return torch.zeros_like(magnitude, dtype=torch.bool)
+        return None
     position = fraction * (count - 1)
     low, high = int(position), min(int(position) + 1, count - 1)
-    threshold = ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-    return (wide > threshold).reshape(magnitude.shape)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+class _Scratch:
+    """Buffers for the masks of every tensor a prune writes, allocated before the first
+    write, one of each dtype per device as large as its largest tensor: the writes then
+    allocate nothing, so none can run out of memory half-way."""
+
+    def __init__(self, tensors: list[torch.Tensor], dtype_of: Callable[[torch.Tensor], torch.dtype]) -> None:
+        sizes: dict[tuple[torch.device, torch.dtype], int] = {}
+        for tensor in tensors:
+            for kind in ((tensor.device, dtype_of(tensor)), (tensor.device, torch.bool)):
+                sizes[kind] = max(sizes.get(kind, 0), tensor.numel())
+        self._buffers = {kind: torch.empty(size, dtype=kind[1], device=kind[0]) for kind, size in sizes.items()}
+        self._dtype_of = dtype_of
+
+    def work(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._buffers[(tensor.device, self._dtype_of(tensor))][: tensor.numel()].view(tensor.shape)
+
+    def mask(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._buffers[(tensor.device, torch.bool)][: tensor.numel()].view(tensor.shape)
 
 
 def prune(
@@ -128,7 +151,9 @@ def prune(
     parameter order. Pruned elements become +0 (multiplying by a mask would leave -0, and
     NaN), and a NaN element, whose magnitude is above no threshold, is pruned by
     magnitude, the quantile being of the other elements; so ``fraction=1.0`` zeroes them bitwise as a reset of those keys does; step
-    counters are kept. Raises as ``reset`` does, having changed nothing.
+    counters are kept. Raises as ``reset`` does, having changed nothing; every tensor is
+    ordered, and the buffers of its masks allocated, before the first write, so memory
+    running out refuses the prune with nothing pruned.
 
     "Each tensor" is each tensor a leaf holds. Under a ``DistributedOptimizer`` that is this
     rank's shard of a parameter's history, so the magnitude threshold is the shard's own
@@ -155,19 +180,26 @@ def prune(
         return share, plan
 
     share, plan = _distributed.agreed(group, planned)
-    tensors = _tensors(plan)
-
-    def by_magnitude(t: torch.Tensor) -> torch.Tensor:
-        return _kept_by_magnitude(t.abs(), share)
-
-    def at_random(t: torch.Tensor) -> torch.Tensor:
-        return torch.rand(t.shape, generator=generator, device=t.device) > share
-
-    keep = by_magnitude if by == "magnitude" else at_random
     with plain_torch(), torch.no_grad():
-        for tensor in tensors:
-            if tensor.numel():
-                tensor.masked_fill_(keep(tensor).logical_not_(), 0)
+        tensors = [tensor for tensor in _tensors(plan) if tensor.numel()]
+        try:  # everything that allocates, before the first write
+            thresholds = [_threshold(tensor, share) for tensor in tensors] if by == "magnitude" else []
+            draws = torch.get_default_dtype()
+            scratch = _Scratch(tensors, (lambda t: _wide(t.dtype)) if by == "magnitude" else (lambda t: draws))
+        except RuntimeError as error:  # out of memory, on any device
+            msg = f"prune could not allocate what it orders or masks with, and changed nothing: {type(error).__name__}: {error}"
+            raise PartialResetRefused(msg) from error
+        for index, tensor in enumerate(tensors):
+            work, pruned = scratch.work(tensor), scratch.mask(tensor)
+            if by == "random":
+                work.uniform_(0, 1, generator=generator)  # as torch.rand draws
+                torch.gt(work, share, out=pruned)
+            elif (threshold := thresholds[index]) is None:
+                pruned.fill_(False)
+            else:
+                work.copy_(tensor).abs_()
+                torch.gt(work, threshold, out=pruned)
+            tensor.masked_fill_(pruned.logical_not_(), 0)
     return evolve(plan.report(), action="prune")
 
 
