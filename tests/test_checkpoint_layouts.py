@@ -219,20 +219,46 @@ def test_a_chain_refused_at_its_second_member_leaves_the_first_members_state_dic
         ({"model_sharded_state_dict": None}, "model_sharded_state_dict"),
         ({"metadata": "x"}, "metadata"),
         ({"model_sharded_state_dict": {}}, "sharded_state_dict"),
+        ({"is_loading": "yes"}, "is_loading"),
     ],
-    ids=["no model state", "metadata a str", "an empty model state"],
+    ids=["no model state", "metadata a str", "an empty model state", "is_loading a str"],
 )
 def test_sharded_state_dict_refuses_arguments_megatron_cannot_use(arguments: dict[str, object], key: str) -> None:
     """The last is Megatron's own error, raised for a model state without the optimizer's
     parameters, given back as an opttree error with Megatron's as its cause."""
     stack = recipe("bf16")
-    given: dict[str, object] = {"model_sharded_state_dict": model_state(stack), "metadata": None, **arguments}
+    given: dict[str, object] = {"model_sharded_state_dict": model_state(stack), "metadata": None, "is_loading": False, **arguments}
     with stack.device, pytest.raises(opttree.UnsupportedCheckpoint) as refused:
-        opttree.sharded_state_dict(stack.optimizer, given["model_sharded_state_dict"], metadata=given["metadata"])  # type: ignore[arg-type]
+        opttree.sharded_state_dict(
+            stack.optimizer, given["model_sharded_state_dict"], metadata=given["metadata"], is_loading=given["is_loading"]  # type: ignore[arg-type]
+        )
     assert refused.value.problem is not None and refused.value.problem.key == key
     if key == "sharded_state_dict":
         assert "Megatron's own sharded_state_dict raised" in str(refused.value)
         assert refused.value.__cause__ is not None
+
+
+def test_megatrons_own_checkpointing_exception_comes_back_as_an_unsupported_checkpoint() -> None:
+    """Where Megatron's save of a DistributedOptimizer in its default format raises its own
+    ``CheckpointingException`` (``flattened_range``, from megatron-core 0.16 on), opttree's
+    gives it back as an opttree error, Megatron's as its cause, as it gives back the
+    built-in errors Megatron raises."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    if "dist_fp32" not in testing.available():
+        pytest.skip("no DistributedOptimizer recipe in this lane")
+    stack = recipe("dist_fp32")
+    state = model_state(stack)
+    with stack.device:
+        try:
+            stack.optimizer.sharded_state_dict(state)
+        except CheckpointingException:
+            pass
+        else:
+            pytest.skip("this megatron-core saves a DistributedOptimizer in its default format")
+        with pytest.raises(opttree.UnsupportedCheckpoint, match="Megatron's own sharded_state_dict raised CheckpointingException") as refused:
+            opttree.sharded_state_dict(stack.optimizer, model_state(stack))
+    assert isinstance(refused.value.__cause__, CheckpointingException)
 
 
 def test_a_layer_wise_chain_loads_master_weights_by_index_and_refuses_them_short(tmp_path: Path) -> None:

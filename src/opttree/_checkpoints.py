@@ -26,7 +26,7 @@ tensor of its own, as the optimizer that saved it held.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 
@@ -42,8 +42,9 @@ _Result = TypeVar("_Result")
 
 MEGATRONS_OWN_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, AssertionError, NotImplementedError)
 """What Megatron's ``sharded_state_dict`` and ``load_state_dict`` raise for arguments or a
-state dict they cannot use, past opttree's own checks: given back as
-:class:`~opttree.UnsupportedCheckpoint`, the original as its cause."""
+state dict they cannot use, past opttree's own checks, besides Megatron's own exception
+classes (``CheckpointingException``): given back as :class:`~opttree.UnsupportedCheckpoint`,
+the original as its cause."""
 
 
 def _leaf_steps(leaf: LeafNode) -> list[object]:
@@ -94,6 +95,8 @@ def sharded_state_dict(
         raise layout_error(root, "model_sharded_state_dict", f"is a {what}, where Megatron takes the model's sharded state dict")
     if given[1] is not None and not isinstance(given[1], dict):
         raise layout_error(root, "metadata", f"is a {type(given[1]).__qualname__}, where Megatron takes a dict or None")
+    if not isinstance(cast(object, is_loading), bool):
+        raise layout_error(root, "is_loading", f"is a {type(is_loading).__qualname__}, where Megatron takes True or False")
     sharded_state_dict_of = getattr(root.optimizer, "sharded_state_dict")
     state: dict[str, object] = _megatrons(
         root, "sharded_state_dict", lambda: sharded_state_dict_of(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
@@ -166,7 +169,9 @@ def _megatrons(root: Node, method: str, call: Callable[[], _Result]) -> _Result:
     what it loaded before raising stays loaded, which the message says."""
     try:
         return call()
-    except MEGATRONS_OWN_ERRORS as error:
+    except Exception as error:
+        if not isinstance(error, MEGATRONS_OWN_ERRORS) and not type(error).__module__.startswith("megatron."):
+            raise
         after = "; what it loaded before raising stays loaded: load into a fresh stack" if method == "load_state_dict" else ""
         message = f"Megatron's own {method} raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}{after}"
         raise layout_error(root, method, message) from error

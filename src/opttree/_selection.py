@@ -301,7 +301,11 @@ def resolve_params(params: ParamsArg, model: torch.nn.Module | None) -> list[tor
     if not isinstance(cast(object, params), Iterable):
         msg = f"params must be a list of parameters or a predicate on their names, got a {type(params).__qualname__}"
         raise OptTreeError(msg)
-    chosen = list(params)
+    try:
+        chosen = list(params)
+    except Exception as error:
+        msg = f"the parameters params gives cannot be read: iterating it raised {type(error).__name__}: {error}"
+        raise OptTreeError(msg) from error
     for p in chosen:
         if not isinstance(cast(object, p), torch.Tensor):
             msg = f"params must be tensors, got a {type(p).__qualname__}"
