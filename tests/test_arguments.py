@@ -26,6 +26,11 @@ def refusing_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     raise RuntimeError("selection failed")
 
 
+def refusing_keys() -> Iterator[str]:
+    yield "exp_avg"
+    raise RuntimeError("keys failed")
+
+
 class NotATensorModel(torch.nn.Module):
     """A module whose ``_parameters`` hold a number, which named_parameters() yields."""
 
@@ -59,6 +64,7 @@ class NotATensorModel(torch.nn.Module):
         ),
         (lambda o: opttree.reset(o, model="junk"), "model must be a torch.nn.Module, got a str"),  # type: ignore[arg-type]
         (lambda o: opttree.reset(o, params=refusing_params(o)), "the parameters params gives cannot be read: iterating it raised RuntimeError: selection failed"),
+        (lambda o: opttree.reset(o, keys=refusing_keys()), "the state keys keys gives cannot be read: iterating it raised RuntimeError: keys failed"),
         (lambda o: opttree.prune(o, 0.5, model=[1, 2]), "model must be a torch.nn.Module, got a list"),  # type: ignore[arg-type]
         (lambda o: opttree.prune(o, 0.5, keys=5), "keys must be a state key or a list of them, got a int"),  # type: ignore[arg-type]
         (lambda o: opttree.validate(o, group="world"), "group must be a process group of an initialised torch.distributed, got a str"),  # type: ignore[arg-type]
@@ -67,7 +73,7 @@ class NotATensorModel(torch.nn.Module):
     ],
     ids=[
         "params int", "keys int", "keys unhashable", "params one tensor", "params one module", "model dict", "model unreadable",
-        "params empty", "predicate matches none", "keys empty", "model yields a number", "model str", "params generator raises", "prune model list", "prune keys int", "validate group str", "describe group int",
+        "params empty", "predicate matches none", "keys empty", "model yields a number", "model str", "params generator raises", "keys iterator raises", "prune model list", "prune keys int", "validate group str", "describe group int",
         "reset group str",
     ],
 )

@@ -274,7 +274,7 @@ def test_a_reset_after_megatrons_load_gives_each_parameter_its_own_step(name: st
     stack = testing.build(name)
     stack.train(0, K)
     with stack.device:
-        stack.optimizer.sharded_state_dict(model_state(stack), is_loading=True, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+        stack.optimizer.sharded_state_dict(model_state(stack), is_loading=True, metadata={"distrib_optim_sharding_type": "dp_zero_gather_scatter"})
     steps = [entry["step"] for leaf in stack.leaves() for entry in leaf.state.values()]
     assert len({id(step) for step in steps}) < len(steps)  # Megatron's load shares them
 

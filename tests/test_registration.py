@@ -370,7 +370,7 @@ def _number_scale(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: st
         (opttree.StateSchema(zero={"sum"}, scale_of=_raising_scale, step=opttree.StepLocation.PER_PARAMETER), "sum", "its schema's scale_of raised ZeroDivisionError: no scale"),
         (opttree.StateSchema(zero={"sum"}, scale_of=_number_scale, step=opttree.StepLocation.PER_PARAMETER), "sum", "its schema's scale_of gave a float, expected the scale tensor"),
         (opttree.StateSchema(zero={"sum"}, shape_of={"sum": _raising_shape}, step=opttree.StepLocation.PER_PARAMETER), "sum", "its schema's shape_of raised IndexError: no such dimension"),
-        (opttree.StateSchema(fill={"sum": lambda group, defaults: "1"}, step=opttree.StepLocation.PER_PARAMETER), "sum", "its starting value cannot be worked out: TypeError: its fill gave '1'"),
+        (opttree.StateSchema(fill={"sum": lambda group, defaults: "1"}, step=opttree.StepLocation.PER_PARAMETER), "sum", "its starting value cannot be worked out: TypeError: its fill gave a str"),
     ],
     ids=["fill-raises", "scale-of-raises", "scale-of-gives-a-number", "shape-of-raises", "fill-gives-a-str"],
 )

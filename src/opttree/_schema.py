@@ -269,7 +269,7 @@ class StateSchema:
         given = value(group, defaults) if callable(value) else value
         number = real_number(given)
         if number is None:
-            msg = f"its fill gave {given!r} (a {type(given).__qualname__}), expected a real number"
+            msg = f"its fill gave a {type(given).__qualname__}, expected a real number a float holds"
             raise TypeError(msg)
         return number
 

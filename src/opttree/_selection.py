@@ -320,7 +320,11 @@ def key_names(keys: Iterable[str]) -> frozenset[str]:
     if not isinstance(cast(object, keys), Iterable):
         msg = f"keys must be a state key or a list of them, got a {type(keys).__qualname__}"
         raise OptTreeError(msg)
-    names = list(keys)
+    try:
+        names = list(keys)
+    except Exception as error:
+        msg = f"the state keys keys gives cannot be read: iterating it raised {type(error).__name__}: {error}"
+        raise OptTreeError(msg) from error
     for name in names:
         if not isinstance(cast(object, name), str):
             msg = f"keys must be names of state keys, got a {type(name).__qualname__}"
