@@ -63,6 +63,10 @@ class NotATensorModel(torch.nn.Module):
             r"named_parameters\(\) gave a pair of a str and a float, expected \(name, tensor\) pairs",
         ),
         (lambda o: opttree.reset(o, model="junk"), "model must be a torch.nn.Module, got a str"),  # type: ignore[arg-type]
+        (
+            lambda o: opttree.reset(o, model=[torch.nn.Linear(1, 1)]),  # type: ignore[arg-type]
+            r"got a list \(for Megatron's list of model chunks, pass torch.nn.ModuleList\(chunks\)\)",
+        ),
         (lambda o: opttree.reset(o, params=refusing_params(o)), "the parameters params gives cannot be read: iterating it raised RuntimeError: selection failed"),
         (lambda o: opttree.reset(o, keys=refusing_keys()), "the state keys keys gives cannot be read: iterating it raised RuntimeError: keys failed"),
         (lambda o: opttree.prune(o, 0.5, model=[1, 2]), "model must be a torch.nn.Module, got a list"),  # type: ignore[arg-type]
@@ -73,7 +77,7 @@ class NotATensorModel(torch.nn.Module):
     ],
     ids=[
         "params int", "keys int", "keys unhashable", "params one tensor", "params one module", "model dict", "model unreadable",
-        "params empty", "predicate matches none", "keys empty", "model yields a number", "model str", "params generator raises", "keys iterator raises", "prune model list", "prune keys int", "validate group str", "describe group int",
+        "params empty", "predicate matches none", "keys empty", "model yields a number", "model str", "model chunks list", "params generator raises", "keys iterator raises", "prune model list", "prune keys int", "validate group str", "describe group int",
         "reset group str",
     ],
 )
@@ -132,6 +136,12 @@ def test_a_dotted_path_no_class_can_have_is_refused(path: str) -> None:
         opttree.register_schema(path, opttree.StateSchema())
     with pytest.raises(opttree.RegistrationError, match="register_wrapper registers a class or its dotted path"):
         opttree.register_wrapper(path, children=lambda w: [])
+
+
+def test_a_dotted_path_of_identifiers_python_allows_is_registered() -> None:
+    """Python's identifiers are not only ASCII; a class nested in a function shows ``<locals>``."""
+    opttree.register_schema("my_pkg.optim.Оптимизатор", opttree.StateSchema())
+    opttree.register_schema("my_pkg.optim.build.<locals>.Lion", opttree.StateSchema())
 
 
 def test_registering_what_is_neither_a_class_nor_a_dotted_path_is_refused() -> None:

@@ -326,3 +326,19 @@ def test_sparse_momentum_is_described_in_the_bytes_a_reset_reports() -> None:
     report = opttree.reset(optimizer)
 
     assert f"state={held} B" in text and report.bytes_reset == held
+
+
+def test_empty_entries_a_read_made_in_a_hybrids_own_state_hold_nothing_to_keep() -> None:
+    """``HybridDeviceOptimizer.state`` is a defaultdict that mirrors its sub-optimizers'
+    entries: reading it for a tensor it holds no state for (monitoring code asking for
+    ``exp_avg``) leaves an empty entry, which holds nothing a reset would keep."""
+    stack = hybrid([2, 3, 4])
+    train_hybrid(stack, 0, 2)
+    optimizer = stack[0]
+    assert optimizer.state[torch.zeros(1)].get("exp_avg") is None
+
+    assert opttree.validate(optimizer) == ()
+    assert opttree.reset(optimizer).tensors_zeroed == 6
+
+    optimizer.state[torch.zeros(1)]["exp_avg"] = torch.ones(1)  # an entry that holds something is its own
+    assert [p.kind for p in opttree.validate(optimizer)] == [opttree.ProblemKind.UNSUPPORTED_STATE]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar, cast, overload
 
@@ -50,16 +49,18 @@ def kind_for(cls: type) -> Expander | None:
     return expand
 
 
-_DOTTED = re.compile(r"[A-Za-z_]\w*(\.([A-Za-z_]\w*|<locals>))+")
-"""``module.QualName`` as :func:`~opttree._dispatch.dotted_name` writes it: a path no class
-has (``"Lion"``, ``"pkg..Lion"``, one with spaces) would never apply."""
+def _is_dotted(path: str) -> bool:
+    """Whether ``path`` is ``module.QualName`` as :func:`~opttree._dispatch.dotted_name`
+    writes it: a path no class has (``"Lion"``, ``"pkg..Lion"``, one with spaces) would never apply."""
+    parts = path.split(".")
+    return len(parts) > 1 and all(part.isidentifier() or part == "<locals>" for part in parts)
 
 
 def _refuse_non_class(function: str, cls_or_dotted: object) -> None:
     if not isinstance(cls_or_dotted, (type, str)):
         msg = f"{function} registers a class or a dotted path, got a {type(cls_or_dotted).__qualname__}"
         raise RegistrationError(msg)
-    if isinstance(cls_or_dotted, str) and _DOTTED.fullmatch(cls_or_dotted) is None:
+    if isinstance(cls_or_dotted, str) and not _is_dotted(cls_or_dotted):
         msg = f"{function} registers a class or its dotted path, module and class name ('my_pkg.optim.Lion'), got {cls_or_dotted!r}"
         raise RegistrationError(msg)
 

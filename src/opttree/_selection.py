@@ -260,7 +260,8 @@ ParamsArg = Iterable[torch.Tensor] | Callable[[str], bool]
 def check_model(model: torch.nn.Module) -> None:
     """Refuse a ``model=`` that is not a module, before it is needed."""
     if not isinstance(cast(object, model), torch.nn.Module):
-        msg = f"model must be a torch.nn.Module, got a {type(model).__qualname__}"
+        chunks = " (for Megatron's list of model chunks, pass torch.nn.ModuleList(chunks))" if isinstance(model, (list, tuple)) else ""
+        msg = f"model must be a torch.nn.Module, got a {type(model).__qualname__}{chunks}"
         raise OptTreeError(msg)
 
 

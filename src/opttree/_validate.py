@@ -309,7 +309,10 @@ class ValidateVisitor(TraverserVisitor):
         values = _values(own)
         if len(values) == len(own) and theirs.issuperset(map(object.__hash__, values)):
             return
-        kept = [entry for entry in values if object.__hash__(entry) not in theirs]
+        # an empty entry holds nothing to keep: a read of the wrapper's defaultdict made it
+        kept = [entry for entry in values if object.__hash__(entry) not in theirs and not (isinstance(entry, Mapping) and not entry)]
+        if not kept and len(values) == len(own):
+            return
         keys = sorted({str(key) for entry in kept if isinstance(entry, Mapping) for key in entry})
         message = (
             f"holds state of its own ({len(kept)} of its {len(own)} entries are none of its optimizers'"
