@@ -226,28 +226,47 @@ def test_keys_named_before_any_state_is_built_change_nothing_without_refusal() -
 
 
 @pytest.mark.parametrize("name", [n for n in ("bf16", "dist_bf16") if n in testing.available()])
-def test_a_subtree_under_a_megatron_wrapper_is_not_reset_apart_from_its_checkpointed_whole(name: str) -> None:
+def test_a_subtree_under_a_megatron_wrapper_is_checked_against_the_wrapper_it_is_checkpointed_with(name: str) -> None:
     """The leaf below a Megatron wrapper, taken from the built tree: a release, or a reset
-    of some of its steps, would leave a state Megatron cannot checkpoint, which the leaf
-    alone cannot see. Refused with nothing changed; its moments alone may be reset, and
-    the stack checks a selection whole."""
+    of some of the steps the wrapper saves as one, would leave a state Megatron cannot
+    checkpoint, which the leaf alone cannot see. Refused with nothing changed; the whole
+    leaf, which holds every parameter of its step unit, is reset, and trains as a fresh
+    stack does."""
     stack = testing.build(name)
     stack.train(0, K)
-    leaf = opttree.tree(stack.optimizer).children[0].children[0]
-    assert isinstance(leaf, opttree.LeafNode)
+    root = opttree.tree(stack.optimizer)
+    leaf = root.children[0].children[0]
+    assert isinstance(leaf, opttree.LeafNode) and leaf.under is not None
+    assert leaf.under == ("<root>", stack.optimizer) and root.under is None
     main = leaf.optimizer.param_groups[0]["params"][0]
     before = snapshot(leaf.optimizer)
-    assert leaf.under == "ChainedOptimizer at <root>"
 
-    with pytest.raises(opttree.ReleaseRefused, match=r"AdamW at chained\[0\].optimizer: a subtree under ChainedOptimizer at <root>, whose state Megatron checkpoints whole"):
+    with pytest.raises(opttree.ReleaseRefused, match=r"AdamW at chained\[0\].optimizer: a subtree under ChainedOptimizer at <root>: Megatron cannot checkpoint an emptied"):
         opttree.reset(leaf, release=True)
-    with pytest.raises(opttree.PartialResetRefused, match="a reset of it alone that resets step counters cannot tell that the rest agrees"):
+    with pytest.raises(opttree.PartialResetRefused, match=r"at chained\[0\] saves one step for \d+ parameters, of which the reset takes 1"):
         opttree.reset(leaf, params=[main], keys=["step"])
     assert unchanged(leaf.optimizer, before)
-    assert [p.kind for p in opttree.validate(leaf)] == [opttree.ProblemKind.PARTIAL_STEP]
+    assert opttree.validate(leaf) == ()
 
-    assert opttree.reset(leaf, keys=["exp_avg", "exp_avg_sq"]).steps == 0
-    assert opttree.reset(stack.optimizer).steps > 0
+    assert opttree.reset(leaf).steps > 0
+    fresh = testing.build(name)
+    fresh.copy_weights_from(stack)
+    stack.train(K, K)
+    fresh.train(K, K)
+    assert all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))
+
+
+@pytest.mark.skipif("moe" not in testing.available(), reason="the moe recipe needs megatron-core's MoE")
+def test_a_member_of_a_chain_that_is_its_own_step_unit_is_reset_alone() -> None:
+    """A chain's expert member saves its own one step: reset alone, the chain still checkpoints."""
+    stack = testing.build("moe")
+    stack.train(0, K)
+    expert = opttree.tree(stack.optimizer).children[1]
+
+    assert opttree.validate(expert) == ()
+    assert opttree.reset(expert).steps > 0
+    with stack.device:
+        assert stack.optimizer.state_dict()
 
 
 def muon_stack() -> testing.MegatronStack:

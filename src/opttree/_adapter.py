@@ -138,7 +138,7 @@ class TreeBuilder:
         self._kind_of = kind_of
         self._problems = problems
         self._on_path: set[int] = set()
-        self._under: str | None = None
+        self._under: tuple[str, object] | None = None
         """The outermost Megatron wrapper on the current path, as nodes record it."""
         self._leaves: dict[object, str] = {}  # by identity_key
         self._kinds: dict[type, Expander | None] = {}
@@ -178,7 +178,7 @@ class TreeBuilder:
         self._on_path.add(key)
         outer = self._under
         if outer is None and is_megatron_class(type(obj)):
-            self._under = f"{type(obj).__qualname__} at {path}"
+            self._under = (path, obj)
         try:
             node = expand(self, obj, path)
         finally:

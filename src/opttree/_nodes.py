@@ -62,10 +62,10 @@ class Node(ABC):
     and its path, as ``describe`` does: ``LeafNode(AdamW @ chained[0].optimizer)``."""
 
     path: str = field(validator=_path)
-    under: str | None = field(default=None, kw_only=True)
-    """The outermost Megatron wrapper above this node, as ``"Class at path"``, where
+    under: tuple[str, object] | None = field(default=None, kw_only=True, repr=False)
+    """The path and object of the outermost Megatron wrapper above this node, where
     :func:`opttree.tree` built it under one: Megatron checkpoints such a wrapper's state
-    whole, which a reset of this node alone cannot check."""
+    whole, so a reset of this node alone is checked against it."""
 
     def __repr__(self) -> str:
         children = f", {len(self.children)} children" if self.children else ""

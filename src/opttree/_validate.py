@@ -15,6 +15,7 @@ from opttree._dispatch import is_megatron_class
 from opttree._errors import OptTreeError
 from opttree._held import Held, held_optimizers
 from opttree._identity import identity_key, identity_keys
+from opttree._adapter import TreeBuilder
 from opttree._inspect import LeafInspector
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._plan import ResetPlan, StateEntry
@@ -22,7 +23,7 @@ from opttree._preflight import Owner, duplicates, overlap, plain_torch, ranges, 
 from opttree._problems import Problem, ProblemKind, Severity
 from opttree._scalers import loss_scaler, plan_scaler
 from opttree._trees import lenient_tree
-from opttree._schema import StateSchema, StepLocation
+from opttree._schema import StateSchema
 from opttree._runs import alike_runs, sibling_groups
 from opttree._selection import EVERYTHING, INNER_PARAMS, STEP_UNITS, Selection, tree_params
 from opttree._visitor import TraverserVisitor
@@ -414,38 +415,56 @@ class ValidateVisitor(TraverserVisitor):
         self.problems.append(Problem(ProblemKind.UNRELEASABLE_STATE, node.path, type(node.optimizer).__qualname__, message))
 
     def _check_under(self, root: Node) -> None:
-        """A subtree that :func:`opttree.tree` built under a Megatron wrapper: Megatron
-        checkpoints the wrapper's state whole (one step over all its parameters, no emptied
-        state), which a reset of the subtree alone cannot check, so one that resets steps
-        or releases state is refused; the stack, with ``params=``, is checked whole."""
+        """A subtree that :func:`opttree.tree` built under a Megatron wrapper, which
+        checkpoints its state whole: a release is refused, as under the whole stack, and a
+        reset of steps is checked against every step unit of that wrapper's tree, as a
+        reset of the stack that selected the subtree's parameters would be."""
+        if root.under is None:
+            return
         selection = self._selection
-        if root.under is None or not (selection.release or selection.steps):
+        path, wrapper = root.under
+        cls = type(root.optimizer).__qualname__
+        if selection.release:
+            message = (
+                f"a subtree under {type(wrapper).__qualname__} at {path}: Megatron cannot checkpoint an emptied "
+                "optimizer state until the next step; reset without release"
+            )
+            self.problems.append(Problem(ProblemKind.UNRELEASABLE_STATE, root.path, cls, message))
             return
-        counting = tree_params(root, lambda leaf: _registry.step_location(type(leaf)) not in (None, StepLocation.NONE))
-        if not selection.release and not counting:
+        if not selection.steps:
             return
-        what = "empties state" if selection.release else "resets step counters"
-        message = (
-            f"a subtree under {root.under}, whose state Megatron checkpoints whole (one step over all its "
-            f"parameters, no emptied state): a reset of it alone that {what} cannot tell that the rest agrees; reset the "
-            "stack, choosing with params=" + ("" if selection.release else ", or leave 'step' out of keys")
-        )
-        kind = ProblemKind.UNRELEASABLE_STATE if selection.release else ProblemKind.PARTIAL_STEP
-        self.problems.append(Problem(kind, root.path, type(root.optimizer).__qualname__, message, None if selection.release else "step"))
+        try:
+            outer = TreeBuilder(_registry.kind_for).build(wrapper, path)
+        except OptTreeError as error:
+            self.problems.append(error.problem or Problem(ProblemKind.MALFORMED_WRAPPER, path, type(wrapper).__qualname__, str(error)))
+            return
+        mine = set(map(id, tree_params(root)))
+        chosen = mine if selection.tensors is None else mine & selection.tensors
+        pending: list[Node] = [outer]
+        while pending:
+            node = pending.pop()
+            pending.extend(node.children)
+            split = _split_step_unit(node, chosen)
+            if split is not None:
+                taken, total = split
+                message = (
+                    f"a subtree under {type(wrapper).__qualname__} at {path}, whose {type(node.optimizer).__qualname__} at "
+                    f"{node.path} saves one step for {total} parameters, of which the reset takes {taken}: a checkpoint of "
+                    "unequal steps fails to save; reset all of them, or leave 'step' out of keys"
+                )
+                self.problems.append(Problem(ProblemKind.PARTIAL_STEP, root.path, cls, message, "step"))
+                return
 
     def _check_step_unit(self, node: Node) -> None:
         """A Megatron wrapper that saves one step for all its parameters (see
         :data:`~opttree._selection.STEP_UNITS`) fails to checkpoint unequal steps: a
         partial reset of steps must take all of its parameters that count them, or none."""
         chosen = self._selection.tensors
-        locations = STEP_UNITS.lookup(type(node.optimizer)) if chosen is not None and self._selection.steps else None
-        if chosen is None or locations is None:
-            return
-        params = tree_params(node, lambda leaf: _registry.step_location(type(leaf)) in locations)
-        taken = sum(id(p) in chosen for p in params)
-        if 0 < taken < len(params):
+        split = _split_step_unit(node, chosen) if chosen is not None and self._selection.steps else None
+        if split is not None:
+            taken, total = split
             message = (
-                f"{taken} of the {len(params)} parameters whose steps it saves as one are selected with 'step' "
+                f"{taken} of the {total} parameters whose steps it saves as one are selected with 'step' "
                 "in keys: Megatron saves one step for all of them, and a checkpoint of unequal steps fails "
                 "to save; select all of them, or leave 'step' out of keys"
             )
@@ -473,6 +492,18 @@ class ValidateVisitor(TraverserVisitor):
 
 
 _STATE_OF_LEAF = operator.attrgetter("optimizer.state")
+
+
+def _split_step_unit(node: Node, chosen: frozenset[int] | set[int]) -> tuple[int, int] | None:
+    """Where ``node`` is a Megatron step unit (see :data:`~opttree._selection.STEP_UNITS`)
+    whose parameters counting steps ``chosen`` takes some but not all of: how many it
+    takes, of how many."""
+    locations = STEP_UNITS.lookup(type(node.optimizer))
+    if locations is None:
+        return None
+    params = tree_params(node, lambda leaf: _registry.step_location(type(leaf)) in locations)
+    taken = sum(id(p) in chosen for p in params)
+    return (taken, len(params)) if 0 < taken < len(params) else None
 
 
 def _states_under(node: Node) -> list[Mapping[object, object]]:
