@@ -256,6 +256,27 @@ def test_a_subtree_under_a_megatron_wrapper_is_checked_against_the_wrapper_it_is
     assert all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))
 
 
+@pytest.mark.skipif("offload_0.75" not in testing.available(), reason="no offload recipe in this lane")
+def test_steps_a_megatron_wrapper_saves_as_one_made_unequal_outside_opttree_are_warned_of() -> None:
+    """An inner optimizer reset as itself, past the stack's checks, leaves some steps at 0
+    and the others at 3: Megatron's checkpoint then fails. validate warns, naming the
+    wrapper; a reset of the stack sets the steps equal, and the checkpoint saves again."""
+    stack = testing.build("offload_0.75")
+    stack.train(0, K + 1)
+    opttree.reset(stack.leaves()[0])
+    with stack.device, pytest.raises(AssertionError):  # Megatron's side
+        stack.optimizer.state_dict()
+
+    warned = [p for p in opttree.validate(stack.optimizer) if p.kind is opttree.ProblemKind.UNEQUAL_STEPS]
+    opttree.reset(stack.optimizer)
+
+    assert [(p.path, p.cls, p.severity) for p in warned] == [("chained[0]", "DistributedOptimizer", opttree.Severity.WARNING)]
+    assert "the steps it saves as one differ (2 values, 0 to 3)" in warned[0].message
+    assert opttree.ProblemKind.UNEQUAL_STEPS not in [p.kind for p in opttree.validate(stack.optimizer)]
+    with stack.device:
+        assert stack.optimizer.state_dict()
+
+
 @pytest.mark.skipif("moe" not in testing.available(), reason="the moe recipe needs megatron-core's MoE")
 def test_a_member_of_a_chain_that_is_its_own_step_unit_is_reset_alone() -> None:
     """A chain's expert member saves its own one step: reset alone, the chain still checkpoints."""

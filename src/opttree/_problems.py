@@ -55,6 +55,9 @@ class ProblemKind(enum.Enum):
     """History sharing memory with other state or a parameter: zeroing it would zero those."""
     SHARED_STEP = "shared-step"
     """One step tensor counts the steps of several parameters."""
+    UNEQUAL_STEPS = "unequal-steps"
+    """The steps a Megatron wrapper saves as one differ: its checkpoint fails until a
+    reset (or a partial one naming ``"step"`` for all of them) sets them equal."""
     EMPTY_STATE = "empty-state"
     ORPHAN_STATE = "orphan-state"
     SHAPE_MISMATCH = "shape-mismatch"
@@ -86,7 +89,14 @@ class ProblemKind(enum.Enum):
 
 
 _WARNINGS = frozenset(
-    {ProblemKind.EMPTY_STATE, ProblemKind.ORPHAN_STATE, ProblemKind.SHAPE_MISMATCH, ProblemKind.SHARED_STEP, ProblemKind.UNCHECKED_MASTER}
+    {
+        ProblemKind.EMPTY_STATE,
+        ProblemKind.ORPHAN_STATE,
+        ProblemKind.SHAPE_MISMATCH,
+        ProblemKind.SHARED_STEP,
+        ProblemKind.UNEQUAL_STEPS,
+        ProblemKind.UNCHECKED_MASTER,
+    }
 )
 _ERRORS: dict[ProblemKind, type[OptTreeError]] = {
     ProblemKind.NOT_AN_OPTIMIZER: NotAnOptimizer,

@@ -16,14 +16,14 @@ from opttree._errors import OptTreeError
 from opttree._held import Held, held_optimizers
 from opttree._identity import identity_key, identity_keys
 from opttree._adapter import TreeBuilder
-from opttree._inspect import LeafInspector
+from opttree._inspect import LeafInspector, step_number
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._plan import ResetPlan, StateEntry
 from opttree._preflight import Owner, duplicates, overlap, plain_torch, ranges, unique_ranges
 from opttree._problems import Problem, ProblemKind, Severity
 from opttree._scalers import loss_scaler, plan_scaler
 from opttree._trees import lenient_tree
-from opttree._schema import StateSchema
+from opttree._schema import StateSchema, StepLocation
 from opttree._runs import alike_runs, sibling_groups
 from opttree._selection import EVERYTHING, INNER_PARAMS, STEP_UNITS, Selection, tree_params
 from opttree._visitor import TraverserVisitor
@@ -458,7 +458,15 @@ class ValidateVisitor(TraverserVisitor):
     def _check_step_unit(self, node: Node) -> None:
         """A Megatron wrapper that saves one step for all its parameters (see
         :data:`~opttree._selection.STEP_UNITS`) fails to checkpoint unequal steps: a
-        partial reset of steps must take all of its parameters that count them, or none."""
+        partial reset of steps must take all of its parameters that count them, or none;
+        and steps already unequal (a hand-written reset of some of them) are warned of."""
+        steps = _unit_steps(node)
+        if len(steps) > 1:
+            message = (
+                f"the steps it saves as one differ ({len(steps)} values, {min(steps):g} to {max(steps):g}): Megatron's "
+                "checkpoint of it fails; a reset of all of its steps sets them equal"
+            )
+            self.problems.append(Problem(ProblemKind.UNEQUAL_STEPS, node.path, type(node.optimizer).__qualname__, message, "step"))
         chosen = self._selection.tensors
         split = _split_step_unit(node, chosen) if chosen is not None and self._selection.steps else None
         if split is not None:
@@ -504,6 +512,35 @@ def _split_step_unit(node: Node, chosen: frozenset[int] | set[int]) -> tuple[int
     params = tree_params(node, lambda leaf: _registry.step_location(type(leaf)) in locations)
     taken = sum(id(p) in chosen for p in params)
     return (taken, len(params)) if 0 < taken < len(params) else None
+
+
+class _UnitSteps(TraverserVisitor):
+    """The distinct step values the leaves under a step unit count, where they count them."""
+
+    def __init__(self, locations: frozenset[StepLocation]) -> None:
+        self.locations = locations
+        self.values: set[float] = set()
+
+    def visit_leaf(self, node: LeafNode) -> None:
+        location = _registry.step_location(type(node.optimizer))
+        if node.shared_with is not None or location not in self.locations or malformed(node.optimizer) is not None:
+            return
+        if location is StepLocation.PER_PARAMETER:
+            held = [entry.get("step") for entry in node.optimizer.state.values()]
+        else:
+            held = [group.get("step") for group in node.optimizer.param_groups]
+        self.values.update(value for value in map(step_number, held) if value is not None)
+
+
+def _unit_steps(node: Node) -> set[float]:
+    """The distinct steps counted under ``node``, where it is a Megatron step unit (see
+    :data:`~opttree._selection.STEP_UNITS`); none otherwise."""
+    locations = STEP_UNITS.lookup(type(node.optimizer))
+    if locations is None:
+        return set()
+    found = _UnitSteps(locations)
+    node.accept(found)
+    return found.values
 
 
 def _states_under(node: Node) -> list[Mapping[object, object]]:
