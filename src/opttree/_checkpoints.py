@@ -36,7 +36,7 @@ from opttree._checkpoint_layouts import STEP_KEY, layout_error, walk
 from opttree._nodes import LeafNode, Node
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import StepType
-from opttree._visitor import TraverserVisitor
+from opttree._selection import tree_leaves
 
 _Result = TypeVar("_Result")
 
@@ -137,22 +137,11 @@ def load_state_dict(
     _unshare_steps(root)
 
 
-class _Leaves(TraverserVisitor):
-    def __init__(self) -> None:
-        self.found: list[torch.optim.Optimizer] = []
-
-    def visit_leaf(self, node: LeafNode) -> None:
-        if node.shared_with is None:
-            self.found.append(node.optimizer)
-
-
 def _unshare_steps(root: Node) -> None:
     """Give each state entry that a load left on an earlier entry's step tensor a copy of
     its own: one tensor counting several parameters' steps advances once per parameter."""
-    leaves = _Leaves()
-    root.accept(leaves)
     seen: set[int] = set()
-    for optimizer in leaves.found:
+    for optimizer in tree_leaves(root):
         for entry in optimizer.state.values():
             step = entry.get("step") if isinstance(entry, dict) else None
             if not isinstance(step, torch.Tensor):

@@ -21,7 +21,7 @@ from attrs import evolve, field, frozen
 from opttree._containers import malformed, pooled, tensors_held
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._inspect import step_number
-from opttree._preflight import plain_reads, plain_torch, ranges
+from opttree._preflight import plain_reads, plain_torch, ranges, torch_name
 from opttree._report import format_bytes
 from opttree._scalers import scaler_text
 from opttree._runs import alike_runs, sibling_groups
@@ -120,7 +120,7 @@ def _leaves_text(optimizers: Sequence[torch.optim.Optimizer]) -> str:
     counters += [entry["step"] for entry in entries if "step" in entry]
     by_placement = _bytes_by_placement(tensors) if tensors else {}
     detail = ", ".join(
-        sorted(f"{str(dtype).removeprefix('torch.')}@{device} {format_bytes(n)}" for (dtype, device), n in by_placement.items())
+        sorted(f"{torch_name(dtype)}@{device} {format_bytes(n)}" for (dtype, device), n in by_placement.items())
     )
     state = f" state={format_bytes(sum(by_placement.values()))} [{detail}]" if by_placement else " state=empty"
     elements = sum(map(torch.Tensor.numel, params))

@@ -30,7 +30,7 @@ from opttree._containers import (
     tensors_in,
 )
 from opttree._plan import ResetPlan, StateEntry, StatePlan
-from opttree._preflight import _DTYPE, _SHAPE, Extents, identities, plain_reads, ranges, unfillable_reason, writable_ranges
+from opttree._preflight import _DTYPE, _SHAPE, Extents, identities, plain_reads, ranges, torch_name, unfillable_reason, writable_ranges
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import KeyAction, ScaleLookup, StateSchema, StepLocation, StepType
 from opttree._selection import EVERYTHING, Selection
@@ -81,7 +81,7 @@ def _layouts(params: list[torch.Tensor]) -> tuple[list[torch.Size], list[torch.d
 
 
 def _layout_text(shape: torch.Size, dtype: torch.dtype) -> str:
-    return f"shape {tuple(shape)} {str(dtype).removeprefix('torch.')}"
+    return f"shape {tuple(shape)} {torch_name(dtype)}"
 
 
 def _placement(params: Sequence[torch.Tensor]) -> Placement:
@@ -161,6 +161,12 @@ def _zero_like(value: object) -> int | float | None:
     return 0 if isinstance(value, int) else 0.0
 
 
+def _which(bad: int, count: int, verb: str) -> str:
+    """How a message names the tensors of a key it refuses: ``it is`` for one, else how
+    many of them ``verb`` and that the first is the one described."""
+    return "it is" if count == 1 else f"{bad} of its {count} {verb}; the first is"
+
+
 _NOT_COUNTS = frozenset({torch.bool, torch.complex32, torch.complex64, torch.complex128})
 
 
@@ -175,8 +181,7 @@ def not_one_real_value(found: Extents) -> tuple[int, str] | None:
         return None
     odd = [(span, dtype) for span, dtype in zip(spans, dtypes, strict=True) if span != dtype.itemsize or dtype in _NOT_COUNTS]
     span, dtype = odd[0]
-    name = str(dtype).removeprefix("torch.")
-    what = f"a {name} tensor" if dtype in _NOT_COUNTS else f"a {name} tensor of {span // dtype.itemsize} values"
+    what = f"a {torch_name(dtype)} tensor" if dtype in _NOT_COUNTS else f"a {torch_name(dtype)} tensor of {span // dtype.itemsize} values"
     return len(odd), what
 
 
@@ -214,8 +219,6 @@ class LeafInspector:
         self.problems = problems
         self.selection = selection
         self.actions: dict[str, KeyAction] = schema.actions if selection.everything else schema.actions_for(selection.resets)
-        self.built_like_param = schema.like_param | schema.shaped
-        """The keys the optimizer builds typed as their parameter, and shaped as it or from it."""
         self.megatron_above: str | None = None
         """The class of the innermost Megatron wrapper above the leaf inspected, if any."""
 
@@ -510,7 +513,7 @@ class LeafInspector:
             if isinstance(checked, tuple):
                 self.unwritable(node, key, checked, count)
                 continue
-            if key in self.built_like_param:
+            if key in self.schema.built_like_param:
                 if layouts is None:
                     layouts = _layouts(held)
                 self.unlike_params(node, key, tensors, checked.dtypes, layouts, entries, count)  # planned on, for what else is wrong
@@ -539,13 +542,11 @@ class LeafInspector:
         wrong = outside_dtypes(checked, frozenset({scalar}))
         advice = "reset it with release=True for its optimizer to build it again" if self.schema.rebuilds_missing else "rebuild the optimizer"
         if odd is not None:
-            what = "it is" if count == 1 else f"{odd[0]} of its {count} tensors are; the first is"
-            message = f"{what} {odd[1]}, where its optimizer keeps one real value: reset in place it would stay so"
+            message = f"{_which(odd[0], count, 'tensors are')} {odd[1]}, where its optimizer keeps one real value: reset in place it would stay so"
         elif wrong is not None:
-            what = "it is" if count == 1 else f"{wrong[0]} of its {count} tensors are; the first is"
             message = (
-                f"{what} {str(wrong[1]).removeprefix('torch.')}, where its optimizer builds it in "
-                f"{str(scalar).removeprefix('torch.')}: filled in place it would stay so; {advice}"
+                f"{_which(wrong[0], count, 'tensors are')} {torch_name(wrong[1])}, where its optimizer builds it in "
+                f"{torch_name(scalar)}: filled in place it would stay so; {advice}"
             )
         else:
             return False
@@ -794,15 +795,13 @@ class LeafInspector:
                 return
             odd = not_one_real_value(checked)
             if odd is not None:
-                what = "it is" if len(tensors) == 1 else f"{odd[0]} of its {len(tensors)} are; the first is"
-                self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"step counter: {what} {odd[1]}{_ONE_COUNT}", key)
+                self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"step counter: {_which(odd[0], len(tensors), 'are')} {odd[1]}{_ONE_COUNT}", key)
                 return
             wrong = outside_dtypes(checked, _STEP_DTYPES)
             if wrong is not None:
-                what = "it is" if len(tensors) == 1 else f"{wrong[0]} of its {len(tensors)} are; the first is"
                 message = (
-                    f"step counter: {what} {str(wrong[1]).removeprefix('torch.')}, where a fresh optimizer counts in a "
-                    "float32 or float64 tensor: zeroed in place it would go on counting in that dtype"
+                    f"step counter: {_which(wrong[0], len(tensors), 'are')} {torch_name(wrong[1])}, where a fresh optimizer "
+                    "counts in a float32 or float64 tensor: zeroed in place it would go on counting in that dtype"
                 )
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
                 return
@@ -825,8 +824,7 @@ class LeafInspector:
 
     def unwritable(self, node: LeafNode, key: str, found: tuple[int, str], count: int) -> None:
         bad, reason = found
-        what = "it is" if count == 1 else f"{bad} of its {count} tensors cannot; the first is"
-        self.problem(node, ProblemKind.UNWRITABLE_STATE, f"cannot be zeroed in place: {what} {reason}", key)
+        self.problem(node, ProblemKind.UNWRITABLE_STATE, f"cannot be zeroed in place: {_which(bad, count, 'tensors cannot')} {reason}", key)
 
     def plan_scales(
         self,

@@ -80,6 +80,11 @@ of a few hundred tensors before moving on pays that miss once per tensor, where 
 one field of all of them at a time pays it once per field."""
 
 
+def torch_name(value: torch.dtype | torch.layout) -> str:
+    """A dtype or layout as messages name it: ``bfloat16``, not ``torch.bfloat16``."""
+    return str(value).removeprefix("torch.")
+
+
 def plain_dispatch(cls: type) -> bool:
     """Whether a tensor class zeroes as a plain tensor does: ``Parameter``, or a
     subclass that overrides neither ``__torch_function__`` nor ``__torch_dispatch__``."""
@@ -116,7 +121,7 @@ def _unwritable_reason(tensor: torch.Tensor) -> str | None:
         return f"a {cls.__qualname__} (a tensor subclass with its own dispatch: opttree cannot tell that zeroing it is exact)"
     layout = _LAYOUT(tensor)
     if layout is not torch.strided:
-        return f"a {str(layout).removeprefix('torch.')} tensor (only dense tensors are zeroed in place)"
+        return f"a {torch_name(layout)} tensor (only dense tensors are zeroed in place)"
     if _IS_NESTED(tensor):
         return "a nested tensor (it has no in-place zero of its own)"
     if _DTYPE(tensor) in _QUANTIZED:
@@ -146,13 +151,13 @@ def unfillable_reason(value: float, dtype: torch.dtype) -> str | None:
     if dtype.is_floating_point or dtype.is_complex:
         largest = torch.finfo(dtype).max
         if math.isfinite(value) and abs(value) > largest:
-            return f"{value:g} is beyond {str(dtype).removeprefix('torch.')}'s largest value, {largest:g}"
+            return f"{value:g} is beyond {torch_name(dtype)}'s largest value, {largest:g}"
         return None
     if dtype is torch.bool:
         return None
     info = torch.iinfo(dtype)
     if not math.isfinite(value) or not info.min <= value <= info.max:
-        return f"{value:g} is outside {str(dtype).removeprefix('torch.')}'s range"
+        return f"{value:g} is outside {torch_name(dtype)}'s range"
     return None
 
 

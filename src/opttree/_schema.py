@@ -184,6 +184,12 @@ class StateSchema:
         return frozenset(key for key, _ in self.shape_of)
 
     @functools.cached_property
+    def built_like_param(self) -> frozenset[str]:
+        """The keys the optimizer builds typed as their parameter, shaped as it
+        (:attr:`like_param`) or from it (:attr:`shape_of`)."""
+        return self.like_param | self.shaped
+
+    @functools.cached_property
     def _shape_by_key(self) -> dict[str, ShapeOf]:
         return dict(self.shape_of)
 

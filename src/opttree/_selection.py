@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
-from typing import cast
+from typing import TypeVar, cast
 
 import torch
 from attrs import frozen
@@ -177,21 +177,27 @@ for _dotted, _locations in {
     STEP_UNITS.register_lazy(_dotted, frozenset(_locations))
 
 
-class _LeafParams(TraverserVisitor):
+class _Leaves(TraverserVisitor):
     def __init__(self, counts: Callable[[torch.optim.Optimizer], bool]) -> None:
-        self.params: list[torch.Tensor] = []
+        self.leaves: list[torch.optim.Optimizer] = []
         self.counts = counts
 
     def visit_leaf(self, node: LeafNode) -> None:
         if node.shared_with is None and malformed(node.optimizer) is None and self.counts(node.optimizer):
-            self.params.extend(p for group in node.optimizer.param_groups for p in group["params"])
+            self.leaves.append(node.optimizer)
+
+
+def tree_leaves(node: Node, counts: Callable[[torch.optim.Optimizer], bool] = lambda _: True) -> list[torch.optim.Optimizer]:
+    """The optimizers of the leaves under ``node`` that ``counts`` accepts, once each, with
+    containers that can be read (see :func:`~opttree._containers.malformed`)."""
+    found = _Leaves(counts)
+    node.accept(found)
+    return found.leaves
 
 
 def tree_params(node: Node, counts: Callable[[torch.optim.Optimizer], bool] = lambda _: True) -> list[torch.Tensor]:
     """The parameters of every leaf under ``node`` that ``counts`` accepts."""
-    found = _LeafParams(counts)
-    node.accept(found)
-    return found.params
+    return [p for leaf in tree_leaves(node, counts) for group in leaf.param_groups for p in group["params"]]
 
 # id(tensor at this depth) -> (that tensor, index of the user's parameter it stands for)
 _Flow = dict[int, tuple[torch.Tensor, int]]
@@ -288,6 +294,19 @@ def _accepted(predicate: Callable[[str], bool], name: str) -> bool:
         raise OptTreeError(msg) from error
 
 
+_Item = TypeVar("_Item")
+
+
+def _listed(values: Iterable[_Item], what: str) -> list[_Item]:
+    """The items of an iterable the user gave, or an error naming ``what`` where its own
+    code (a generator's) raises while it is read."""
+    try:
+        return list(values)
+    except Exception as error:
+        msg = f"{what} cannot be read: iterating it raised {type(error).__name__}: {error}"
+        raise OptTreeError(msg) from error
+
+
 def resolve_params(params: ParamsArg, model: torch.nn.Module | None) -> list[torch.Tensor]:
     """The parameters ``params`` names: an iterable of them, or a predicate on the names
     ``model`` gives them."""
@@ -302,11 +321,7 @@ def resolve_params(params: ParamsArg, model: torch.nn.Module | None) -> list[tor
     if not isinstance(cast(object, params), Iterable):
         msg = f"params must be a list of parameters or a predicate on their names, got a {type(params).__qualname__}"
         raise OptTreeError(msg)
-    try:
-        chosen = list(params)
-    except Exception as error:
-        msg = f"the parameters params gives cannot be read: iterating it raised {type(error).__name__}: {error}"
-        raise OptTreeError(msg) from error
+    chosen = _listed(params, "the parameters params gives")
     for p in chosen:
         if not isinstance(cast(object, p), torch.Tensor):
             msg = f"params must be tensors, got a {type(p).__qualname__}"
@@ -321,11 +336,7 @@ def key_names(keys: Iterable[str]) -> frozenset[str]:
     if not isinstance(cast(object, keys), Iterable):
         msg = f"keys must be a state key or a list of them, got a {type(keys).__qualname__}"
         raise OptTreeError(msg)
-    try:
-        names = list(keys)
-    except Exception as error:
-        msg = f"the state keys keys gives cannot be read: iterating it raised {type(error).__name__}: {error}"
-        raise OptTreeError(msg) from error
+    names = _listed(keys, "the state keys keys gives")
     for name in names:
         if not isinstance(cast(object, name), str):
             msg = f"keys must be names of state keys, got a {type(name).__qualname__}"

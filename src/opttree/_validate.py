@@ -25,7 +25,7 @@ from opttree._scalers import loss_scaler, plan_scaler
 from opttree._trees import lenient_tree
 from opttree._schema import StateSchema, StepLocation
 from opttree._runs import alike_runs, sibling_groups
-from opttree._selection import EVERYTHING, INNER_PARAMS, STEP_UNITS, Selection, tree_params
+from opttree._selection import EVERYTHING, INNER_PARAMS, STEP_UNITS, Selection, tree_leaves, tree_params
 from opttree._visitor import TraverserVisitor
 
 _OPTIMIZER = operator.attrgetter("optimizer")
@@ -176,18 +176,17 @@ class ValidateVisitor(TraverserVisitor):
             node.accept(elsewhere)
         resettable = set().union(*(schema.resettable for _, schema in (*reached.leaves, *elsewhere.leaves)))
         unknown = sorted(named - resettable)
+        holding = "in the tree" if selection.tensors is None else "holding the selected parameters"
+        found = self._plan.state.found_keys
         if unknown:
             known = ", ".join(sorted(resettable)) or "none"
-            holding = "in the tree" if selection.tensors is None else "holding the selected parameters"
             message = f"no optimizer {holding} has history {unknown} (resettable there: {known})"
             self.problems.append(Problem(ProblemKind.UNKNOWN_KEY, root.path, type(root.optimizer).__qualname__, message))
-        found = self._plan.state.found_keys
-        if not unknown and found and named.isdisjoint(found) and not selection.elsewhere:
-            held = ", ".join(sorted(map(str, found)))
+        elif found and named.isdisjoint(found) and not selection.elsewhere:
             message = (
-                f"no optimizer {'in the tree' if selection.tensors is None else 'holding the selected parameters'} holds "
-                f"{sorted(named)} in its state (it holds {held}): the reset would change nothing; an optimizer builds some "
-                "keys only with some options (Adam's max_exp_avg_sq with amsgrad=True)"
+                f"no optimizer {holding} holds {sorted(named)} in its state (it holds {', '.join(sorted(map(str, found)))}): "
+                "the reset would change nothing; an optimizer builds some keys only with some options (Adam's "
+                "max_exp_avg_sq with amsgrad=True)"
             )
             self.problems.append(Problem(ProblemKind.UNKNOWN_KEY, root.path, type(root.optimizer).__qualname__, message))
         if selection.tensors is None:
@@ -346,8 +345,8 @@ class ValidateVisitor(TraverserVisitor):
         self._check_release(node)
         pairs = self._keep_stepped_params(node)
         if self._selection.resets("step") and pairs is not None:
-            inspector = LeafInspector(StateSchema(), self._plan, self.problems, self._selection)
-            copies = {} if self._selection.tensors is None else {id(param): copies[0] for param, copies in pairs if copies}
+            inspector = LeafInspector(_NO_STATE, self._plan, self.problems, self._selection)
+            copies = {} if self._selection.tensors is None else {id(param): inner[0] for param, inner in pairs if inner}
             inspector.plan_copied_group_steps(node, node.optimizer, copies)
         self.visit_children(node)
 
@@ -366,7 +365,7 @@ class ValidateVisitor(TraverserVisitor):
         except OptTreeError as error:
             self.problems.append(error.problem or Problem(ProblemKind.MALFORMED_WRAPPER, node.path, cls, str(error)))
             return None
-        inspector = LeafInspector(StateSchema(), self._plan, self.problems, self._selection)
+        inspector = LeafInspector(_NO_STATE, self._plan, self.problems, self._selection)
         params = [param for param, _ in pairs if isinstance(param, torch.Tensor)]  # anything else: see check_masters
         inspector.plan_kept(node, (node.path, cls), params, None, self._plan.state)
         return pairs
@@ -500,6 +499,9 @@ class ValidateVisitor(TraverserVisitor):
 
 
 _STATE_OF_LEAF = operator.attrgetter("optimizer.state")
+_NO_STATE = StateSchema()
+"""The schema a wrapper's own parts are planned with: its param groups' steps, the
+parameters it keeps."""
 
 
 def _split_step_unit(node: Node, chosen: frozenset[int] | set[int]) -> tuple[int, int] | None:
@@ -514,33 +516,20 @@ def _split_step_unit(node: Node, chosen: frozenset[int] | set[int]) -> tuple[int
     return (taken, len(params)) if 0 < taken < len(params) else None
 
 
-class _UnitSteps(TraverserVisitor):
-    """The distinct step values the leaves under a step unit count, where they count them."""
-
-    def __init__(self, locations: frozenset[StepLocation]) -> None:
-        self.locations = locations
-        self.values: set[float] = set()
-
-    def visit_leaf(self, node: LeafNode) -> None:
-        location = _registry.step_location(type(node.optimizer))
-        if node.shared_with is not None or location not in self.locations or malformed(node.optimizer) is not None:
-            return
-        if location is StepLocation.PER_PARAMETER:
-            held = [entry.get("step") for entry in node.optimizer.state.values()]
-        else:
-            held = [group.get("step") for group in node.optimizer.param_groups]
-        self.values.update(value for value in map(step_number, held) if value is not None)
-
-
 def _unit_steps(node: Node) -> set[float]:
     """The distinct steps counted under ``node``, where it is a Megatron step unit (see
-    :data:`~opttree._selection.STEP_UNITS`); none otherwise."""
+    :data:`~opttree._selection.STEP_UNITS`), where its leaves count them; none otherwise."""
     locations = STEP_UNITS.lookup(type(node.optimizer))
     if locations is None:
         return set()
-    found = _UnitSteps(locations)
-    node.accept(found)
-    return found.values
+    values: set[float] = set()
+    for leaf in tree_leaves(node, lambda leaf: _registry.step_location(type(leaf)) in locations):
+        if _registry.step_location(type(leaf)) is StepLocation.PER_PARAMETER:
+            held = [entry.get("step") for entry in leaf.state.values()]
+        else:
+            held = [group.get("step") for group in leaf.param_groups]
+        values.update(value for value in map(step_number, held) if value is not None)
+    return values
 
 
 def _states_under(node: Node) -> list[Mapping[object, object]]:
