@@ -232,6 +232,8 @@ def test_an_rprop_under_a_megatron_wrapper_is_refused_rather_than_emptied() -> N
 
     with pytest.raises(opttree.ReleaseRefused, match="Rprop at optimizer: its entries start from its group's values .* under a FP32Optimizer"):
         opttree.reset(wrapper)
+    with pytest.raises(opttree.ReleaseRefused, match="Rprop at optimizer: its entries start from its group's values .* under a FP32Optimizer"):
+        opttree.reset(opttree.tree(wrapper).children[0])  # the subtree, as the tree built it
 
     assert len(optimizer.state) == count
 

@@ -142,6 +142,8 @@ class ValidateVisitor(TraverserVisitor):
         :func:`~opttree._preflight.plain_torch`)."""
         with plain_torch():
             self._check_under(root)
+            if root.under is not None:  # a subtree: its leaves are under that wrapper as in the whole stack
+                self._megatron_above = [type(root.under[1]).__qualname__]
             self._contained.append(root.optimizer)
             root.accept(self)
             self._check_keys(root)
