@@ -90,6 +90,11 @@ def stepless_entry(target: torch.optim.Optimizer, _: torch.optim.Optimizer) -> N
     entry.pop("step", None)
 
 
+def amsgrad_switched_on(target: torch.optim.Optimizer, _: torch.optim.Optimizer) -> None:
+    """Entries built without ``max_exp_avg_sq``, which Adam reads once amsgrad is on."""
+    target.param_groups[0]["amsgrad"] = True
+
+
 def cross_leaf_orphan(target: torch.optim.Optimizer, neighbour: torch.optim.Optimizer) -> None:
     """State, well formed, for a parameter of the neighbour."""
     theirs = neighbour.param_groups[0]["params"][0]
@@ -114,7 +119,7 @@ def runs(draw: st.DrawFn) -> list[torch.optim.Optimizer]:
                     draw(st.sampled_from([torch.float32] * 5 + [torch.float64])),
                 )
             )
-    corruption = draw(st.sampled_from([None, unknown_key, float_history, stepless_entry, cross_leaf_orphan]))
+    corruption = draw(st.sampled_from([None, unknown_key, float_history, stepless_entry, amsgrad_switched_on, cross_leaf_orphan]))
     stepped = [i for i, leaf in enumerate(leaves) if leaf.state]
     if corruption is not None and stepped:
         target = draw(st.sampled_from(stepped))
@@ -158,6 +163,7 @@ def test_a_pooled_reset_trains_like_a_fresh_hybrid_optimizer() -> None:
     [
         (unknown_key, opttree.ProblemKind.UNSUPPORTED_STATE, "my_ema"),
         (float_history, opttree.ProblemKind.UNSUPPORTED_STATE, "exp_avg"),
+        (amsgrad_switched_on, opttree.ProblemKind.UNSUPPORTED_STATE, "max_exp_avg_sq"),
     ],
 )
 def test_an_error_in_one_of_many_sub_optimizers_names_it_and_changes_nothing(

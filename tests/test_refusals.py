@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import opttree
-from tests.helpers import model, snapshot, train, unchanged
+from tests.helpers import clone_model, model, snapshot, train, unchanged, weights_equal
 from tests.megatron_parts import chained, config, fp32
 
 pytestmark = pytest.mark.usefixtures("process_group")
@@ -122,3 +122,54 @@ def test_a_step_counter_where_the_schema_has_none_is_refused() -> None:
     with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'step'"):
         opttree.reset(optimizer)
     assert unchanged(optimizer, before)
+
+
+OPTIONS_SWITCHED_ON = [
+    pytest.param(torch.optim.Adam, "amsgrad", True, "max_exp_avg_sq", id="Adam-amsgrad"),
+    pytest.param(torch.optim.AdamW, "amsgrad", True, "max_exp_avg_sq", id="AdamW-amsgrad"),
+    pytest.param(torch.optim.RMSprop, "centered", True, "grad_avg", id="RMSprop-centered"),
+    pytest.param(torch.optim.RMSprop, "momentum", 0.9, "momentum_buffer", id="RMSprop-momentum"),
+]
+
+
+@pytest.mark.parametrize(("optimizer_cls", "option", "value", "key"), OPTIONS_SWITCHED_ON)
+def test_history_an_option_switched_on_after_the_first_step_needs_is_refused_in_place(
+    optimizer_cls: Callable[..., torch.optim.Optimizer], option: str, value: object, key: str
+) -> None:
+    """Entries built with the option off lack a key the optimizer builds only with an entry
+    and reads at every step once the option is on: kept through a reset in place, the next
+    step raises KeyError; the whole entries released, it is built as a fresh optimizer's."""
+    net = model()
+    optimizer = optimizer_cls(net.parameters(), lr=0.01)
+    train(net, optimizer, 0, 2)
+    optimizer.param_groups[0][option] = value
+    before = snapshot(optimizer)
+
+    problems = opttree.validate(optimizer)
+
+    assert [(p.kind, p.key) for p in problems] == [(opttree.ProblemKind.UNSUPPORTED_STATE, key)]
+    assert "4 of its 4 state entries lack it" in problems[0].message
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=rf"{optimizer_cls.__name__} at <root>: key '{key}'.*'{option}' is on"):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before)
+    with pytest.raises(KeyError):  # what the refusal spares: torch's own next step
+        train(net, optimizer, 2, 1)
+
+    opttree.reset(optimizer, release=True)
+    twin = clone_model(net)
+    fresh = optimizer_cls(twin.parameters(), lr=0.01, **{option: value})
+    train(net, optimizer, 2, 3)
+    train(twin, fresh, 2, 3)
+    assert weights_equal(net, twin)
+
+
+def test_entries_built_with_the_option_on_reset_in_place_as_before() -> None:
+    """The check looks at entries, not at the option: an AdamW built with amsgrad resets
+    in place, and one whose amsgrad was switched off keeps resetting its extra history."""
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters(), amsgrad=True)
+    train(net, optimizer, 0, 2)
+    assert opttree.reset(optimizer).tensors_zeroed == 3 * 4
+    optimizer.param_groups[0]["amsgrad"] = False
+    assert opttree.validate(optimizer) == ()
+    assert opttree.reset(optimizer).tensors_zeroed == 3 * 4

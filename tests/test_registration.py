@@ -525,3 +525,52 @@ def test_like_param_names_only_zeroed_or_filled_keys() -> None:
     with pytest.raises(opttree.RegistrationError, match=r"like_param names \['master_param'\], which are neither zeroed nor filled"):
         opttree.StateSchema(zero={"exp_avg"}, keep={"master_param"}, like_param={"exp_avg", "master_param"})
     assert opttree.StateSchema(zero={"exp_avg"}, like_param={"exp_avg"}).like_param == frozenset({"exp_avg"})
+
+
+def test_built_if_maps_history_keys_to_option_names() -> None:
+    with pytest.raises(opttree.RegistrationError, match=r"built_if names \['master_param'\], which are neither zeroed, filled nor identity"):
+        opttree.StateSchema(zero={"exp_avg"}, keep={"master_param"}, built_if={"master_param": "amsgrad"})
+    with pytest.raises(opttree.RegistrationError, match="built_if maps 'exp_avg' to a bool, expected the name of a group option"):
+        opttree.StateSchema(zero={"exp_avg"}, built_if={"exp_avg": True})  # type: ignore[dict-item]
+    with pytest.raises(opttree.RegistrationError, match="built_if maps state key names to the names of group options"):
+        opttree.StateSchema(zero={"exp_avg"}, built_if="amsgrad")  # type: ignore[arg-type]
+    schema = opttree.StateSchema(zero={"exp_avg", "ema"}, built_if={"ema": "use_ema"})
+    assert schema.built_if == (("ema", "use_ema"),)
+
+
+def test_a_registered_built_if_key_is_checked_against_its_groups_option() -> None:
+    """A user's optimizer that builds an ``ema`` only where ``use_ema`` is on: entries built
+    with it off, the option then switched on, are refused in place."""
+
+    class EmaAdamW(torch.optim.AdamW):
+        @torch.no_grad()
+        def step(self, closure: None = None) -> None:  # type: ignore[override]
+            for group in self.param_groups:
+                for p in group["params"]:
+                    state = self.state[p]
+                    if group.get("use_ema") and len(state) == 0:
+                        state["ema"] = torch.zeros_like(p)
+            super().step()
+            for group in self.param_groups:
+                if group.get("use_ema"):
+                    for p in group["params"]:
+                        self.state[p]["ema"].lerp_(p, 0.1)
+
+    opttree.register_schema(
+        EmaAdamW,
+        opttree.StateSchema(
+            zero={"exp_avg", "exp_avg_sq", "ema"}, step=opttree.StepLocation.PER_PARAMETER, rebuilds_missing=True, built_if={"ema": "use_ema"}
+        ),
+    )
+    params = [torch.nn.Parameter(torch.ones(3)) for _ in range(2)]
+    optimizer = EmaAdamW(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    assert opttree.validate(optimizer) == ()
+    optimizer.param_groups[0]["use_ema"] = True
+
+    assert [(p.kind, p.key) for p in opttree.validate(optimizer)] == [(opttree.ProblemKind.UNSUPPORTED_STATE, "ema")]
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'ema': 2 of its 2 state entries lack it"):
+        opttree.reset(optimizer)
+    assert opttree.reset(optimizer, release=True).entries_released == 2

@@ -320,7 +320,7 @@ class LeafInspector:
             return None
         part = StatePlan()
         owner = (f"{leaves[0].path} .. {leaves[-1].path}", type(optimizers[0]).__qualname__)
-        self.plan_entries(leaves[0], owner, held, list(entries), params, part)
+        self.plan_entries(leaves[0], owner, held, list(entries), params, groups, part)
         self.plan_kept(leaves[0], owner, params, None, part)
         return part
 
@@ -449,7 +449,7 @@ class LeafInspector:
             if orphans:
                 self.problem(node, ProblemKind.ORPHAN_STATE, f"holds state for {orphans} tensor(s) in no param group")
         owner = (node.path, type(node.optimizer).__qualname__)
-        self.plan_entries(node, owner, held, list(state.values()), in_groups, into)
+        self.plan_entries(node, owner, held, list(state.values()), in_groups, node.optimizer.param_groups, into)
         self.plan_kept(node, owner, in_groups, None, into)
 
     def plan_entries(
@@ -459,12 +459,14 @@ class LeafInspector:
         held: list[torch.Tensor],
         entries: list[StateEntry],
         in_groups: list[torch.Tensor],
+        groups: Sequence[Mapping[str, object]],
         into: StatePlan,
     ) -> None:
         """Plan the state ``entries`` held for the tensors ``held``, key by key: each key's
         values are gathered and checked in one go, and reported once per leaf if wrong.
         ``owner`` is the path and class that the ranges recorded for aliasing name;
-        ``in_groups`` the parameters of the groups of the leaves the entries are of."""
+        ``in_groups`` the parameters of the groups of the leaves the entries are of, and
+        ``groups`` those groups."""
         placement = _placement(in_groups)
         into.entries.extend(identities(entries).owned((*owner, None)))
         chosen = self.selection.tensors
@@ -477,6 +479,9 @@ class LeafInspector:
         into.found_keys.update(counts)
         if self.schema.step is StepLocation.PER_PARAMETER and counts["step"] < len(entries):
             self.stepless_entries(node, held, entries, in_groups)
+        for key, option in self.schema.built_if:
+            if any(map(operator.methodcaller("get", option), groups)):
+                self.unbuilt_entries(node, key, option, held, entries, groups)
         for key, count in counts.items():
             action = self.actions.get(key)
             if action is None:
@@ -573,6 +578,34 @@ class LeafInspector:
             "checkpoint megatron-core saved at step 0 holds no step: load it with opttree.load_state_dict"
         )
         self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, "step")
+
+    def unbuilt_entries(
+        self,
+        node: LeafNode,
+        key: str,
+        option: str,
+        held: list[torch.Tensor],
+        entries: list[StateEntry],
+        groups: Sequence[Mapping[str, object]],
+    ) -> None:
+        """Built entries that lack ``key`` where their group's ``option`` is now on (see
+        ``StateSchema.built_if``): the optimizer reads it at every step, and builds it
+        only with the entry, so the next step would raise where a fresh one's builds it."""
+        needing = {id(param) for group in groups if group.get(option) for param in cast(list[torch.Tensor], group["params"])}
+        schema = self.schema
+        built = schema.zero | schema.filled | schema.identity | {"step"}
+        lacking = sum(
+            key not in entry and not built.isdisjoint(entry) and id(param) in needing for param, entry in zip(held, entries, strict=True)
+        )
+        if not lacking:
+            return
+        advice = "reset with release=True for its optimizer to build them again" if schema.rebuilds_missing else "rebuild the optimizer"
+        message = (
+            f"{lacking} of its {len(entries)} state entries lack it, which its optimizer builds with an entry and reads at "
+            f"every step where {option!r} is on, as it now is in their group: kept so through a reset in place, its next "
+            f"step would raise (KeyError in torch) where a fresh optimizer builds it; {advice}"
+        )
+        self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
 
     def unlike_params(
         self,

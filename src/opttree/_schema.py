@@ -101,6 +101,15 @@ def _shapes(value: Mapping[str, ShapeOf] | tuple[tuple[str, ShapeOf], ...]) -> t
     return _keyed(value, "shape_of", "functions (param shape) -> shape")
 
 
+def _options(value: Mapping[str, str] | tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    pairs = _keyed(value, "built_if", "the names of group options")
+    for key, option in pairs:
+        if not isinstance(cast(object, option), str):
+            msg = f"built_if maps {key!r} to a {type(option).__qualname__}, expected the name of a group option"
+            raise RegistrationError(msg)
+    return pairs
+
+
 def _frozen_keys(keys: frozenset[str] | set[str] | tuple[str, ...] | list[str]) -> frozenset[str]:
     """A set of state key names: one string would be taken apart into its letters."""
     given = cast(object, keys)
@@ -140,6 +149,13 @@ class StateSchema:
     (NAdam's ``mu_product``). One that holds several, none, or a bool or complex one would
     stay so through a reset in place: refused.
 
+    ``built_if``: zeroed, filled or identity keys the optimizer builds with a parameter's
+    entry, and reads at every step, only where an option of the entry's group is true
+    (Adam's ``max_exp_avg_sq`` where ``amsgrad``, RMSprop's ``grad_avg`` where
+    ``centered``). An entry built while the option was off lacks the key once it is
+    switched on; kept through a reset in place, it would make the next step raise where a
+    fresh optimizer builds the key: refused.
+
     ``starts_at_first_step``: the optimizer builds a parameter's entry at its first step,
     filled from its group's values then (Rprop's ``step_size`` from the lr), so a fill in
     place would freeze today's lr where a scheduler moves it before the next step: a reset
@@ -173,6 +189,7 @@ class StateSchema:
     like_param: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     one_value: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     shape_of: tuple[tuple[str, ShapeOf], ...] = field(converter=_shapes, factory=tuple, kw_only=True)
+    built_if: tuple[tuple[str, str], ...] = field(converter=_options, factory=tuple, kw_only=True)
 
     @property
     def filled(self) -> frozenset[str]:
@@ -235,6 +252,10 @@ class StateSchema:
                 if first_keys & second_keys:
                     msg = f"state keys {sorted(first_keys & second_keys)} are named in both {first} and {second}"
                     raise RegistrationError(msg)
+        optional = {key for key, _ in self.built_if}
+        if not optional <= self.zero | self.filled | self.identity:
+            msg = f"built_if names {sorted(optional - self.zero - self.filled - self.identity)}, which are neither zeroed, filled nor identity"
+            raise RegistrationError(msg)
         if "step" in self.zero | self.drop | self.keep | self.filled | self.identity:
             msg = "'step' is described by StateSchema.step, not by a key set"
             raise RegistrationError(msg)

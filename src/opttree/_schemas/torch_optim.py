@@ -9,7 +9,10 @@ read the lr at their first step); SGD's ``momentum_buffer`` (a copy of the first
 (lists, numbers and tensors it builds on its first step) are dropped. Every per-parameter
 step starts as a float tensor but SparseAdam's, an int. Adafactor factors the history of a
 parameter of two or more dimensions into ``row_var`` and ``col_var``, reduced along its last
-and its next-to-last dimension, and keeps a ``variance`` like any other's. Every class but
+and its next-to-last dimension, and keeps a ``variance`` like any other's. Adam's
+``max_exp_avg_sq`` is built only where its group has ``amsgrad``, RMSprop's
+``momentum_buffer`` and ``grad_avg`` only where it has ``momentum`` and ``centered``
+(``built_if``). Every class but
 Adagrad builds a missing entry again on its next step, so its state can be released
 (Adagrad builds its state in ``__init__``; torch 2.13 and 2.14 also build a missing entry on
 a step, which opttree, supporting torch from 2.4, does not rely on).
@@ -51,6 +54,7 @@ def _per_step(
     starts_at_first_step: bool = False,
     shape_of: Mapping[str, ShapeOf] | None = None,
     one_value: frozenset[str] = frozenset(),
+    built_if: Mapping[str, str] | None = None,
 ) -> StateSchema:
     """A schema whose history is built ``*_like`` its parameter but for the keys of
     ``shape_of`` (Adafactor's factored ones, typed as the parameter in a shape derived from
@@ -68,10 +72,11 @@ def _per_step(
         like_param=(set(zero) | set(fills)) - set(shapes) - one_value,
         one_value=one_value,
         shape_of=shapes,
+        built_if=dict(built_if or {}),
     )
 
 
-ADAM = _per_step("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+ADAM = _per_step("exp_avg", "exp_avg_sq", "max_exp_avg_sq", built_if={"max_exp_avg_sq": "amsgrad"})
 SGD = StateSchema(drop={"momentum_buffer"}, keep={MASTER_PARAM}, rebuilds_missing=True)
 LBFGS = StateSchema(
     drop={"func_evals", "n_iter", "d", "t", "old_dirs", "old_stps", "ro", "H_diag", "prev_flat_grad", "prev_loss", "al"},
@@ -87,7 +92,7 @@ SCHEMAS: dict[str, StateSchema] = {
     "RAdam": _per_step("exp_avg", "exp_avg_sq"),
     "Adagrad": _per_step(fill={"sum": _initial_accumulator}, rebuilds_missing=False),  # built in __init__
     "Adadelta": _per_step("square_avg", "acc_delta"),
-    "RMSprop": _per_step("square_avg", "momentum_buffer", "grad_avg"),
+    "RMSprop": _per_step("square_avg", "momentum_buffer", "grad_avg", built_if={"momentum_buffer": "momentum", "grad_avg": "centered"}),
     "Rprop": _per_step("prev", fill={"step_size": _lr}, starts_at_first_step=True),
     "ASGD": _per_step("ax", fill={"eta": _lr, "mu": 1.0}, starts_at_first_step=True, one_value=frozenset({"eta", "mu"})),
     "SGD": SGD,
