@@ -97,7 +97,7 @@ def test_what_available_leaves_out_megatron_cannot_build_or_train() -> None:
     for name in set(testing.RECIPES) - set(testing.available()):
         reason = testing.missing_feature(name)
         assert reason, name
-        with pytest.raises(RuntimeError, match=f"cannot be built here: {re.escape(reason)}"):
+        with pytest.raises(testing.RecipeUnavailable, match=f"cannot be built here: {re.escape(reason)}"):
             testing.build(name)
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(_megatron, "missing_feature", lambda _: None)
@@ -175,7 +175,8 @@ def test_a_recipe_of_ones_own_is_judged_by_its_optimizer_and_an_unknown_name_is_
     assert lion.needs_emerging and not testing.Recipe("mine", "sgd").needs_emerging
     if importlib.util.find_spec("emerging_optimizers") is None:
         assert testing.missing_feature(lion) == "emerging-optimizers is not installed"
-    with pytest.raises(ValueError, match=r"no configuration named 'nope': RECIPES has fp32, .*or pass a Recipe"):
+    with pytest.raises(testing.UnknownRecipe, match=r"no configuration named 'nope': RECIPES has fp32, .*or pass a Recipe"):
         testing.build("nope")
-    with pytest.raises(ValueError, match="no configuration named 'nope'"):
+    assert issubclass(testing.UnknownRecipe, opttree.OptTreeError) and issubclass(testing.RecipeUnavailable, opttree.OptTreeError)
+    with pytest.raises(testing.UnknownRecipe, match="no configuration named 'nope'"):
         testing.missing_feature("nope")

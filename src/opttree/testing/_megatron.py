@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from attrs import frozen
 
+from opttree._errors import OptTreeError
 from opttree.testing._cuda_on_cpu import CudaOnCpu, cuda_on_cpu
 
 if TYPE_CHECKING:
@@ -218,13 +219,21 @@ def _registry_missing(optimizer: str) -> str | None:
     return None
 
 
+class UnknownRecipe(OptTreeError, ValueError):
+    """A configuration name that :data:`RECIPES` does not hold."""
+
+
+class RecipeUnavailable(OptTreeError, RuntimeError):
+    """A configuration this environment's packages cannot build (see :func:`missing_feature`)."""
+
+
 def _recipe(configuration: str | Recipe) -> Recipe:
     if isinstance(configuration, Recipe):
         return configuration
     recipe = RECIPES.get(configuration)
     if recipe is None:
         msg = f"no configuration named {configuration!r}: RECIPES has {', '.join(RECIPES)}; or pass a Recipe"
-        raise ValueError(msg)
+        raise UnknownRecipe(msg)
     return recipe
 
 
@@ -370,7 +379,7 @@ def build(configuration: str | Recipe, *, seed: int = 0, lr: float = 1e-2) -> Me
     reason = missing_feature(recipe)
     if reason is not None:
         msg = f"configuration {recipe.name!r} cannot be built here: {reason}"
-        raise RuntimeError(msg)
+        raise RecipeUnavailable(msg)
     ensure_process_group()
     device = cuda_on_cpu()
     dtype = torch.bfloat16 if recipe.bf16 else torch.float16 if recipe.fp16 else torch.float32
