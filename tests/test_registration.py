@@ -7,13 +7,14 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import pytest
 import torch
 
 import opttree
 from tests.copying import CopyingWrapper
-from tests.helpers import clone_model, model, train, weights_equal
+from tests.helpers import clone_model, model, snapshot, train, unchanged, weights_equal
 
 
 class Lion(torch.optim.Optimizer):
@@ -574,3 +575,80 @@ def test_a_registered_built_if_key_is_checked_against_its_groups_option() -> Non
     with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'ema': 2 of its 2 state entries lack it"):
         opttree.reset(optimizer)
     assert opttree.reset(optimizer, release=True).entries_released == 2
+
+
+class WarmAdam(torch.optim.Adam):
+    """An Adam whose second moments start at 1e-2: it builds its state in an
+    ``_init_group`` of its own, unlike the Adam whose built-in schema it would inherit."""
+
+    def _init_group(self, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        fresh = [p for p in group["params"] if p.grad is not None and not self.state[p]]
+        built = cast(Callable[..., Any], super()._init_group)(group, *args, **kwargs)
+        for p in fresh:
+            self.state[p]["exp_avg_sq"].fill_(1e-2)
+        return built
+
+
+class DefaultsAdam(torch.optim.Adam):
+    """An Adam with other defaults and a method of its own, building its state as Adam does."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, lr=0.01, betas=(0.8, 0.9))
+
+    def learning_rates(self) -> list[float]:
+        return [group["lr"] for group in self.param_groups]
+
+
+def test_a_subclass_with_its_own_state_building_inherits_no_built_in_schema() -> None:
+    net = model()
+    optimizer = WarmAdam(net.parameters())
+    train(net, optimizer, 0, 2)
+    before = snapshot(optimizer)
+
+    problems = opttree.validate(optimizer)
+
+    assert [(p.kind, p.cls) for p in problems] == [(opttree.ProblemKind.UNSUPPORTED_OPTIMIZER, "WarmAdam")]
+    assert "WarmAdam defines its own _init_group, where its base torch.optim.adam.Adam" in problems[0].message
+    with pytest.raises(opttree.UnsupportedOptimizer, match=r"opttree\.register_schema\(WarmAdam, opttree\.schema_for\(Adam\)\)"):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before)
+    assert opttree.schema_for(WarmAdam) is None
+
+
+def test_a_subclass_building_state_with_its_bases_methods_inherits_its_schema() -> None:
+    """Other defaults, methods of its own, and torch's profiling hook, which torch sets as
+    ``step`` on a subclass's first instance, are not state building of its own."""
+    net = model()
+    optimizer = DefaultsAdam(net.parameters())
+    train(net, optimizer, 0, 2)
+    hooked = type("HookedAdam", (torch.optim.Adam,), {})
+    setattr(hooked, "step", torch.optim.Optimizer.profile_hook_step(torch.optim.Adam.step))  # as torch's _patch_step_function does
+
+    assert opttree.schema_for(DefaultsAdam) is opttree.schema_for(torch.optim.Adam) is opttree.schema_for(hooked)
+    assert opttree.schema_for(torch.optim.Adam) is not None
+    twin = clone_model(net)
+    fresh = DefaultsAdam(twin.parameters())
+    opttree.reset(optimizer)
+    train(net, optimizer, 2, 3)
+    train(twin, fresh, 2, 3)
+    assert weights_equal(net, twin)
+
+
+def test_a_users_registration_applies_to_its_subclasses_whatever_they_define() -> None:
+    """A user's schema for a class says what its subclasses build: theirs to register."""
+
+    class Base(torch.optim.Optimizer):
+        def __init__(self, params: Any) -> None:
+            super().__init__(params, {"lr": 0.1})
+
+    class Child(Base):
+        @torch.no_grad()
+        def step(self, closure: None = None) -> None:  # type: ignore[override]
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self.state[p].setdefault("buf", torch.zeros_like(p)).add_(p.grad)
+                    p.sub_(self.state[p]["buf"], alpha=group["lr"])
+
+    schema = opttree.StateSchema(zero={"buf"}, rebuilds_missing=True)
+    opttree.register_schema(Base, schema)
+    assert opttree.schema_for(Child) is schema

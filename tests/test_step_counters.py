@@ -30,7 +30,16 @@ def trained(optimizer_cls: type[torch.optim.AdamW] = torch.optim.AdamW, steps: i
 
 
 def test_a_group_clock_on_an_adamw_subclass_is_reset_and_training_matches_a_fresh_one() -> None:
+    """A subclass with its own step may build other state than its base: refused until
+    registered. Registered with AdamW's schema, its group clock is reset with the rest."""
     net, optimizer = trained(GroupClockAdamW)
+    before = snapshot(optimizer)
+    with pytest.raises(opttree.UnsupportedOptimizer, match=r"GroupClockAdamW defines its own step, where its base torch\.optim\.adamw\.AdamW"):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before) and optimizer.param_groups[0]["step"] == 3
+    adamw = opttree.schema_for(torch.optim.AdamW)
+    assert adamw is not None
+    opttree.register_schema(GroupClockAdamW, adamw)
     twin = model()
     twin.load_state_dict(net.state_dict())
     fresh = GroupClockAdamW(twin.parameters())

@@ -25,7 +25,7 @@ from opttree._errors import (
 from opttree._masters import SyncReport
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._problems import Problem, ProblemKind, Severity
-from opttree._registry import register_schema, register_wrapper
+from opttree._registry import register_schema, register_wrapper, schema_for
 from opttree._report import ResetReport
 from opttree._reset import ResetVisitor
 from opttree._schema import StateSchema, StepLocation, StepType
@@ -74,6 +74,7 @@ __all__ = [
     "load_state_dict",
     "prune",
     "register_schema",
+    "schema_for",
     "register_wrapper",
     "reset",
     "scale",

@@ -51,7 +51,7 @@ class LazyDispatch(Generic[V]):
         self._owners = functools.singledispatch(_unregistered)
         self._values: dict[type, V] = {}
         self._lazy: dict[str, V] = {}
-        self._found: dict[type, V | None] = {}
+        self._found: dict[type, tuple[type, V] | None] = {}
         self._ambiguous: dict[type, str] = {}
         self._token = abc.get_cache_token()
         self._lock = threading.Lock()
@@ -79,6 +79,12 @@ class LazyDispatch(Generic[V]):
             return cls_or_dotted in self._values or dotted_name(cls_or_dotted) in self._lazy
 
     def lookup(self, cls: type) -> V | None:
+        found = self.lookup_owner(cls)
+        return None if found is None else found[1]
+
+    def lookup_owner(self, cls: type) -> tuple[type, V] | None:
+        """The registered class whose value applies to ``cls`` (itself or its nearest
+        registered ancestor), and that value."""
         token = abc.get_cache_token()
         if token != self._token:  # a class registered under an ABC may now have a value
             with self._lock:
@@ -101,7 +107,7 @@ class LazyDispatch(Generic[V]):
         self._values[cls] = value
         self._owners.register(cls, _owner_of(cls))
 
-    def _resolve(self, cls: type) -> V | None:
+    def _resolve(self, cls: type) -> tuple[type, V] | None:
         """Under the lock. A class resolved here needs no emptying of ``_found``: a class
         found earlier that has it in its MRO would have resolved it then."""
         for klass in cls.__mro__:
@@ -116,5 +122,5 @@ class LazyDispatch(Generic[V]):
             names = " and ".join(sorted(map(dotted_name, nearest)))
             self._ambiguous[cls] = f"{dotted_name(cls)} is registered through both {names}, neither a subclass of the other: register {cls.__qualname__} itself"
             owner = None
-        found = self._found[cls] = None if owner is None else self._values[owner]
+        found = self._found[cls] = None if owner is None else (owner, self._values[owner])
         return found

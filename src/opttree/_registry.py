@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar, cast, overload
 
@@ -20,18 +21,90 @@ _builtin_kinds = builtin_kinds()
 _user_kinds: LazyDispatch[Expander] = LazyDispatch()
 
 
+STATE_BUILDERS = ("step", "_init_group")
+"""The methods in which torch's, Megatron's and emerging-optimizers' classes build their
+state. A built-in schema describes the state its class's own methods build: a subclass
+that defines one of them otherwise may build other state, so it inherits no built-in
+schema. A user's registration applies to the class's subclasses as it says."""
+
+_differing: dict[tuple[type, type, tuple[object, ...]], str | None] = {}
+
+
+def _unwrapped(method: object) -> object:
+    """A method without its decorators (torch wraps ``step`` in ``_use_grad_for_differentiable``
+    and, on a subclass's first instance, in a profiling hook set on the subclass)."""
+    try:
+        return inspect.unwrap(cast(Callable[..., object], method)) if callable(method) else method
+    except ValueError:  # a cycle of __wrapped__
+        return method
+
+
+def _own_builder(cls: type, base: type) -> str | None:
+    """The first of :data:`STATE_BUILDERS` that ``cls`` defines otherwise than ``base``,
+    the class of the built-in schema that would apply to it; None where it builds state
+    with ``base``'s own methods. Kept per class and the methods it has now, so that a
+    method set on the class later is looked at again."""
+    if cls is base:
+        return None
+    methods = tuple(getattr(cls, name, None) for name in STATE_BUILDERS)
+    key = (cls, base, methods)
+    try:
+        return _differing[key]
+    except KeyError:
+        pass
+    differing = next(
+        (name for name, method in zip(STATE_BUILDERS, methods, strict=True) if _unwrapped(method) is not _unwrapped(getattr(base, name, None))),
+        None,
+    )
+    _differing[key] = differing
+    return differing
+
+
+def _builtin_base(cls: type) -> tuple[type, str] | None:
+    """Where no user's registration applies to ``cls`` and a built-in schema would, but
+    ``cls`` defines one of :data:`STATE_BUILDERS` otherwise than the class of that schema:
+    that class and the method."""
+    if _user_schemas.lookup(cls) is not None or _user_schemas.ambiguity(cls) is not None:
+        return None
+    found = _builtin_schemas.lookup_owner(cls)
+    if found is None:
+        return None
+    method = _own_builder(cls, found[0])
+    return None if method is None else (found[0], method)
+
+
 def schema_for(cls: type) -> StateSchema | None:
-    """The schema of a leaf class: a user's registration wins over a built-in one. A class
-    that users' registrations apply to ambiguously has none: see :func:`unregistered_reason`."""
+    """The state schema opttree applies to a leaf optimizer class, or None.
+
+    A user's registration for the class or a base of it wins; then a built-in schema of
+    the class or its nearest base, where the class builds its state with that base's own
+    ``step`` and ``_init_group`` (a subclass defining either otherwise is not known). A
+    class that users' registrations apply to ambiguously has none. See
+    :func:`opttree.register_schema`.
+    """
     schema = _user_schemas.lookup(cls)
-    if schema is None and _user_schemas.ambiguity(cls) is None:
-        return _builtin_schemas.lookup(cls)
-    return schema
+    if schema is not None or _user_schemas.ambiguity(cls) is not None:
+        return schema
+    found = _builtin_schemas.lookup_owner(cls)
+    if found is None or _own_builder(cls, found[0]) is not None:
+        return None
+    return found[1]
 
 
 def unregistered_reason(cls: type) -> str:
     """Why a leaf class has no schema."""
-    return _user_schemas.ambiguity(cls) or f"no state schema is registered for {cls.__module__}.{cls.__qualname__}"
+    ambiguity = _user_schemas.ambiguity(cls)
+    if ambiguity is not None:
+        return ambiguity
+    overridden = _builtin_base(cls)
+    if overridden is None:
+        return f"no state schema is registered for {dotted_name(cls)}"
+    base, method = overridden
+    return (
+        f"{dotted_name(cls)} defines its own {method}, where its base {dotted_name(base)}, whose state opttree knows, "
+        "builds its state: opttree cannot tell that it builds the same state; if it does, register it with that schema: "
+        f"opttree.register_schema({cls.__qualname__}, opttree.schema_for({base.__qualname__}))"
+    )
 
 
 def step_location(cls: type) -> StepLocation | None:
