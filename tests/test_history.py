@@ -39,7 +39,7 @@ def steps(optimizer: torch.optim.Optimizer) -> list[float]:
 def relora_magnitude(tensor: torch.Tensor, fraction: float) -> torch.Tensor:
     magnitude = tensor.abs()
     threshold = torch.quantile(magnitude.flatten().to(torch.float32), fraction).to(tensor.dtype)
-    return tensor * (magnitude > threshold).to(tensor.dtype)
+    return torch.where(magnitude > threshold, tensor, torch.zeros_like(tensor))  # a mask multiplied in makes inf history NaN
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 0.9, 0.99])
@@ -52,6 +52,26 @@ def test_magnitude_pruning_matches_the_per_tensor_quantile_and_keeps_steps(fract
 
     assert all(torch.equal(a, b) for a, b in zip(history(optimizer), expected, strict=True))
     assert steps(optimizer) == before_steps == [3.0] * len(before_steps)
+
+
+@pytest.mark.parametrize(
+    ("values", "fraction"),
+    [([1.0, float("inf")], 0.0), ([5.0, 1.0, float("inf")], 0.5), ([1.0, 2.0, 3.0, float("inf")], 0.5), ([1.0, float("inf")], 0.5), ([float("inf")] * 3, 0.5)],
+)
+def test_overflowed_history_is_ordered_as_torch_quantile_orders_it(values: list[float], fraction: float) -> None:
+    """History that overflowed to inf (an fp16 second moment) is the largest: the quantile
+    is not NaN, which is above nothing and would prune every element."""
+    param = torch.nn.Parameter(torch.zeros(len(values)))
+    optimizer = torch.optim.Adam([param])
+    param.grad = torch.ones_like(param)
+    optimizer.step()
+    moment = optimizer.state[param]["exp_avg"]
+    moment.copy_(torch.tensor(values))
+    expected = relora_magnitude(moment.clone(), fraction)
+
+    opttree.prune(optimizer, fraction, keys=["exp_avg"])
+
+    assert torch.equal(moment, expected)
 
 
 def bits(tensors: list[torch.Tensor]) -> list[list[int]]:

@@ -102,14 +102,18 @@ def _threshold(tensor: torch.Tensor, fraction: float) -> torch.Tensor | None:
     """The ``fraction`` quantile of ``tensor``'s magnitudes (linear, as ``torch.quantile``,
     without its size limit), in :func:`_wide`'s dtype; None where every element is NaN.
     The quantile is of the elements that are not NaN (which sort last, and would make it
-    NaN where they are many): NaN is above no threshold."""
+    NaN where they are many): NaN is above no threshold. Overflowed (inf) history is
+    ordered as torch.quantile orders it: the largest."""
     ordered = tensor.flatten().abs().to(_wide(tensor.dtype)).sort().values
     count = int(ordered.numel() - ordered.isnan().sum())
     if count == 0:
         return None
     position = fraction * (count - 1)
     low, high = int(position), min(int(position) + 1, count - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    weight = position - low
+    if weight == 0 or bool(ordered[low].isinf()):  # inf times 0, or inf minus inf, would be NaN
+        return ordered[low]
+    return ordered[low] + (ordered[high] - ordered[low]) * weight
 
 
 class _Scratch:
