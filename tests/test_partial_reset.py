@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
+import attrs
 import pytest
 import torch
 
@@ -254,6 +256,35 @@ def test_a_subtree_under_a_megatron_wrapper_is_checked_against_the_wrapper_it_is
     stack.train(K, K)
     fresh.train(K, K)
     assert all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))
+
+
+@pytest.mark.parametrize("name", [n for n in ("bf16",) if n in testing.available()])
+def test_a_subtree_whose_record_of_the_wrapper_above_it_is_not_opttrees_is_a_foreign_tree(name: str) -> None:
+    """``under`` makes a subtree's checks those of the whole stack: a record naming another
+    stack, or a place in it where the node is not, would check it as something it is not.
+    The record is compared with the tree of the wrapper it names; a record that is not a
+    (path, wrapper) pair is refused where the node is made. (A leaf without the record is
+    its optimizer passed as itself, which the README says carries none.)"""
+    stack, other = testing.build(name), testing.build(name)
+    stack.train(0, K)
+    leaf = opttree.tree(stack.optimizer).children[0].children[0]
+    assert isinstance(leaf, opttree.LeafNode) and leaf.under is not None
+    before = snapshot(leaf.optimizer)
+    forged = [
+        (attrs.evolve(leaf, under=("<root>", other.optimizer)), "a node for another AdamW than the one opttree finds there"),
+        (attrs.evolve(leaf, under=("elsewhere", stack.optimizer)), "ChainedOptimizer at 'elsewhere' above it \\(under\\), whose tree has no node"),
+        (attrs.evolve(leaf, under=("<root>", torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]))), "whose tree has no node at 'chained\\[0\\].optimizer'"),
+    ]
+    for node, message in forged:
+        problems = opttree.validate(node)
+        assert [p.kind for p in problems] == [opttree.ProblemKind.FOREIGN_TREE], message
+        assert re.search(message, problems[0].message), (message, problems[0].message)
+        with pytest.raises(opttree.MalformedWrapper):
+            opttree.reset(node)
+    assert unchanged(leaf.optimizer, before)
+    with pytest.raises(opttree.OptTreeError, match=r"LeafNode.under must be None or a \(path, wrapper\) pair, got str"):
+        opttree.LeafNode(leaf.path, leaf.optimizer, under="x")  # type: ignore[arg-type]
+    assert opttree.tree(leaf) is leaf and opttree.validate(leaf) == ()
 
 
 @pytest.mark.skipif("offload_0.75" not in testing.available(), reason="no offload recipe in this lane")

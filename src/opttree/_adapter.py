@@ -85,10 +85,30 @@ def _difference(mine: Node, theirs: Node) -> str | None:
         return f"a node for another {type(mine.optimizer).__qualname__} than the one opttree finds there"
     if len(mine.children) != len(theirs.children):
         return f"{len(mine.children)} children where opttree builds {len(theirs.children)}"
+    if not _same_under(mine.under, theirs.under):
+        where = "under no Megatron wrapper" if theirs.under is None else f"under the {type(theirs.under[1]).__qualname__} at {theirs.under[0]!r}"
+        return f"a record of the wrapper above it (under) other than opttree's: it is {where}"
     if isinstance(mine, LeafNode) and isinstance(theirs, LeafNode) and mine.shared_with != theirs.shared_with:
         return f"shared with {mine.shared_with!r} where opttree finds it shared with {theirs.shared_with!r}"
     if isinstance(mine, HybridNode) and isinstance(theirs, HybridNode) and (mine.gpu is None) != (theirs.gpu is None):
         return "a GPU sub-optimizer where opttree builds none" if theirs.gpu is None else "no GPU sub-optimizer where opttree builds one"
+    return None
+
+
+def _same_under(mine: tuple[str, object] | None, theirs: tuple[str, object] | None) -> bool:
+    if mine is None or theirs is None:
+        return mine is theirs
+    return mine[0] == theirs[0] and mine[1] is theirs[1]
+
+
+def node_at(root: Node, path: str) -> Node | None:
+    """The node at ``path`` in a built tree, or None: found level by level."""
+    level = [root]
+    for _ in range(MAX_DEPTH + 1):
+        found = next((node for node in level if node.path == path), None)
+        if found is not None or not level:
+            return found
+        level = list(chain.from_iterable(map(_CHILDREN, level)))
     return None
 
 

@@ -50,6 +50,13 @@ def _node_or_none(node: object, attribute: Attribute[Node | None], value: Node |
         raise OptTreeError(msg)
 
 
+def _under(node: object, attribute: Attribute[tuple[str, object] | None], value: tuple[str, object] | None) -> None:
+    given: object = value
+    if given is not None and not (isinstance(given, tuple) and len(given) == 2 and isinstance(given[0], str)):
+        msg = f"{type(node).__name__}.under must be None or a (path, wrapper) pair, got {type(given).__qualname__}"
+        raise OptTreeError(msg)
+
+
 def _optimizer(node: object, attribute: Attribute[torch.optim.Optimizer], value: torch.optim.Optimizer) -> None:
     if not isinstance(cast(object, value), torch.optim.Optimizer):
         msg = f"{type(node).__name__}.{attribute.name} must be a torch.optim.Optimizer, got a {type(value).__qualname__}"
@@ -62,7 +69,7 @@ class Node(ABC):
     and its path, as ``describe`` does: ``LeafNode(AdamW @ chained[0].optimizer)``."""
 
     path: str = field(validator=_path)
-    under: tuple[str, object] | None = field(default=None, kw_only=True, repr=False)
+    under: tuple[str, object] | None = field(default=None, kw_only=True, repr=False, validator=_under)
     """The path and object of the outermost Megatron wrapper above this node, where
     :func:`opttree.tree` built it under one: Megatron checkpoints such a wrapper's state
     whole, so a reset of this node alone is checked against it."""

@@ -4,9 +4,9 @@ it is the one opttree builds for its root's optimizer."""
 from __future__ import annotations
 
 from opttree import _paths, _registry
-from opttree._adapter import TreeBuilder, Truncated, too_deep_in, unlike_built
+from opttree._adapter import TreeBuilder, Truncated, node_at, too_deep_in, unlike_built
 from opttree._nodes import Node
-from opttree._problems import Problem
+from opttree._problems import Problem, ProblemKind
 
 
 def tree(optimizer: object) -> Node:
@@ -24,7 +24,7 @@ def tree(optimizer: object) -> Node:
         problems = too_deep_in(optimizer)
         if problems:
             raise problems[0].to_error(others=problems[1:])
-        unlike = unlike_built(optimizer, TreeBuilder(_registry.kind_for).build(optimizer.optimizer, optimizer.path))
+        unlike = _unlike(optimizer, _built_for(optimizer, None))
         if unlike is not None:
             raise unlike.to_error()
         return optimizer
@@ -42,7 +42,32 @@ def lenient_tree(optimizer: object) -> tuple[Node, list[Problem]]:
         too_deep = too_deep_in(optimizer)
         if too_deep:
             return optimizer.accept(Truncated()), too_deep
-        built = TreeBuilder(_registry.kind_for, problems).build(optimizer.optimizer, optimizer.path)
-        unlike = unlike_built(optimizer, built)
-        return (optimizer, problems) if unlike is None else (built, [*problems, unlike])
+        built = _built_for(optimizer, problems)
+        unlike = _unlike(optimizer, built)
+        if unlike is None:
+            return optimizer, problems
+        own = TreeBuilder(_registry.kind_for, problems).build(optimizer.optimizer, optimizer.path) if built is None else built
+        return own, [*problems, unlike]
     return TreeBuilder(_registry.kind_for, problems).build(optimizer, _paths.ROOT), problems
+
+
+def _built_for(given: Node, problems: list[Problem] | None) -> Node | None:
+    """The node opttree builds where a tree passed in stands: built from its root's
+    optimizer at its path, or, where its root records the Megatron wrapper above it
+    (``under``), found at its path in the tree of that wrapper; None where that tree has
+    no node at its path."""
+    if given.under is None:
+        return TreeBuilder(_registry.kind_for, problems).build(given.optimizer, given.path)
+    path, wrapper = given.under
+    return node_at(TreeBuilder(_registry.kind_for, problems).build(wrapper, path), given.path)
+
+
+def _unlike(given: Node, built: Node | None) -> Problem | None:
+    if built is not None:
+        return unlike_built(given, built)
+    path, wrapper = given.under or ("", None)
+    message = (
+        f"it records the {type(wrapper).__qualname__} at {path!r} above it (under), whose tree has no node at {given.path!r}: "
+        "a tree passed in must be the one opttree.tree(optimizer) builds"
+    )
+    return Problem(ProblemKind.FOREIGN_TREE, given.path, type(given.optimizer).__qualname__, message)
