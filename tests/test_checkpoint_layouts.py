@@ -67,6 +67,13 @@ def entries(state: dict[str, object]) -> dict[object, object]:
     return found
 
 
+def entry(state: dict[str, object]) -> dict[object, object]:
+    """The saved state entry of the leaf's first parameter."""
+    found = entries(state)[0]
+    assert isinstance(found, dict)
+    return found
+
+
 def groups(state: dict[str, object]) -> list[dict[str, object]]:
     found = inner(state)["param_groups"]
     assert isinstance(found, list)
@@ -99,6 +106,11 @@ MALFORMED: list[tuple[str, str, Edit, str, str]] = [
     ("bf16", "an entry a str", lambda s: put(entries(s), 0, "garbage"), "0", "not a dict"),
     ("fp16", "a loss scale missing", lambda s: s["grad_scaler"].pop("scale"), "grad_scaler", "has no 'scale'"),  # type: ignore[attr-defined]
     ("fp16", "a loss scale a float", lambda s: put(s["grad_scaler"], "scale", 2.0), "grad_scaler", "holds a float under 'scale'"),  # type: ignore[arg-type]
+    ("fp32", "history of another shape", lambda s: put(entry(s), "exp_avg", torch.zeros(3)), "exp_avg", r"its 'exp_avg' has shape \(3,\), where AdamW builds it in shape \(32, 16\)"),
+    ("fp32", "history a str", lambda s: put(entry(s), "exp_avg_sq", "s"), "exp_avg_sq", "its 'exp_avg_sq' is a str, where AdamW keeps a tensor"),
+    ("fp32", "a step a str", lambda s: put(entry(s), "step", "s"), "step", "its 'step' is a str, where AdamW counts steps in a number"),
+    ("fp32", "a key of no schema", lambda s: put(entry(s), "my_ema", torch.zeros(1)), "my_ema", "its 'my_ema' is not a key AdamW keeps"),
+    ("bf16", "history of another shape", lambda s: put(entry(s), "exp_avg", torch.zeros(32, 15)), "exp_avg", r"has shape \(32, 15\), where AdamW builds it in shape \(32, 16\)"),
     ("dist_bf16", "no torch state", lambda s: s.pop("optimizer"), "optimizer", "has no 'optimizer'"),
     ("dist_bf16", "groups without a step", lambda s: [g.pop("step") for g in groups(s)], "step", "do not hold one step"),
     ("dist_bf16", "groups at two steps", lambda s: put(groups(s)[0], "step", 7), "step", "do not hold one step"),
@@ -126,6 +138,24 @@ def test_a_malformed_state_dict_is_refused_with_the_stack_and_the_state_dict_unc
     assert all(unchanged(leaf, snap) for leaf, snap in zip(loaded.leaves(), before, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(loaded.main_params(), weights, strict=True))
     assert same(state, given)
+
+
+def test_megatron_loads_history_of_another_shape_which_fails_the_next_step_and_opttree_refuses_it() -> None:
+    """Torch's load casts history to its parameter's dtype and keeps its shape: Megatron's
+    own load takes a moment of another shape, and the next step raises inside torch."""
+    stack = recipe("fp32")
+    state = saved(stack)
+    put(entry(state), "exp_avg", torch.zeros(3))
+    megatrons = fresh_like(stack)
+    with megatrons.device:
+        megatrons.optimizer.load_state_dict(copy.deepcopy(state))
+    with pytest.raises(RuntimeError, match="must match the size"):
+        megatrons.train(K, 1)
+
+    refused = fresh_like(stack)
+    with refused.device, pytest.raises(opttree.UnsupportedCheckpoint, match="its 'exp_avg' has shape"):
+        opttree.load_state_dict(refused.optimizer, state)
+    refused.train(K, 1)  # nothing loaded: it trains as the fresh stack it is
 
 
 @pytest.mark.parametrize("edit", [lambda s: masters(s)[1].pop(), lambda s: masters(s).pop()], ids=["a weight", "a group"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from typing import cast
 
 import torch
 
@@ -93,15 +94,16 @@ def _torch_format(node: Node, state: object, loading: bool) -> StateDicts:
         return
     (inner,) = node.children
     if loading:
-        _check_torch_format(node, state)
+        _check_torch_format(node, inner, state)
     if isinstance(inner, LeafNode) and _counts_per_parameter(inner):
         yield inner, _dict(node, state, "state")
     else:
         yield from walk(inner, state, loading)
 
 
-def _check_torch_format(node: Node, state: object) -> None:
-    """What Megatron's pairing of param groups and torch's ``load_state_dict`` read."""
+def _check_torch_format(node: Node, inner: Node, state: object) -> None:
+    """What Megatron's pairing of param groups and torch's ``load_state_dict`` read, and,
+    where ``inner`` is a leaf, its entries as its schema says the optimizer builds them."""
     entries = _dict(node, state, "state")["state"]
     groups = _dict(node, state, "param_groups")["param_groups"]
     if not isinstance(entries, dict):
@@ -124,6 +126,45 @@ def _check_torch_format(node: Node, state: object) -> None:
             raise layout_error(node, index, "a state entry for no parameter of the param groups it loads (torch would keep it under that index)")
         if not isinstance(entry, dict):
             raise layout_error(node, index, f"a state entry that is a {type(entry).__qualname__}, not a dict")
+    if isinstance(inner, LeafNode):
+        params = {index: param for saved, current in zip(groups, live) for index, param in zip(saved["params"], current["params"])}
+        for index, entry in entries.items():
+            if index != STEP_KEY:
+                _check_entry(node, inner, index, cast(dict[object, object], entry), params[index])
+
+
+def _check_entry(node: Node, leaf: LeafNode, index: object, entry: dict[object, object], param: object) -> None:
+    """One saved state entry, as the leaf's optimizer builds it for ``param``: torch's load
+    casts history to the parameter's dtype but keeps its shape, so history of another
+    shape, history that is not a tensor, a key the schema does not know or a step that is
+    not a number would load, and be refused (or raise) at the next reset or step."""
+    schema = _registry.schema_for(type(leaf.optimizer))
+    if schema is None or not isinstance(param, torch.Tensor):
+        return  # a leaf without a schema is refused by validate and reset; a param group holding no tensor, by torch
+    cls = type(leaf.optimizer).__qualname__
+    history = schema.zero | schema.filled | schema.identity
+    for key, value in entry.items():
+        where = f"state entry {index!r}, of a parameter of shape {tuple(param.shape)}: its {key!r}"
+        if key == "step" and schema.step is StepLocation.PER_PARAMETER:
+            if step_number(value) is None:
+                raise layout_error(node, key, f"{where} is a {type(value).__qualname__}, where {cls} counts steps in a number")
+            continue
+        if not isinstance(key, str) or key not in schema.actions:
+            raise layout_error(node, key, f"{where} is not a key {cls} keeps (its schema has {', '.join(sorted(schema.actions))})")
+        if key not in history:
+            continue
+        if not isinstance(value, torch.Tensor):
+            hint = " (a sharded state dict is loaded by dist_checkpointing.load first)" if "Sharded" in type(value).__name__ else ""
+            raise layout_error(node, key, f"{where} is a {type(value).__qualname__}, where {cls} keeps a tensor{hint}")
+        if key in schema.one_value and value.numel() != 1:
+            raise layout_error(node, key, f"{where} holds {value.numel()} values, where {cls} keeps one")
+        if key in schema.built_like_param:
+            try:
+                expected = schema.built_shape(key, tuple(param.shape))
+            except Exception as error:  # noqa: BLE001  # a registered shape_of may raise anything
+                raise layout_error(node, key, f"{where}: its schema's shape_of raised {type(error).__name__}: {error}") from error
+            if value.shape != expected:
+                raise layout_error(node, key, f"{where} has shape {tuple(value.shape)}, where {cls} builds it in shape {tuple(expected)}")
 
 
 def _groups(node: Node) -> list[dict[str, list[object]]]:
