@@ -3,6 +3,8 @@ was expected (a report from ``validate`` and ``describe``), and nothing changed.
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -276,6 +278,32 @@ def test_the_public_visitors_refuse_a_tree_built_by_hand_unlike_the_built_one(
 
     assert unchanged(optimizer, before) and float(optimizer.state[param]["step"]) == 3
     assert [p.kind for p in checker.problems] == [opttree.ProblemKind.FOREIGN_TREE]
+
+
+@pytest.mark.parametrize(("node", "message"), [case[1:] for case in HAND_BUILT if case[2]], ids=[case[0] for case in HAND_BUILT if case[2]])
+def test_the_describe_visitor_renders_a_tree_built_by_hand_as_describe_does(
+    node: Callable[[torch.optim.Adam], opttree.Node], message: str
+) -> None:
+    """``DescribeVisitor().render`` describes what ``opttree.describe`` does: the tree
+    opttree builds, its root's line saying why the one given is not it."""
+    _, optimizer = trained_adam()
+    given = node(optimizer)
+
+    text = opttree.DescribeVisitor().render(given)
+
+    assert text == opttree.describe(given)
+    assert re.search(message, text.splitlines()[-1])
+
+
+def test_the_describe_visitor_cuts_a_tree_built_by_hand_too_deep_as_describe_does() -> None:
+    _, optimizer = trained_adam()
+    deep: opttree.Node = opttree.LeafNode("x", optimizer)
+    for _ in range(3000):  # deeper than Python's recursion limit
+        deep = opttree.WrapperNode("w", object(), (deep,))
+
+    text = opttree.DescribeVisitor().render(deep)
+
+    assert text == opttree.describe(deep) and "the stack is nested deeper than 64" in text
 
 
 def test_a_visitor_checks_afresh_each_time_it_is_used() -> None:

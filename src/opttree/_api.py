@@ -144,8 +144,8 @@ def describe(optimizer: object, *, group: dist.ProcessGroup | None = None) -> st
     group appends each rank's total state bytes and tree shape, and names the ranks whose
     shape differs from its own; the other ranks return their own description.
     """
-    root, refused = lenient_tree(optimizer)
-    text = DescribeVisitor({p.path: p.message for p in refused}).render(root)
+    root, problems = lenient_tree(optimizer)
+    text = DescribeVisitor()._render_checked(root, problems)
     if group is None:
         return text
     summaries = _distributed.gather(root, group)

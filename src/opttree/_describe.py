@@ -25,6 +25,8 @@ from opttree._preflight import plain_reads, plain_torch, ranges, torch_name
 from opttree._report import format_bytes
 from opttree._scalers import scaler_text
 from opttree._runs import alike_runs, sibling_groups
+from opttree._problems import Problem, ProblemKind
+from opttree._trees import lenient_tree
 from opttree._visitor import NodeVisitor
 
 DETAIL_LIMIT = 8
@@ -190,7 +192,27 @@ class DescribeVisitor(NodeVisitor[Summary]):
         return Summary(text, (), node.path)
 
     def render(self, root: Node) -> str:
-        """The indented description of the tree under ``root``, read as plain torch calls
+        """The indented description of the tree under ``root``, as :func:`opttree.describe`
+        gives it: objects the adapter refuses stand as lines saying why, a tree nested too
+        deep is cut where a built one would be, and a tree built by hand that is not the one
+        opttree builds for its root's optimizer is described as opttree builds it, a last
+        line saying so."""
+        return self._render_checked(*lenient_tree(root))
+
+    def _render_checked(self, root: Node, problems: Sequence[Problem]) -> str:
+        """:meth:`render` of a tree :func:`~opttree._trees.lenient_tree` gave, with the
+        problems it found."""
+        given = self.refused
+        self.refused = {**given, **{p.path: p.message for p in problems if p.kind is not ProblemKind.FOREIGN_TREE}}
+        try:
+            text = self._render_built(root)
+        finally:
+            self.refused = given
+        notes = [f"(described as opttree builds it: the tree passed in at {p.path} is not: {p.message})" for p in problems if p.kind is ProblemKind.FOREIGN_TREE]
+        return "\n".join([text, *notes])
+
+    def _render_built(self, root: Node) -> str:
+        """:meth:`render`, for a tree opttree has just built, read as plain torch calls
         (see :func:`~opttree._preflight.plain_torch`)."""
         with plain_torch():
             return "\n".join(_lines(root.accept(self), depth=0))
