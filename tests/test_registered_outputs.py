@@ -72,6 +72,33 @@ def test_children_sharing_a_label_are_a_malformed_wrapper_and_under_two_labels_o
     assert opttree.reset(apart).tensors_zeroed == 4
 
 
+def test_children_from_an_iterator_the_wrapper_keeps_are_a_malformed_wrapper_and_a_fresh_generator_is_not() -> None:
+    """A kept iterator is used up by the first build: every later reset would find no
+    children and reset nothing, reporting success."""
+    optimizer = stepped_adamw(2)
+    before = snapshot(optimizer)
+
+    class KeepsIterator(Holder):
+        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+            super().__init__(optimizer)
+            self.pairs = iter([("optimizer", optimizer)])
+
+    opttree.register_wrapper(KeepsIterator, children=lambda w: w.pairs)
+    kept = KeepsIterator(optimizer)
+    for _ in range(2):
+        with pytest.raises(opttree.MalformedWrapper, match="returned an iterator the wrapper keeps"):
+            opttree.reset(kept)
+        assert opttree.validate(kept)[0].kind is opttree.ProblemKind.MALFORMED_WRAPPER  # the optimizer it holds is hidden too
+    assert unchanged(optimizer, before)
+
+    def pairs(wrapper: Holder) -> Iterable[tuple[str, object]]:
+        yield "optimizer", wrapper.optimizer
+
+    fresh = registered_holder(pairs)(optimizer)
+    assert opttree.reset(fresh).tensors_zeroed == 4
+    assert opttree.reset(fresh).tensors_zeroed == 4
+
+
 class Copies(CopyingWrapper):
     """A copying wrapper registered with an ``inner_params`` function that a test sets."""
 

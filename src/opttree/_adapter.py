@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from itertools import chain
 from typing import TypeGuard, cast
 
@@ -356,12 +356,28 @@ def labelled(pairs: list[object], wrapper: object, path: str) -> list[tuple[str,
     return checked
 
 
+def _kept_iterator(wrapper: object, given: object) -> bool:
+    """Whether ``given`` is an iterator that ``wrapper`` holds in an instance attribute, which
+    one build uses up (a fresh generator each call is not held)."""
+    if not isinstance(given, Iterator):
+        return False
+    attributes = getattr(wrapper, "__dict__", None)
+    return isinstance(attributes, dict) and any(value is given for value in attributes.values())
+
+
 def children_expander(children: ChildrenFn) -> Expander:
     """An expander for a user-registered wrapper kind, guarding its children function."""
 
     def expand(builder: TreeBuilder, obj: object, path: str) -> Node:
         try:
-            pairs: list[object] = list(children(obj))
+            given = children(obj)
+            if _kept_iterator(obj, given):
+                message = (
+                    "the children function returned an iterator the wrapper keeps: the first build uses it up, and "
+                    "every later one would find no children and reset none; return a new iterable each call"
+                )
+                raise refusal(ProblemKind.MALFORMED_WRAPPER, obj, path, message)
+            pairs: list[object] = list(given)
         except OptTreeError:
             raise
         except Exception as error:
