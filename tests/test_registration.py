@@ -652,3 +652,21 @@ def test_a_users_registration_applies_to_its_subclasses_whatever_they_define() -
     schema = opttree.StateSchema(zero={"buf"}, rebuilds_missing=True)
     opttree.register_schema(Base, schema)
     assert opttree.schema_for(Child) is schema
+
+
+def test_registrations_no_leaf_or_wrapper_could_use_are_refused() -> None:
+    """A schema for a class that is no optimizer, or for a wrapper kind opttree knows (its
+    leaves carry the schemas), would never apply; a wrapper kind for a base of torch's
+    optimizers would make every optimizer, and None, a childless wrapper."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    with pytest.raises(opttree.RegistrationError, match="register_schema registers an optimizer class .*got builtins.int"):
+        opttree.register_schema(int, opttree.StateSchema())
+    with pytest.raises(opttree.RegistrationError, match="HybridDeviceOptimizer is a wrapper kind opttree knows"):
+        opttree.register_schema(HybridDeviceOptimizer, opttree.StateSchema())
+    for base in (object, torch.optim.Optimizer):
+        with pytest.raises(opttree.RegistrationError, match="a base of every torch optimizer"):
+            opttree.register_wrapper(base, children=lambda wrapper: [])
+    param = torch.nn.Parameter(torch.ones(2))
+    assert opttree.validate(torch.optim.Adam([param])) == ()
+    assert [p.kind for p in opttree.validate(None)] == [opttree.ProblemKind.NOT_AN_OPTIMIZER]

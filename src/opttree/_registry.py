@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import abc
 import inspect
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar, cast, overload
 
 import torch
 
-from opttree._adapter import ChildrenFn, Expander, builtin_kinds, children_expander, function_failed, is_pair, yielded_wrongly
+from opttree._adapter import ChildrenFn, Expander, builtin_kinds, children_expander, expand_leaf, function_failed, is_pair, yielded_wrongly
 from opttree._dispatch import LazyDispatch, dotted_name
 from opttree._errors import OptTreeError, RegistrationError
 from opttree._schemas import builtin_schemas
@@ -138,6 +139,26 @@ def _refuse_non_class(function: str, cls_or_dotted: object) -> None:
         raise RegistrationError(msg)
 
 
+def _refuse_odd_class(function: str, cls_or_dotted: type | str) -> None:
+    """A class no leaf or wrapper can be: a schema for a class that is not an optimizer
+    (nor an ABC optimizers are registered under) or for a wrapper kind opttree knows, whose
+    leaves carry the schemas, would never be used; a wrapper kind for a base class of
+    torch's optimizers would make every optimizer, and every object, a wrapper."""
+    if isinstance(cls_or_dotted, str):
+        return
+    name = dotted_name(cls_or_dotted)
+    if function == "register_schema":
+        if not issubclass(cls_or_dotted, torch.optim.Optimizer) and not isinstance(cls_or_dotted, abc.ABCMeta):
+            msg = f"register_schema registers an optimizer class (or an ABC optimizer classes are registered under), got {name}"
+            raise RegistrationError(msg)
+        if _builtin_kinds.lookup(cls_or_dotted) not in (None, expand_leaf):
+            msg = f"{name} is a wrapper kind opttree knows: the optimizers it holds carry the schemas"
+            raise RegistrationError(msg)
+    elif issubclass(torch.optim.Optimizer, cls_or_dotted):
+        msg = f"register_wrapper registers a wrapper class, got {name}, a base of every torch optimizer"
+        raise RegistrationError(msg)
+
+
 def _refuse_uncallable(name: str, function: object) -> None:
     if not callable(function):
         msg = f"register_wrapper needs a callable {name} function, got a {type(function).__qualname__}"
@@ -174,6 +195,7 @@ def register_schema(cls_or_dotted: type | str, schema: StateSchema) -> None:
     _refuse_non_class("register_schema", cls_or_dotted)
     _refuse_repeat(_user_schemas, "schema", cls_or_dotted)
     _refuse_both(cls_or_dotted, "schema")
+    _refuse_odd_class("register_schema", cls_or_dotted)
     if isinstance(cls_or_dotted, str):
         _user_schemas.register_lazy(cls_or_dotted, schema)
     else:
@@ -215,6 +237,7 @@ def register_wrapper(
         _refuse_uncallable("inner_params", inner_params)
     _refuse_repeat(_user_kinds, "wrapper kind", cls_or_dotted)
     _refuse_both(cls_or_dotted, "wrapper")
+    _refuse_odd_class("register_wrapper", cls_or_dotted)
     expand = children_expander(children)
     if isinstance(cls_or_dotted, str):
         _user_kinds.register_lazy(cls_or_dotted, expand)
