@@ -290,6 +290,29 @@ def test_a_fill_must_be_a_number_or_a_function_and_not_also_a_zero() -> None:
         opttree.StateSchema(fill={"sum": "0.1"})  # type: ignore[dict-item]
     with pytest.raises(opttree.RegistrationError, match="named in both 'zero' and 'fill'"):
         opttree.StateSchema(zero={"sum"}, fill={"sum": 0.1})
+    with pytest.raises(opttree.RegistrationError, match="the fill of 'sum' is an int beyond a float"):
+        opttree.StateSchema(fill={"sum": 10**400})  # accepted before, then every reset refused it
+    with pytest.raises(opttree.RegistrationError, match="the fill of 'sum' is nan"):
+        opttree.StateSchema(fill={"sum": float("nan")})
+
+
+def test_a_fill_may_be_numpys_number_as_a_fill_function_may_return() -> None:
+    import numpy as np
+
+    param = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.Adagrad([param], initial_accumulator_value=0.25)
+    param.grad = torch.ones_like(param)
+    optimizer.step()
+    schema = opttree.StateSchema(fill={"sum": np.float32(0.25)}, step=opttree.StepLocation.PER_PARAMETER)  # type: ignore[dict-item]
+
+    class NumpyAdagrad(torch.optim.Adagrad):
+        pass
+
+    opttree.register_schema(NumpyAdagrad, schema)
+    numpy_filled = NumpyAdagrad([param], initial_accumulator_value=0.25)
+    numpy_filled.load_state_dict(optimizer.state_dict())
+    opttree.reset(numpy_filled)
+    assert torch.equal(numpy_filled.state[param]["sum"], torch.full((3,), 0.25))
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar, cast
 
@@ -108,6 +109,13 @@ def _options(value: Mapping[str, str] | tuple[tuple[str, str], ...]) -> tuple[tu
             msg = f"built_if maps {key!r} to a {type(option).__qualname__}, expected the name of a group option"
             raise RegistrationError(msg)
     return pairs
+
+
+def _what(value: object) -> str:
+    """A value as a message names it: a number by itself, anything else by its type."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{value:g}" if isinstance(value, float) or abs(value) < 10**20 else "an int beyond a float"
+    return f"a {type(value).__qualname__}"
 
 
 def _frozen_keys(keys: frozenset[str] | set[str] | tuple[str, ...] | list[str]) -> frozenset[str]:
@@ -235,8 +243,11 @@ class StateSchema:
             for second in names[i + 1 :]:
                 self._check_disjoint(first, second)
         for key, value in self.fill:
-            if not callable(value) and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-                msg = f"the fill of {key!r} is a {type(value).__qualname__}: expected a number or (group, defaults) -> number"
+            if callable(value):
+                continue
+            number = real_number(value)
+            if number is None or math.isnan(number):
+                msg = f"the fill of {key!r} is {_what(value)}: expected a real number a float holds, or (group, defaults) -> number"
                 raise RegistrationError(msg)
         for key, shape_of in self.shape_of:
             if not callable(cast(object, shape_of)):
