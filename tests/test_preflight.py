@@ -174,6 +174,28 @@ def test_history_sharing_memory_with_a_parameter_is_refused() -> None:
     assert [p.kind for p in opttree.validate(optimizer)] == [opttree.ProblemKind.ALIASED_STATE]
 
 
+@pytest.mark.parametrize("pooled", [False, True], ids=["one leaf", "a chain of leaves pooled"])
+def test_history_sharing_memory_with_a_gradient_is_refused(pooled: bool) -> None:
+    """A reset between backward and ``optimizer.step()`` (gradient accumulation) leaves the
+    gradients to the step: history over one would zero it, which no fresh optimizer's does."""
+    optimizers = [big_adamw() for _ in range(3 if pooled else 1)]
+    target = optimizers[-1]
+    param = target.param_groups[0]["params"][-1]
+    param.grad = torch.randn_like(param)
+    last_entry(target)["exp_avg"] = param.grad
+    gradient = param.grad.clone()
+    root = chained(optimizers) if pooled else target  # type: ignore[arg-type]  # Megatron chains raw torch optimizers too
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"key 'exp_avg': shares memory with a parameter's gradient of AdamW"):
+        opttree.reset(root)
+    assert torch.equal(param.grad, gradient)
+    assert [p.kind for p in opttree.validate(root)] == [opttree.ProblemKind.ALIASED_STATE]
+    param.grad = gradient  # its own memory again
+    last_entry(target)["exp_avg"] = torch.zeros_like(param)
+    assert opttree.reset(root).leaves == len(optimizers)
+    assert torch.equal(param.grad, gradient)
+
+
 def test_history_sharing_memory_with_kept_master_weights_is_refused() -> None:
     optimizer = big_adamw()
     entry = last_entry(optimizer)

@@ -38,6 +38,10 @@ from opttree._selection import EVERYTHING, Selection
 Placement = tuple[torch.dtype | None, torch.device | None]
 
 _DTYPE_AND_DEVICE = operator.attrgetter("dtype", "device")
+_GRAD = cast(Callable[[torch.Tensor], "torch.Tensor | None"], torch._C.TensorBase.__dict__["grad"].__get__)
+
+GRADIENTS = ".grad"
+"""The key under which the gradients of a leaf's parameters are kept memory."""
 _OPTIMIZER = operator.attrgetter("optimizer")
 
 
@@ -321,7 +325,7 @@ class LeafInspector:
         part = StatePlan()
         owner = (f"{leaves[0].path} .. {leaves[-1].path}", type(optimizers[0]).__qualname__)
         self.plan_entries(leaves[0], owner, held, list(entries), params, groups, part)
-        self.plan_kept(leaves[0], owner, params, None, part)
+        self.plan_params(leaves[0], owner, params, part)
         return part
 
     def starts_again(self, node: LeafNode) -> bool:
@@ -450,7 +454,7 @@ class LeafInspector:
                 self.problem(node, ProblemKind.ORPHAN_STATE, f"holds state for {orphans} tensor(s) in no param group")
         owner = (node.path, type(node.optimizer).__qualname__)
         self.plan_entries(node, owner, held, list(state.values()), in_groups, node.optimizer.param_groups, into)
-        self.plan_kept(node, owner, in_groups, None, into)
+        self.plan_params(node, owner, in_groups, into)
 
     def plan_entries(
         self,
@@ -663,6 +667,16 @@ class LeafInspector:
             tensors = tensors_held(_holding(entries, key, count)[1])
             if tensors:
                 self.plan_kept(node, owner, tensors, key_label(key), into)
+
+    def plan_params(self, node: Node, owner: tuple[str, str], params: list[torch.Tensor], into: StatePlan) -> None:
+        """Record the memory of a leaf's parameters and of their gradients, which a reset
+        leaves alone: history sharing it would zero weights, or the gradients of a step
+        between backward and ``optimizer.step()``, which no fresh optimizer's history shares."""
+        self.plan_kept(node, owner, params, None, into)
+        with plain_reads():
+            grads = [grad for grad in map(_GRAD, params) if grad is not None]
+        if grads:
+            self.plan_kept(node, owner, grads, GRADIENTS, into)
 
     def plan_kept(
         self, node: Node, owner: tuple[str, str], tensors: Sequence[torch.Tensor], key: str | None, into: StatePlan

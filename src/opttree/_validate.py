@@ -16,7 +16,7 @@ from opttree._errors import OptTreeError
 from opttree._held import Held, held_optimizers
 from opttree._identity import identity_key, identity_keys
 from opttree._adapter import TreeBuilder
-from opttree._inspect import LeafInspector, step_number
+from opttree._inspect import GRADIENTS, LeafInspector, step_number
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._plan import ResetPlan, StateEntry
 from opttree._preflight import Owner, duplicates, overlap, plain_torch, ranges, unique_ranges
@@ -33,7 +33,7 @@ _OPTIMIZER = operator.attrgetter("optimizer")
 
 def _owner_text(owner: Owner) -> str:
     path, cls, key = owner
-    what = "a parameter" if key is None else repr(key)
+    what = "a parameter" if key is None else "a parameter's gradient" if key == GRADIENTS else repr(key)
     return f"{what} of {cls} at {path}"
 
 
