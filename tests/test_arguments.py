@@ -44,8 +44,8 @@ class NotATensorModel(torch.nn.Module):
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda o: opttree.reset(o, params=5), "params must be a list of parameters or a predicate on their names, got a int"),  # type: ignore[arg-type]
-        (lambda o: opttree.reset(o, keys=5), "keys must be a state key or a list of them, got a int"),  # type: ignore[arg-type]
+        (lambda o: opttree.reset(o, params=5), "params must be a list of parameters or a predicate on their names, got an int"),  # type: ignore[arg-type]
+        (lambda o: opttree.reset(o, keys=5), "keys must be a state key or a list of them, got an int"),  # type: ignore[arg-type]
         (lambda o: opttree.reset(o, keys=[["exp_avg"]]), "keys must be names of state keys, got a list"),  # type: ignore[list-item]
         (lambda o: opttree.reset(o, params=o.param_groups[0]["params"][0]), "params is one Parameter: pass a list of parameters"),
         (lambda o: opttree.reset(o, params=torch.nn.Linear(3, 3)), "params is one Linear: pass a list of parameters"),
@@ -72,7 +72,7 @@ class NotATensorModel(torch.nn.Module):
         (lambda o: opttree.reset(o, params=refusing_params(o)), "the parameters params gives cannot be read: iterating it raised RuntimeError: selection failed"),
         (lambda o: opttree.reset(o, keys=refusing_keys()), "the state keys keys gives cannot be read: iterating it raised RuntimeError: keys failed"),
         (lambda o: opttree.prune(o, 0.5, model=[1, 2]), "model must be a torch.nn.Module, got a list"),  # type: ignore[arg-type]
-        (lambda o: opttree.prune(o, 0.5, keys=5), "keys must be a state key or a list of them, got a int"),  # type: ignore[arg-type]
+        (lambda o: opttree.prune(o, 0.5, keys=5), "keys must be a state key or a list of them, got an int"),  # type: ignore[arg-type]
         (lambda o: opttree.validate(o, group="world"), "group must be a process group of an initialised torch.distributed, got a str"),  # type: ignore[arg-type]
         (lambda o: opttree.describe(o, group=5), "group must be a process group"),  # type: ignore[arg-type]
         (lambda o: opttree.reset(o, group="world"), "group must be a process group"),  # type: ignore[arg-type]
@@ -147,7 +147,7 @@ def test_a_dotted_path_of_identifiers_python_allows_is_registered() -> None:
 
 
 def test_registering_what_is_neither_a_class_nor_a_dotted_path_is_refused() -> None:
-    with pytest.raises(opttree.RegistrationError, match="register_schema registers a class or a dotted path, got a int"):
+    with pytest.raises(opttree.RegistrationError, match="register_schema registers a class or a dotted path, got an int"):
         opttree.register_schema(5, opttree.StateSchema())  # type: ignore[arg-type]
     with pytest.raises(opttree.RegistrationError, match="register_wrapper registers a class or a dotted path, got a NoneType"):
         opttree.register_wrapper(None, children=lambda w: [])  # type: ignore[call-overload]
@@ -361,3 +361,20 @@ def test_a_flag_that_is_not_a_bool_is_refused_with_nothing_changed(flag: str) ->
     with pytest.raises(opttree.OptTreeError, match=f"{flag} must be True or False, got a str"):
         opttree.reset(optimizer, **{flag: "False"})  # type: ignore[arg-type]
     assert unchanged(optimizer, before) and len(optimizer.state) == 2
+
+
+def test_the_public_values_built_by_hand_refuse_fields_of_the_wrong_type() -> None:
+    """A problem or report made by hand with a wrong field is refused where it is made, not
+    met as an AttributeError or KeyError when it is printed."""
+    with pytest.raises(opttree.OptTreeError, match="Problem.kind must be a ProblemKind, got a str"):
+        opttree.Problem("x", "<root>", "AdamW", "a message")  # type: ignore[arg-type]
+    with pytest.raises(opttree.OptTreeError, match="Problem.key must be a str or None, got an int"):
+        opttree.Problem(opttree.ProblemKind.EMPTY_STATE, "<root>", "AdamW", "a message", 3)  # type: ignore[arg-type]
+    problem = opttree.Problem(opttree.ProblemKind.EMPTY_STATE, "<root>", "AdamW", "a message")
+    with pytest.raises(opttree.OptTreeError, match="Problem.rank must be an int or None, got a str"):
+        problem.on_rank("a")  # type: ignore[arg-type]
+    with pytest.raises(opttree.OptTreeError, match="Problem.rank must be an int or None, got a bool"):
+        problem.on_rank(True)
+    assert str(problem.on_rank(1)) == "rank 1: warning: AdamW at <root>: a message"
+    with pytest.raises(opttree.OptTreeError, match="ResetReport.action must be one of 'reset', 'prune', 'scale', got 'bogus'"):
+        opttree.ResetReport(1, 0, 0, 0, 0, 0, 0, (), action="bogus")  # type: ignore[arg-type]

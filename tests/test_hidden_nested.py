@@ -100,7 +100,7 @@ def test_an_optimizer_nested_in_a_wrappers_attribute_is_reported_and_refused(lay
     before = [snapshot(leaf), snapshot(hidden)]
 
     problems = opttree.validate(wrapper)
-    with pytest.raises(opttree.HiddenOptimizer, match=r"FP32Optimizer at <root>: holds a AdamW in (\S+) ") as caught:
+    with pytest.raises(opttree.HiddenOptimizer, match=r"FP32Optimizer at <root>: holds an AdamW in (\S+) ") as caught:
         opttree.reset(wrapper)
 
     assert [p.kind for p in problems] == [opttree.ProblemKind.HIDDEN_OPTIMIZER]

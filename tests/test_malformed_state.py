@@ -142,8 +142,8 @@ def test_an_unknown_key_that_cannot_be_printed_is_still_named() -> None:
     next(iter(optimizer.state.values()))[Unprintable()] = torch.zeros(1)
 
     (problem,) = opttree.validate(optimizer)
-    assert problem.kind is opttree.ProblemKind.UNSUPPORTED_STATE and problem.key == "<a Unprintable>"
-    with pytest.raises(opttree.UnsupportedOptimizerState, match="key '<a Unprintable>'"):
+    assert problem.kind is opttree.ProblemKind.UNSUPPORTED_STATE and problem.key == "<an Unprintable>"
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="key '<an Unprintable>'"):
         opttree.reset(optimizer)
 
 

@@ -282,7 +282,7 @@ def test_a_subtree_whose_record_of_the_wrapper_above_it_is_not_opttrees_is_a_for
         with pytest.raises(opttree.MalformedWrapper):
             opttree.reset(node)
     assert unchanged(leaf.optimizer, before)
-    with pytest.raises(opttree.OptTreeError, match=r"LeafNode.under must be None or a \(path, wrapper\) pair, got str"):
+    with pytest.raises(opttree.OptTreeError, match=r"LeafNode.under must be None or a \(path, wrapper\) pair, got a str"):
         opttree.LeafNode(leaf.path, leaf.optimizer, under="x")  # type: ignore[arg-type]
     assert opttree.tree(leaf) is leaf and opttree.validate(leaf) == ()
 

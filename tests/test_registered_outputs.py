@@ -31,9 +31,9 @@ def registered_holder(children: Callable[[Holder], object]) -> type[Holder]:
 @pytest.mark.parametrize(
     ("children", "yielded"),
     [
-        (lambda w: [w.optimizer], "a AdamW"),
+        (lambda w: [w.optimizer], "an AdamW"),
         (lambda w: [("optimizer", w.optimizer, "extra")], "a tuple of 3"),
-        (lambda w: [(0, w.optimizer)], "a pair of a int and a AdamW"),
+        (lambda w: [(0, w.optimizer)], "a pair of an int and an AdamW"),
         (lambda w: {"optimizer": w.optimizer}, "a str"),
     ],
     ids=["bare optimizer", "triple", "int label", "dict"],
@@ -161,6 +161,6 @@ def test_register_wrapper_refuses_an_inner_params_that_is_not_callable() -> None
     class Uncallable(Holder):
         pass
 
-    with pytest.raises(opttree.RegistrationError, match="needs a callable inner_params function, got a int"):
+    with pytest.raises(opttree.RegistrationError, match="needs a callable inner_params function, got an int"):
         opttree.register_wrapper(Uncallable, children=lambda w: [], inner_params=5)  # type: ignore[call-overload]
     opttree.register_wrapper(Uncallable, children=lambda w: [])  # the refused registration left nothing behind

@@ -330,7 +330,7 @@ def test_a_fill_may_be_numpys_number_as_a_fill_function_may_return() -> None:
         ({"indivisible": 1}, "indivisible must be True or False, got 1"),
         ({"zero": {"m"}, "one_value": {"n"}}, r"one_value names \['n'\], which are neither zeroed nor filled"),
         ({"zero": {"m"}, "one_value": {"m"}, "like_param": {"m"}}, r"state keys \['m'\] are named in both like_param and one_value"),
-        ({"zero": {"m"}, "shape_of": {"m": 3}}, r"the shape_of of 'm' is a int: expected \(param shape\) -> shape"),
+        ({"zero": {"m"}, "shape_of": {"m": 3}}, r"the shape_of of 'm' is an int: expected \(param shape\) -> shape"),
         ({"zero": {"m"}, "shape_of": {"n": tuple}}, r"shape_of names \['n'\], which are neither zeroed nor filled"),
     ],
     ids=[

@@ -122,7 +122,7 @@ def test_an_optimizer_a_wrapper_holds_outside_the_tree_is_refused(where: str, la
     before = [snapshot(first), snapshot(hidden)]
 
     problems = opttree.validate(wrapper)
-    with pytest.raises(opttree.HiddenOptimizer, match=r"StagedWrapper at <root>: holds a AdamW in (\S+) ") as caught:
+    with pytest.raises(opttree.HiddenOptimizer, match=r"StagedWrapper at <root>: holds an AdamW in (\S+) ") as caught:
         opttree.reset(wrapper)
 
     assert caught.value.problem is not None and f"in {label} that" in caught.value.problem.message

@@ -5,7 +5,7 @@ import logging
 from opttree._api import describe, reset, sync_masters, validate
 from opttree._checkpoints import load_state_dict, sharded_state_dict
 from opttree._history import prune, scale
-from opttree._describe import DescribeVisitor
+from opttree._describe import DescribeVisitor, Summary
 from opttree._errors import (
     HiddenOptimizer,
     MalformedWrapper,
@@ -60,6 +60,7 @@ __all__ = [
     "StateSchema",
     "StepLocation",
     "StepType",
+    "Summary",
     "SyncReport",
     "TraverserVisitor",
     "UnknownWrapper",
@@ -74,10 +75,10 @@ __all__ = [
     "load_state_dict",
     "prune",
     "register_schema",
-    "schema_for",
     "register_wrapper",
     "reset",
     "scale",
+    "schema_for",
     "sharded_state_dict",
     "sync_masters",
     "tree",

@@ -26,6 +26,7 @@ from opttree._identity import by_identity, identity_key
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._problems import Problem, ProblemKind
 from opttree._visitor import NodeVisitor
+from opttree._fields import kind_of
 
 MAX_DEPTH = 64
 """Deeper stacks are refused: no real optimizer nests this far, and a clear error beats
@@ -248,7 +249,7 @@ def instance_attribute(obj: object, name: str, path: str, owner: object = None) 
 def sequence_attribute(obj: object, name: str, path: str) -> list[object]:
     value = instance_attribute(obj, name, path)
     if not isinstance(value, (list, tuple)):
-        message = f"{name} is a {type(value).__qualname__}, expected a list"
+        message = f"{name} is {kind_of(value)}, expected a list"
         raise refusal(ProblemKind.MALFORMED_WRAPPER, obj, path, message)
     return list(value)
 
@@ -256,7 +257,7 @@ def sequence_attribute(obj: object, name: str, path: str) -> list[object]:
 def mapping_attribute(obj: object, name: str, path: str) -> dict[object, object]:
     value = instance_attribute(obj, name, path)
     if not isinstance(value, dict):
-        message = f"{name} is a {type(value).__qualname__}, expected a dict"
+        message = f"{name} is {kind_of(value)}, expected a dict"
         raise refusal(ProblemKind.MALFORMED_WRAPPER, obj, path, message)
     return value
 
@@ -333,8 +334,8 @@ def yielded_text(item: object) -> str:
     if isinstance(item, tuple) and len(item) != 2:
         return f"a tuple of {len(item)}"
     if isinstance(item, tuple):
-        return f"a pair of a {type(item[0]).__qualname__} and a {type(item[1]).__qualname__}"
-    return f"a {type(item).__qualname__}"
+        return f"a pair of {kind_of(item[0])} and {kind_of(item[1])}"
+    return kind_of(item)
 
 
 def is_pair(item: object) -> TypeGuard[tuple[object, object]]:

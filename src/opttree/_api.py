@@ -21,6 +21,7 @@ from opttree._reset import ResetVisitor
 from opttree._selection import select
 from opttree._trees import lenient_tree, tree
 from opttree._validate import ValidateVisitor
+from opttree._fields import kind_of
 
 
 def validate(
@@ -106,7 +107,7 @@ def _planned_reset(
     """A reset checked and planned, ready to carry out; its refusal raised."""
     for name, flag in (("keep_loss_scale", keep_loss_scale), ("release", release)):
         if not isinstance(cast(object, flag), bool):  # release="False" would delete every entry
-            msg = f"{name} must be True or False, got a {type(flag).__qualname__}"
+            msg = f"{name} must be True or False, got {kind_of(flag)}"
             raise OptTreeError(msg)
     if release and keys is not None:
         msg = "release=True deletes whole state entries, which their optimizer builds again: leave keys out"

@@ -25,6 +25,7 @@ from opttree._inspect import step_number
 from opttree._nodes import LeafNode, Node
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import StepLocation
+from opttree._fields import kind_of
 
 STEP_KEY = "common_step"
 """Where Megatron's ``sharded_state_dict`` puts the step its parameters share."""
@@ -107,7 +108,7 @@ def _check_torch_format(node: Node, inner: Node, state: object) -> None:
     entries = _dict(node, state, "state")["state"]
     groups = _dict(node, state, "param_groups")["param_groups"]
     if not isinstance(entries, dict):
-        raise layout_error(node, "state", f"is a {type(entries).__qualname__}, where Megatron writes a dict of entries by parameter index")
+        raise layout_error(node, "state", f"is {kind_of(entries)}, where Megatron writes a dict of entries by parameter index")
     if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
         raise layout_error(node, "param_groups", "is not a list of param groups, each a dict with a list of 'params'")
     live = _groups(node)
@@ -125,7 +126,7 @@ def _check_torch_format(node: Node, inner: Node, state: object) -> None:
         if index not in loaded:
             raise layout_error(node, index, "a state entry for no parameter of the param groups it loads (torch would keep it under that index)")
         if not isinstance(entry, dict):
-            raise layout_error(node, index, f"a state entry that is a {type(entry).__qualname__}, not a dict")
+            raise layout_error(node, index, f"a state entry that is {kind_of(entry)}, not a dict")
     if isinstance(inner, LeafNode):
         params = {index: param for saved, current in zip(groups, live) for index, param in zip(saved["params"], current["params"])}
         for index, entry in entries.items():
@@ -147,7 +148,7 @@ def _check_entry(node: Node, leaf: LeafNode, index: object, entry: dict[object, 
         where = f"state entry {index!r}, of a parameter of shape {tuple(param.shape)}: its {key!r}"
         if key == "step" and schema.step is StepLocation.PER_PARAMETER:
             if step_number(value) is None:
-                raise layout_error(node, key, f"{where} is a {type(value).__qualname__}, where {cls} counts steps in a number")
+                raise layout_error(node, key, f"{where} is {kind_of(value)}, where {cls} counts steps in a number")
             continue
         if not isinstance(key, str) or key not in schema.actions:
             raise layout_error(node, key, f"{where} is not a key {cls} keeps (its schema has {', '.join(sorted(schema.actions))})")
@@ -155,7 +156,7 @@ def _check_entry(node: Node, leaf: LeafNode, index: object, entry: dict[object, 
             continue
         if not isinstance(value, torch.Tensor):
             hint = " (a sharded state dict is loaded by dist_checkpointing.load first)" if "Sharded" in type(value).__name__ else ""
-            raise layout_error(node, key, f"{where} is a {type(value).__qualname__}, where {cls} keeps a tensor{hint}")
+            raise layout_error(node, key, f"{where} is {kind_of(value)}, where {cls} keeps a tensor{hint}")
         if key in schema.one_value and value.numel() != 1:
             raise layout_error(node, key, f"{where} holds {value.numel()} values, where {cls} keeps one")
         if key in schema.built_like_param:
@@ -170,7 +171,7 @@ def _check_entry(node: Node, leaf: LeafNode, index: object, entry: dict[object, 
 def _groups(node: Node) -> list[dict[str, list[object]]]:
     groups: object = getattr(node.optimizer, "param_groups", [])
     if not isinstance(groups, list):
-        raise layout_error(node, "param_groups", f"the optimizer's own param groups are a {type(groups).__qualname__}")
+        raise layout_error(node, "param_groups", f"the optimizer's own param groups are {kind_of(groups)}")
     return groups
 
 
@@ -198,12 +199,12 @@ def _check_scaler(node: Node, state: dict[object, object]) -> None:
     expected = getattr(scaler, "state_dict")()
     saved = state["grad_scaler"]
     if not isinstance(saved, dict) or not isinstance(expected, dict):
-        raise layout_error(node, "grad_scaler", f"is a {type(saved).__qualname__}, where the loss scaler writes a dict")
+        raise layout_error(node, "grad_scaler", f"is {kind_of(saved)}, where the loss scaler writes a dict")
     for key, value in expected.items():
         if key not in saved:
             raise layout_error(node, "grad_scaler", f"has no {key!r}, which {type(scaler).__qualname__} loads")
         if isinstance(value, torch.Tensor) != isinstance(saved[key], torch.Tensor):
-            message = f"holds a {type(saved[key]).__qualname__} under {key!r}, where {type(scaler).__qualname__} holds a {type(value).__qualname__}"
+            message = f"holds {kind_of(saved[key])} under {key!r}, where {type(scaler).__qualname__} holds {kind_of(value)}"
             raise layout_error(node, "grad_scaler", message)
 
 
@@ -222,7 +223,7 @@ def _check_masters(node: Node, state: dict[object, object]) -> None:
     for index, (saved_group, live_group) in enumerate(zip(saved, live)):
         for saved_param, live_param in zip(saved_group, live_group):
             if not isinstance(saved_param, torch.Tensor) or not isinstance(live_param, torch.Tensor) or saved_param.shape != live_param.shape:
-                what = f"of shape {tuple(saved_param.shape)}" if isinstance(saved_param, torch.Tensor) else f"that is a {type(saved_param).__qualname__}"
+                what = f"of shape {tuple(saved_param.shape)}" if isinstance(saved_param, torch.Tensor) else f"that is {kind_of(saved_param)}"
                 raise layout_error(node, key, f"group {index} holds a master weight {what} where the optimizer's is of shape {tuple(getattr(live_param, 'shape', ()))}")
 
 

@@ -37,6 +37,7 @@ from opttree._nodes import LeafNode, Node
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import StepType
 from opttree._selection import tree_leaves
+from opttree._fields import kind_of
 
 _Result = TypeVar("_Result")
 
@@ -94,9 +95,9 @@ def sharded_state_dict(
         what = type(given[0]).__qualname__
         raise layout_error(root, "model_sharded_state_dict", f"is a {what}, where Megatron takes the model's sharded state dict")
     if given[1] is not None and not isinstance(given[1], dict):
-        raise layout_error(root, "metadata", f"is a {type(given[1]).__qualname__}, where Megatron takes a dict or None")
+        raise layout_error(root, "metadata", f"is {kind_of(given[1])}, where Megatron takes a dict or None")
     if not isinstance(cast(object, is_loading), bool):
-        raise layout_error(root, "is_loading", f"is a {type(is_loading).__qualname__}, where Megatron takes True or False")
+        raise layout_error(root, "is_loading", f"is {kind_of(is_loading)}, where Megatron takes True or False")
     sharded_state_dict_of = getattr(root.optimizer, "sharded_state_dict")
     state: dict[str, object] = _megatrons(
         root, "sharded_state_dict", lambda: sharded_state_dict_of(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)

@@ -14,6 +14,7 @@ from itertools import accumulate, chain, repeat
 from typing import NamedTuple, TypeVar, cast
 
 import torch
+from opttree._fields import kind_of
 
 
 def _tensor_classes(classes: set[type]) -> bool:
@@ -111,10 +112,10 @@ def malformed_outline(optimizer: torch.optim.Optimizer) -> str | None:
     apart, once the groups have been read."""
     groups = getattr(optimizer, "param_groups", None)
     if not isinstance(groups, (list, tuple)):
-        return f"param_groups is a {type(groups).__qualname__}, expected a list"
+        return f"param_groups is {kind_of(groups)}, expected a list"
     for index, group in enumerate(groups):
         if not isinstance(group, MutableMapping):
-            return f"param group {index} is a {type(group).__qualname__}, expected a dict"
+            return f"param group {index} is {kind_of(group)}, expected a dict"
         params = group["params"] if "params" in group else None  # read as every later read does
         if not isinstance(params, (list, tuple)):
             return f"param group {index} has no 'params' list"
@@ -122,7 +123,7 @@ def malformed_outline(optimizer: torch.optim.Optimizer) -> str | None:
             return f"param group {index} holds 'params' that are not all tensors"
     state = getattr(optimizer, "state", None)
     if not isinstance(state, Mapping):
-        return f"state is a {type(state).__qualname__}, expected a mapping"
+        return f"state is {kind_of(state)}, expected a mapping"
     return None
 
 

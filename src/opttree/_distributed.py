@@ -23,6 +23,7 @@ from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._problems import Problem, ProblemKind
 from opttree._report import format_bytes
 from opttree._visitor import NodeVisitor, TraverserVisitor
+from opttree._fields import kind_of
 
 
 _Planned = TypeVar("_Planned")
@@ -88,7 +89,7 @@ def summarise(root: Node, problems: tuple[Problem, ...] = ()) -> RankSummary:
 
 def _check_group(group: object) -> None:
     if not isinstance(group, dist.ProcessGroup) or not dist.is_initialized():
-        raise OptTreeError(f"group must be a process group of an initialised torch.distributed, got a {type(group).__qualname__}")
+        raise OptTreeError(f"group must be a process group of an initialised torch.distributed, got {kind_of(group)}")
 
 
 def agree(group: dist.ProcessGroup, refused: OptTreeError | None) -> OptTreeError | None:

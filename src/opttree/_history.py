@@ -29,6 +29,7 @@ from opttree._preflight import plain_torch
 from opttree._report import ResetReport
 from opttree._selection import ParamsArg, key_names, select
 from opttree._validate import ValidateVisitor
+from opttree._fields import kind_of
 
 
 def _plan(
@@ -85,7 +86,7 @@ _FLOATS = ("floating-point or complex", _SCALABLE.__contains__)
 
 
 def _described(value: object) -> str:
-    return f"{value!r} (a {type(value).__qualname__})"
+    return f"{value!r} ({kind_of(value)})"
 
 
 def _tensors(plan: ResetPlan) -> list[torch.Tensor]:

@@ -34,6 +34,7 @@ from opttree._preflight import _DTYPE, _SHAPE, Extents, identities, plain_reads,
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import KeyAction, ScaleLookup, StateSchema, StepLocation, StepType
 from opttree._selection import EVERYTHING, Selection
+from opttree._fields import kind_of
 
 Placement = tuple[torch.dtype | None, torch.device | None]
 
@@ -154,7 +155,7 @@ def key_label(key: object) -> str:
     try:
         return repr(key)
     except Exception:  # noqa: BLE001  # a key's own __repr__ may raise anything
-        return f"<a {type(key).__qualname__}>"
+        return f"<{kind_of(key)}>"
 
 
 def _zero_like(value: object) -> int | float | None:
@@ -434,7 +435,7 @@ class LeafInspector:
         else:
             zero = _zero_like(step)
             if zero is None:
-                message = f"param group {index}'s step counter is a {type(step).__qualname__}, expected a number or tensor"
+                message = f"param group {index}'s step counter is {kind_of(step)}, expected a number or tensor"
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, "step")
                 return
             if self.written_by_own_code(node, [group], f"param group {index}", "step"):
@@ -515,7 +516,7 @@ class LeafInspector:
                 continue
             if len(tensors) < count:
                 wrong = next(value for value in values if not isinstance(value, torch.Tensor))
-                message = f"history is a {type(wrong).__qualname__}, expected a tensor"
+                message = f"history is {kind_of(wrong)}, expected a tensor"
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
                 continue
             checked = writable_ranges(tensors)
@@ -718,12 +719,12 @@ class LeafInspector:
             return
         state: object = optimizer.state  # typed a defaultdict; an optimizer may hold any mapping
         if not isinstance(state, MutableMapping):
-            message = f"its state is a {type(state).__qualname__}, which has no entries to delete: {advice}"
+            message = f"its state is {kind_of(state)}, which has no entries to delete: {advice}"
             self.problem(node, ProblemKind.UNRELEASABLE_STATE, message)
             return
         if not isinstance(state, defaultdict) or state.default_factory is not dict:
             message = (
-                f"its state is a {type(state).__qualname__}, not torch's defaultdict(dict): its next step would "
+                f"its state is {kind_of(state)}, not torch's defaultdict(dict): its next step would "
                 f"raise KeyError for a deleted entry instead of building it again; {advice}"
             )
             self.problem(node, ProblemKind.UNRELEASABLE_STATE, message)
@@ -815,13 +816,13 @@ class LeafInspector:
         for entry in numbers:
             zero = _zero_like(entry[key])
             if zero is None:
-                message = f"step counter is a {type(entry[key]).__qualname__}, expected a number or tensor"
+                message = f"step counter is {kind_of(entry[key])}, expected a number or tensor"
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
                 return
             zeros.append((entry, zero))
         if numbers and self.schema.step_type is StepType.TENSOR:
             message = (
-                f"step counter is a {type(numbers[0][key]).__qualname__} ({len(numbers)} of {len(having)} entries) where "
+                f"step counter is {kind_of(numbers[0][key])} ({len(numbers)} of {len(having)} entries) where "
                 f"{type(node.optimizer).__qualname__} starts it as a tensor, which its step adds to in place (torch's "
                 "raise for a number): a reset to 0 would not train as a fresh optimizer does; load the state "
                 "through the optimizer's load_state_dict, which makes it a tensor"
@@ -899,7 +900,7 @@ class LeafInspector:
             if scale is None:
                 continue
             if not isinstance(scale, torch.Tensor):
-                message = f"its schema's scale_of gave a {type(scale).__qualname__}, expected the scale tensor to reset, or None"
+                message = f"its schema's scale_of gave {kind_of(scale)}, expected the scale tensor to reset, or None"
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
                 return
             scales.append(scale)

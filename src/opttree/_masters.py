@@ -27,6 +27,7 @@ from opttree._nodes import Node
 from opttree._preflight import Extents, overlap, plain_torch, ranges, unwritable_reason
 from opttree._problems import Problem, ProblemKind
 from opttree._selection import INNER_PARAMS, InnerParams, model_parameters, tree_params
+from opttree._fields import kind_of
 
 
 def _walk(node: Node) -> Iterator[Node]:
@@ -187,7 +188,7 @@ def _param_name(names: dict[int, str], param: torch.Tensor) -> str:
     try:
         return f"a parameter of shape {tuple(param.shape)}"
     except Exception:  # noqa: BLE001  # as in _differing
-        return f"a {type(param).__qualname__}"
+        return kind_of(param)
 
 
 def _named_parameters(root: Node, model: torch.nn.Module | None, problems: list[Problem]) -> list[tuple[str, torch.Tensor]]:
@@ -227,7 +228,7 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
             continue
         for param, inner in pairs:
             if not isinstance(cast(object, param), torch.Tensor):
-                message = f"it names a {type(param).__qualname__} as a parameter its copies stand for, expected a tensor"
+                message = f"it names {kind_of(param)} as a parameter its copies stand for, expected a tensor"
                 problems.append(Problem(ProblemKind.UNCHECKED_MASTER, node.path, cls, message))
                 readable = False
                 continue
@@ -237,7 +238,7 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
                 if copy is None or copy is param or id(copy) in seen:
                     continue  # precision-aware shards have no separate main copy
                 if not isinstance(copy, torch.Tensor):
-                    message = f"its copy of {name} is a {type(copy).__qualname__}, expected a tensor"
+                    message = f"its copy of {name} is {kind_of(copy)}, expected a tensor"
                     problems.append(Problem(ProblemKind.UNCHECKED_MASTER, node.path, cls, message))
                     continue
                 seen.add(id(copy))

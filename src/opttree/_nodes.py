@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from itertools import repeat
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from attrs import Attribute, field, frozen
 
 from opttree._errors import OptTreeError
+from opttree._fields import kind_of, of
 
 if TYPE_CHECKING:
     from opttree._visitor import NodeVisitor
@@ -26,7 +27,7 @@ def _nodes(node: object, attribute: Attribute[object], value: object) -> None:
     """A tree built by hand holds nodes where a built one does: refused where it is made,
     not met as an AttributeError wherever it is walked."""
     if not isinstance(value, tuple) or not all(map(isinstance, value, repeat(Node))):
-        msg = f"{type(node).__name__}.{attribute.name} must be a tuple of nodes, got a {type(value).__qualname__}{_holding(value)}"
+        msg = f"{type(node).__name__}.{attribute.name} must be a tuple of nodes, got {kind_of(value)}{_holding(value)}"
         raise OptTreeError(msg)
 
 
@@ -35,31 +36,13 @@ def _holding(value: object) -> str:
     if not isinstance(value, tuple):
         return ""
     wrong = next((item for item in value if not isinstance(item, Node)), None)
-    return f" holding a {type(wrong).__qualname__}"
-
-
-def _path(node: object, attribute: Attribute[str], value: str) -> None:
-    if not isinstance(cast(object, value), str):
-        msg = f"{type(node).__name__}.path must be a str, got a {type(value).__qualname__}"
-        raise OptTreeError(msg)
-
-
-def _node_or_none(node: object, attribute: Attribute[Node | None], value: Node | None) -> None:
-    if value is not None and not isinstance(cast(object, value), Node):
-        msg = f"{type(node).__name__}.{attribute.name} must be a node or None, got a {type(value).__qualname__}"
-        raise OptTreeError(msg)
+    return f" holding {kind_of(wrong)}"
 
 
 def _under(node: object, attribute: Attribute[tuple[str, object] | None], value: tuple[str, object] | None) -> None:
     given: object = value
     if given is not None and not (isinstance(given, tuple) and len(given) == 2 and isinstance(given[0], str)):
-        msg = f"{type(node).__name__}.under must be None or a (path, wrapper) pair, got {type(given).__qualname__}"
-        raise OptTreeError(msg)
-
-
-def _optimizer(node: object, attribute: Attribute[torch.optim.Optimizer], value: torch.optim.Optimizer) -> None:
-    if not isinstance(cast(object, value), torch.optim.Optimizer):
-        msg = f"{type(node).__name__}.{attribute.name} must be a torch.optim.Optimizer, got a {type(value).__qualname__}"
+        msg = f"{type(node).__name__}.under must be None or a (path, wrapper) pair, got {kind_of(given)}"
         raise OptTreeError(msg)
 
 
@@ -68,7 +51,7 @@ class Node(ABC):
     """Base of the four node kinds. Its repr names the class of the object it stands for
     and its path, as ``describe`` does: ``LeafNode(AdamW @ chained[0].optimizer)``."""
 
-    path: str = field(validator=_path)
+    path: str = field(validator=of(str))
     under: tuple[str, object] | None = field(default=None, kw_only=True, repr=False, validator=_under)
     """The path and object of the outermost Megatron wrapper above this node, where
     :func:`opttree.tree` built it under one: Megatron checkpoints such a wrapper's state
@@ -120,7 +103,7 @@ class HybridNode(Node):
 
     optimizer: torch.optim.Optimizer = field(repr=False)
     cpu: tuple[Node, ...] = field(validator=_nodes)
-    gpu: Node | None = field(validator=_node_or_none)
+    gpu: Node | None = field(validator=of(Node, optional=True, what="a node"))
 
     @property
     def children(self) -> tuple[Node, ...]:
@@ -166,7 +149,7 @@ class LeafNode(Node):
     a leaf is described but never reset twice.
     """
 
-    optimizer: torch.optim.Optimizer = field(repr=False, validator=_optimizer)
+    optimizer: torch.optim.Optimizer = field(repr=False, validator=of(torch.optim.Optimizer, what="a torch.optim.Optimizer"))
     shared_with: str | None = None
 
     @property

@@ -21,6 +21,7 @@ from opttree._errors import (
     UnsupportedOptimizer,
     UnsupportedOptimizerState,
 )
+from opttree._fields import of
 
 
 class Severity(enum.Enum):
@@ -121,12 +122,12 @@ class Problem:
     """One finding at one node: its kind, tree path, optimizer class and state key; ``rank``
     is set on problems gathered from a process group."""
 
-    kind: ProblemKind
-    path: str
-    cls: str
-    message: str
-    key: str | None = None
-    rank: int | None = field(default=None, kw_only=True)
+    kind: ProblemKind = field(validator=of(ProblemKind))
+    path: str = field(validator=of(str))
+    cls: str = field(validator=of(str))
+    message: str = field(validator=of(str))
+    key: str | None = field(default=None, validator=of(str, optional=True))
+    rank: int | None = field(default=None, kw_only=True, validator=of(int, optional=True))
 
     @property
     def severity(self) -> Severity:

@@ -15,6 +15,7 @@ from opttree._errors import OptTreeError, RegistrationError
 from opttree._schemas import builtin_schemas
 from opttree._schema import StateSchema, StepLocation
 from opttree._selection import INNER_PARAMS, InnerParams
+from opttree._fields import kind_of
 
 _builtin_schemas = builtin_schemas()
 _user_schemas: LazyDispatch[StateSchema] = LazyDispatch()
@@ -132,7 +133,7 @@ def _is_dotted(path: str) -> bool:
 
 def _refuse_non_class(function: str, cls_or_dotted: object) -> None:
     if not isinstance(cls_or_dotted, (type, str)):
-        msg = f"{function} registers a class or a dotted path, got a {type(cls_or_dotted).__qualname__}"
+        msg = f"{function} registers a class or a dotted path, got {kind_of(cls_or_dotted)}"
         raise RegistrationError(msg)
     if isinstance(cls_or_dotted, str) and not _is_dotted(cls_or_dotted):
         msg = f"{function} registers a class or its dotted path, module and class name ('my_pkg.optim.Lion'), got {cls_or_dotted!r}"
@@ -161,7 +162,7 @@ def _refuse_odd_class(function: str, cls_or_dotted: type | str) -> None:
 
 def _refuse_uncallable(name: str, function: object) -> None:
     if not callable(function):
-        msg = f"register_wrapper needs a callable {name} function, got a {type(function).__qualname__}"
+        msg = f"register_wrapper needs a callable {name} function, got {kind_of(function)}"
         raise RegistrationError(msg)
 
 

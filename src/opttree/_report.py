@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from attrs import asdict, frozen
+from attrs import asdict, field, frozen
+
+from opttree._fields import one_of
 
 
 def format_bytes(n: int) -> str:
@@ -48,7 +50,7 @@ class ResetReport:
     loss_scales_kept: int = 0
     entries_released: int = 0
     bytes_released: int = 0
-    action: Literal["reset", "prune", "scale"] = "reset"
+    action: Literal["reset", "prune", "scale"] = field(default="reset", validator=one_of(("reset", "prune", "scale")))
     """What changed the history: a reset zeroes it, ``prune`` and ``scale`` change it in
     place, and ``tensors_zeroed`` then counts the tensors they changed."""
 

@@ -13,6 +13,7 @@ from attrs import field, frozen
 
 from opttree._errors import RegistrationError
 from opttree._numbers import real_number
+from opttree._fields import kind_of
 
 ScaleLookup = Callable[[torch.optim.Optimizer, torch.Tensor, str], "torch.Tensor | None"]
 """``(optimizer, param, key) -> scale``: a tensor kept outside ``state`` that scales a
@@ -106,7 +107,7 @@ def _options(value: Mapping[str, str] | tuple[tuple[str, str], ...]) -> tuple[tu
     pairs = _keyed(value, "built_if", "the names of group options")
     for key, option in pairs:
         if not isinstance(cast(object, option), str):
-            msg = f"built_if maps {key!r} to a {type(option).__qualname__}, expected the name of a group option"
+            msg = f"built_if maps {key!r} to {kind_of(option)}, expected the name of a group option"
             raise RegistrationError(msg)
     return pairs
 
@@ -115,7 +116,7 @@ def _what(value: object) -> str:
     """A value as a message names it: a number by itself, anything else by its type."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return f"{value:g}" if isinstance(value, float) or abs(value) < 10**20 else "an int beyond a float"
-    return f"a {type(value).__qualname__}"
+    return kind_of(value)
 
 
 def _frozen_keys(keys: frozenset[str] | set[str] | tuple[str, ...] | list[str]) -> frozenset[str]:
@@ -236,7 +237,7 @@ class StateSchema:
                 raise RegistrationError(msg)
         scale_of: object = self.scale_of
         if scale_of is not None and not callable(scale_of):
-            msg = f"scale_of is a function (optimizer, param, key) -> scale or None, got a {type(scale_of).__qualname__}"
+            msg = f"scale_of is a function (optimizer, param, key) -> scale or None, got {kind_of(scale_of)}"
             raise RegistrationError(msg)
         names = ("zero", "drop", "keep", "filled", "identity")
         for i, first in enumerate(names):
@@ -251,7 +252,7 @@ class StateSchema:
                 raise RegistrationError(msg)
         for key, shape_of in self.shape_of:
             if not callable(cast(object, shape_of)):
-                msg = f"the shape_of of {key!r} is a {type(shape_of).__qualname__}: expected (param shape) -> shape"
+                msg = f"the shape_of of {key!r} is {kind_of(shape_of)}: expected (param shape) -> shape"
                 raise RegistrationError(msg)
         layouts = {"like_param": self.like_param, "one_value": self.one_value, "shape_of": self.shaped}
         for name, named in layouts.items():
@@ -307,7 +308,7 @@ class StateSchema:
         given = value(group, defaults) if callable(value) else value
         number = real_number(given)
         if number is None:
-            msg = f"its fill gave a {type(given).__qualname__}, expected a real number a float holds"
+            msg = f"its fill gave {kind_of(given)}, expected a real number a float holds"
             raise TypeError(msg)
         return number
 

@@ -27,6 +27,7 @@ from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import StepLocation
 from opttree._visitor import TraverserVisitor
+from opttree._fields import kind_of
 
 InnerParams = Callable[[object, str], Iterable[tuple[torch.Tensor, Sequence[torch.Tensor]]]]
 """``(wrapper, path) -> (outer, inner tensors)`` pairs for the parameters it manages."""
@@ -267,7 +268,7 @@ def check_model(model: torch.nn.Module) -> None:
     """Refuse a ``model=`` that is not a module, before it is needed."""
     if not isinstance(cast(object, model), torch.nn.Module):
         chunks = " (for Megatron's list of model chunks, pass torch.nn.ModuleList(chunks))" if isinstance(model, (list, tuple)) else ""
-        msg = f"model must be a torch.nn.Module, got a {type(model).__qualname__}{chunks}"
+        msg = f"model must be a torch.nn.Module, got {kind_of(model)}{chunks}"
         raise OptTreeError(msg)
 
 
@@ -319,12 +320,12 @@ def resolve_params(params: ParamsArg, model: torch.nn.Module | None) -> list[tor
             raise OptTreeError(msg)
         return [p for name, p in model_parameters(model) if _accepted(params, name)]
     if not isinstance(cast(object, params), Iterable):
-        msg = f"params must be a list of parameters or a predicate on their names, got a {type(params).__qualname__}"
+        msg = f"params must be a list of parameters or a predicate on their names, got {kind_of(params)}"
         raise OptTreeError(msg)
     chosen = _listed(params, "the parameters params gives")
     for p in chosen:
         if not isinstance(cast(object, p), torch.Tensor):
-            msg = f"params must be tensors, got a {type(p).__qualname__}"
+            msg = f"params must be tensors, got {kind_of(p)}"
             raise OptTreeError(msg)
     return chosen
 
@@ -334,12 +335,12 @@ def key_names(keys: Iterable[str]) -> frozenset[str]:
     if isinstance(keys, str):
         return frozenset([keys])
     if not isinstance(cast(object, keys), Iterable):
-        msg = f"keys must be a state key or a list of them, got a {type(keys).__qualname__}"
+        msg = f"keys must be a state key or a list of them, got {kind_of(keys)}"
         raise OptTreeError(msg)
     names = _listed(keys, "the state keys keys gives")
     for name in names:
         if not isinstance(cast(object, name), str):
-            msg = f"keys must be names of state keys, got a {type(name).__qualname__}"
+            msg = f"keys must be names of state keys, got {kind_of(name)}"
             raise OptTreeError(msg)
     return frozenset(names)
 

@@ -27,6 +27,7 @@ from opttree._schema import StateSchema, StepLocation
 from opttree._runs import alike_runs, sibling_groups
 from opttree._selection import EVERYTHING, INNER_PARAMS, STEP_UNITS, Selection, tree_leaves, tree_params
 from opttree._visitor import TraverserVisitor
+from opttree._fields import kind_of
 
 _OPTIMIZER = operator.attrgetter("optimizer")
 
@@ -68,7 +69,7 @@ class ValidateVisitor(TraverserVisitor):
         and ``pooling=False`` inspects every leaf on its own (the reference pooling must equal)."""
         for name, flag in (("keep_loss_scale", keep_loss_scale), ("pooling", pooling)):
             if not isinstance(cast(object, flag), bool):  # keep_loss_scale="False" would keep the scale
-                msg = f"{name} must be True or False, got a {type(flag).__qualname__}"
+                msg = f"{name} must be True or False, got {kind_of(flag)}"
                 raise OptTreeError(msg)
         self._keep_loss_scale = keep_loss_scale
         self._pooling = pooling
@@ -218,7 +219,7 @@ class ValidateVisitor(TraverserVisitor):
             index, first = next((i, o) for i, o in enumerate(objects) if identity_key(o) in hidden)
             where = f"{label}[{index}]" if indexed else label
             message = (
-                f"holds a {type(first).__qualname__} in {where} that the tree does not contain "
+                f"holds {kind_of(first)} in {where} that the tree does not contain "
                 f"({len(hidden)} such): a reset would keep its state; register the wrapper with "
                 "opttree.register_wrapper(cls, children=...) naming all its optimizers"
             )
@@ -299,7 +300,7 @@ class ValidateVisitor(TraverserVisitor):
             return
         cls = type(node.optimizer).__qualname__
         if not isinstance(own, Mapping):
-            message = f"its own state is a {type(own).__qualname__}, expected a mapping"
+            message = f"its own state is {kind_of(own)}, expected a mapping"
             self.problems.append(Problem(ProblemKind.MALFORMED_STATE, node.path, cls, message))
             return
         if not own:

@@ -1,0 +1,50 @@
+"""Field validators for the public attrs values a user may also build by hand (nodes,
+problems, reports): a field of the wrong type is an :class:`~opttree.OptTreeError` where
+the value is made, not an ``AttributeError`` or ``KeyError`` wherever it is later read."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import TypeVar
+
+from attrs import Attribute
+
+from opttree._errors import OptTreeError
+
+T = TypeVar("T")
+
+
+def _article(name: str) -> str:
+    return f"an {name}" if name[:1].lower() in "aeiou" else f"a {name}"
+
+
+def kind_of(value: object) -> str:
+    """What a value is, as messages say it: ``a str``, ``an int``."""
+    return _article(type(value).__qualname__)
+
+
+def of(*kinds: type, optional: bool = False, what: str | None = None) -> Callable[[object, Attribute[T], T], None]:
+    """A validator accepting instances of ``kinds`` (a bool is not an int), and None where
+    ``optional``; ``what`` names them in its message, in place of their class names."""
+    names = (what or " or ".join(_article(kind.__name__) for kind in kinds)) + (" or None" if optional else "")
+
+    def check(instance: object, attribute: Attribute[T], value: T) -> None:
+        if value is None and optional:
+            return
+        if isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds):
+            return
+        msg = f"{type(instance).__name__}.{attribute.name} must be {names}, got {kind_of(value)}"
+        raise OptTreeError(msg)
+
+    return check
+
+
+def one_of(choices: Collection[T]) -> Callable[[object, Attribute[T], T], None]:
+    """A validator accepting one of ``choices``."""
+
+    def check(instance: object, attribute: Attribute[T], value: T) -> None:
+        if value not in choices:
+            msg = f"{type(instance).__name__}.{attribute.name} must be one of {', '.join(map(repr, choices))}, got {value!r}"
+            raise OptTreeError(msg)
+
+    return check
