@@ -180,3 +180,18 @@ def test_a_recipe_of_ones_own_is_judged_by_its_optimizer_and_an_unknown_name_is_
     assert issubclass(testing.UnknownRecipe, opttree.OptTreeError) and issubclass(testing.RecipeUnavailable, opttree.OptTreeError)
     with pytest.raises(testing.UnknownRecipe, match="no configuration named 'nope'"):
         testing.missing_feature("nope")
+
+
+@pytest.mark.skipif(not {"fp32", "bf16"} <= set(testing.available()), reason="needs the fp32 and bf16 recipes")
+def test_copy_weights_from_a_stack_of_other_dtypes_is_refused_with_nothing_copied() -> None:
+    """A copy from bf16 weights into fp32 ones casts: the weights would not be bitwise equal."""
+    fp32, bf16 = testing.build("fp32"), testing.build("bf16", seed=1)
+    before = [param.clone() for param in fp32.model.parameters()]
+
+    with pytest.raises(opttree.OptTreeError, match="cannot make the 'fp32' stack's weights bitwise equal to the 'bf16' stack's: a weight of shape"):
+        fp32.copy_weights_from(bf16)
+
+    assert all(torch.equal(a, b) for a, b in zip(fp32.model.parameters(), before, strict=True))
+    twin = testing.build("fp32", seed=1)
+    twin.copy_weights_from(fp32)
+    assert all(torch.equal(a, b) for a, b in zip(twin.model.parameters(), fp32.model.parameters(), strict=True))

@@ -346,12 +346,28 @@ class MegatronStack:
         return [p for leaf in self.leaves() for group in leaf.param_groups for p in group["params"]]
 
     def copy_weights_from(self, other: MegatronStack) -> None:
-        """Make this stack's model and main weights bitwise equal to ``other``'s."""
+        """Make this stack's model and main weights bitwise equal to ``other``'s: refused,
+        with nothing copied, where the two hold weights of other counts, shapes or dtypes
+        (a copy between them would cast, and the weights would not be equal)."""
+        pairs = [
+            *zip(list(self.model.parameters()), list(other.model.parameters())),
+            *zip(self.main_params(), other.main_params()),
+        ]
+        counts = (len(list(self.model.parameters())), len(self.main_params()))
+        theirs = (len(list(other.model.parameters())), len(other.main_params()))
+        unlike = [(a, b) for a, b in pairs if a.shape != b.shape or a.dtype != b.dtype]
+        if counts != theirs or unlike:
+            found = (
+                f"model and main weights {counts[0]} and {counts[1]} where the other stack holds {theirs[0]} and {theirs[1]}"
+                if counts != theirs
+                else f"a weight of shape {tuple(unlike[0][0].shape)} {unlike[0][0].dtype} where the other stack's is "
+                f"{tuple(unlike[0][1].shape)} {unlike[0][1].dtype}"
+            )
+            msg = f"cannot make the {self.name!r} stack's weights bitwise equal to the {other.name!r} stack's: {found}"
+            raise OptTreeError(msg)
         with torch.no_grad():
-            for param, source in zip(self.model.parameters(), other.model.parameters(), strict=True):
-                param.copy_(source)
-            for main, main_source in zip(self.main_params(), other.main_params(), strict=True):
-                main.copy_(main_source)
+            for weight, source in pairs:
+                weight.copy_(source)
 
 
 @contextlib.contextmanager
