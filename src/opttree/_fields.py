@@ -4,6 +4,7 @@ the value is made, not an ``AttributeError`` or ``KeyError`` wherever it is late
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Callable, Collection
 from typing import TypeVar
 
@@ -19,8 +20,13 @@ def _article(name: str) -> str:
 
 
 def kind_of(value: object) -> str:
-    """What a value is, as messages say it: ``a str``, ``an int``."""
-    return _article(type(value).__qualname__)
+    """What a value is, as messages say it: ``a str``, ``an int``; a class named as a
+    builtin but not one by its module too (``a numpy.bool``, not ``a bool``)."""
+    cls = type(value)
+    name = cls.__qualname__
+    if cls.__module__ != "builtins" and hasattr(builtins, name):
+        name = f"{cls.__module__}.{name}"
+    return _article(name)
 
 
 def of(*kinds: type, optional: bool = False, what: str | None = None) -> Callable[[object, Attribute[T], T], None]:
