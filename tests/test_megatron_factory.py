@@ -195,3 +195,13 @@ def test_copy_weights_from_a_stack_of_other_dtypes_is_refused_with_nothing_copie
     twin = testing.build("fp32", seed=1)
     twin.copy_weights_from(fp32)
     assert all(torch.equal(a, b) for a, b in zip(twin.model.parameters(), fp32.model.parameters(), strict=True))
+
+
+def test_a_recipe_of_fields_megatron_cannot_take_is_refused_where_it_is_made() -> None:
+    with pytest.raises(opttree.OptTreeError, match="Recipe.optimizer must be a str, got an int"):
+        testing.Recipe("mine", 5)  # type: ignore[arg-type]
+    with pytest.raises(opttree.OptTreeError, match="Recipe.offload_fraction must be None or a number from 0 to 1, got 2.0"):
+        testing.Recipe("mine", "adam", offload_fraction=2.0)
+    with pytest.raises(opttree.OptTreeError, match="Recipe.bf16 must be a bool, got a str"):
+        testing.Recipe("mine", "adam", bf16="yes")  # type: ignore[arg-type]
+    assert testing.Recipe("mine", "adam", offload_fraction=1).offload_fraction == 1

@@ -24,9 +24,10 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-from attrs import frozen
+from attrs import Attribute, field, frozen
 
 from opttree._errors import OptTreeError
+from opttree._fields import of
 from opttree.testing._cuda_on_cpu import CudaOnCpu, cuda_on_cpu
 
 if TYPE_CHECKING:
@@ -42,19 +43,27 @@ STANDARD_OPTIMIZERS = frozenset({"adam", "sgd"})
 every other name needs emerging-optimizers."""
 
 
+def _fraction(recipe: object, attribute: Attribute[float | None], value: float | None) -> None:
+    given: object = value
+    if given is None or (isinstance(given, (int, float)) and not isinstance(given, bool) and 0.0 <= given <= 1.0):
+        return
+    msg = f"Recipe.offload_fraction must be None or a number from 0 to 1, got {given!r}"
+    raise OptTreeError(msg)
+
+
 @frozen
 class Recipe:
     """One named configuration: the ``OptimizerConfig`` fields it sets."""
 
-    name: str
-    optimizer: str
-    bf16: bool = False
-    fp16: bool = False
-    distributed: bool = False
-    offload_fraction: float | None = None
-    layer_wise: bool = False
-    experts: bool = False
-    description: str = ""
+    name: str = field(validator=of(str))
+    optimizer: str = field(validator=of(str))
+    bf16: bool = field(default=False, validator=of(bool))
+    fp16: bool = field(default=False, validator=of(bool))
+    distributed: bool = field(default=False, validator=of(bool))
+    offload_fraction: float | None = field(default=None, validator=_fraction)
+    layer_wise: bool = field(default=False, validator=of(bool))
+    experts: bool = field(default=False, validator=of(bool))
+    description: str = field(default="", validator=of(str))
 
     @property
     def needs_emerging(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
+import time
 import traceback
 from collections.abc import Callable
 from typing import TypeVar, cast
@@ -34,7 +35,7 @@ def run_ranks(fn: Callable[[], R], world_size: int, *, timeout: float = 180.0) -
 
     ``fn`` runs in a fresh process per rank (``spawn``) after ``init_process_group``, so it
     must be importable by name, and so must what it returns be picklable. A rank that
-    raises, or a run past ``timeout`` seconds, raises ``RuntimeError`` here.
+    raises, or a run past ``timeout`` seconds in all, raises ``RuntimeError`` here.
     """
     from opttree.testing._megatron import free_port
 
@@ -48,10 +49,11 @@ def run_ranks(fn: Callable[[], R], world_size: int, *, timeout: float = 180.0) -
     for process in processes:
         process.start()
     collected: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
     try:
         while len(collected) < world_size:
             try:
-                rank, ok, value = results.get(timeout=timeout)
+                rank, ok, value = results.get(timeout=max(deadline - time.monotonic(), 0.0))
             except queue.Empty:
                 msg = f"{world_size} ranks did not finish within {timeout:g} s"
                 raise RuntimeError(msg) from None
