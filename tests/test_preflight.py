@@ -4,6 +4,7 @@ the reset refuses, names the leaf and key, and changes nothing; validate reports
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -194,6 +195,23 @@ def test_history_sharing_memory_with_a_gradient_is_refused(pooled: bool) -> None
     last_entry(target)["exp_avg"] = torch.zeros_like(param)
     assert opttree.reset(root).leaves == len(optimizers)
     assert torch.equal(param.grad, gradient)
+
+
+@pytest.mark.skipif("dist_fp32" not in testing.available(), reason="no dist_fp32 recipe in this lane")
+def test_a_distributed_optimizer_between_backward_and_step_is_checked_without_warnings() -> None:
+    """Its main parameters are views of a shard, whose .grad torch warns at reading: the
+    gradients looked at are those of leaf tensors, and nothing warns."""
+    stack = testing.build("dist_fp32")
+    stack.train(0, 1)
+    with stack.device:
+        stack.model.zero_grad_buffer()
+        stack.optimizer.zero_grad()
+        torch.autograd.backward(stack.model(torch.ones(8, 16)).float().pow(2).mean())
+        stack.model.finish_grad_sync()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert opttree.validate(stack.optimizer) == ()
+        assert opttree.reset(stack.optimizer).steps > 0
 
 
 def test_history_sharing_memory_with_kept_master_weights_is_refused() -> None:

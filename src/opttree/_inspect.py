@@ -40,6 +40,7 @@ Placement = tuple[torch.dtype | None, torch.device | None]
 
 _DTYPE_AND_DEVICE = operator.attrgetter("dtype", "device")
 _GRAD = cast(Callable[[torch.Tensor], "torch.Tensor | None"], torch._C.TensorBase.__dict__["grad"].__get__)
+_IS_LEAF = cast(Callable[[torch.Tensor], bool], torch._C.TensorBase.__dict__["is_leaf"].__get__)
 
 GRADIENTS = ".grad"
 """The key under which the gradients of a leaf's parameters are kept memory."""
@@ -674,8 +675,8 @@ class LeafInspector:
         leaves alone: history sharing it would zero weights, or the gradients of a step
         between backward and ``optimizer.step()``, which no fresh optimizer's history shares."""
         self.plan_kept(node, owner, params, None, into)
-        with plain_reads():
-            grads = [grad for grad in map(_GRAD, params) if grad is not None]
+        with plain_reads():  # a view (DistributedOptimizer's main shards) has no .grad of its own, and torch warns at reading it
+            grads = [grad for grad in map(_GRAD, compress(params, map(_IS_LEAF, params))) if grad is not None]
         if grads:
             self.plan_kept(node, owner, grads, GRADIENTS, into)
 
