@@ -638,6 +638,42 @@ def test_a_subclass_with_its_own_state_building_inherits_no_built_in_schema() ->
     assert opttree.schema_for(WarmAdam) is None
 
 
+class WarmAdagrad(torch.optim.Adagrad):
+    """An Adagrad whose accumulators start at 0.1: Adagrad builds its state in ``__init__``,
+    and this one's ``__init__`` fills it otherwise."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, lr=0.01)
+        for entry in self.state.values():
+            entry["sum"].fill_(0.1)
+
+
+class ClippingMixin:
+    """A mixin whose ``step`` clips before the optimizer's own."""
+
+    def step(self, closure: None = None) -> None:
+        super().step(closure)  # type: ignore[misc]
+
+
+class ClippedAdam(ClippingMixin, torch.optim.Adam):  # type: ignore[misc]  # the mixin's step is untyped torch's
+    pass
+
+
+def test_a_subclass_building_state_in_init_or_taking_a_step_from_a_mixin_inherits_no_built_in_schema() -> None:
+    net = model()
+    optimizer = WarmAdagrad(net.parameters())
+    train(net, optimizer, 0, 2)
+    with pytest.raises(opttree.UnsupportedOptimizer, match=r"WarmAdagrad defines its own __init__, where its base torch\.optim\.adagrad\.Adagrad"):
+        opttree.reset(optimizer)
+    assert opttree.schema_for(DefaultsAdam) is not None  # Adam builds its state in step: its __init__ may differ
+    clipped = ClippedAdam(model().parameters())
+    problems = opttree.validate(clipped)
+    assert [p.kind for p in problems] == [opttree.ProblemKind.UNSUPPORTED_OPTIMIZER]
+    assert "ClippedAdam takes its own step from tests.test_registration.ClippingMixin" in problems[0].message
+    with pytest.raises(opttree.OptTreeError, match="schema_for takes an optimizer class, got a ClippedAdam"):
+        opttree.schema_for(clipped)  # type: ignore[arg-type]
+
+
 def test_a_subclass_building_state_with_its_bases_methods_inherits_its_schema() -> None:
     """Other defaults, methods of its own, and torch's profiling hook, which torch sets as
     ``step`` on a subclass's first instance, are not state building of its own."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import inspect
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar, cast, overload
 
@@ -25,11 +26,13 @@ _user_kinds: LazyDispatch[Expander] = LazyDispatch()
 
 STATE_BUILDERS = ("step", "_init_group")
 """The methods in which torch's, Megatron's and emerging-optimizers' classes build their
-state. A built-in schema describes the state its class's own methods build: a subclass
-that defines one of them otherwise may build other state, so it inherits no built-in
-schema. A user's registration applies to the class's subclasses as it says."""
+state, and ``__init__`` too for a class that builds it there (whose schema says it does not
+build a missing entry again: Adagrad). A built-in schema describes the state its class's
+own methods build: a subclass that defines one of them otherwise may build other state,
+so it inherits no built-in schema. A user's registration applies to the class's
+subclasses as it says."""
 
-_differing: dict[tuple[type, type, tuple[object, ...]], str | None] = {}
+_differing: weakref.WeakKeyDictionary[type, dict[tuple[type, tuple[object, ...]], str | None]] = weakref.WeakKeyDictionary()
 
 
 def _unwrapped(method: object) -> object:
@@ -41,24 +44,30 @@ def _unwrapped(method: object) -> object:
         return method
 
 
-def _own_builder(cls: type, base: type) -> str | None:
-    """The first of :data:`STATE_BUILDERS` that ``cls`` defines otherwise than ``base``,
-    the class of the built-in schema that would apply to it; None where it builds state
-    with ``base``'s own methods. Kept per class and the methods it has now, so that a
-    method set on the class later is looked at again."""
+def _builders(schema: StateSchema) -> tuple[str, ...]:
+    return STATE_BUILDERS if schema.rebuilds_missing else (*STATE_BUILDERS, "__init__")
+
+
+def _own_builder(cls: type, base: type, schema: StateSchema) -> str | None:
+    """The first of the methods that build ``base``'s state (see :data:`STATE_BUILDERS`)
+    that ``cls`` defines otherwise than ``base``, the class of the built-in ``schema`` that
+    would apply to it; None where it builds state with ``base``'s own methods. Kept per
+    class and the methods it has now, so that a method set on the class later is looked at
+    again, and forgotten with the class."""
     if cls is base:
         return None
-    methods = tuple(getattr(cls, name, None) for name in STATE_BUILDERS)
-    key = (cls, base, methods)
+    names = _builders(schema)
+    methods = tuple(getattr(cls, name, None) for name in names)
+    known = _differing.setdefault(cls, {})
     try:
-        return _differing[key]
+        return known[(base, methods)]
     except KeyError:
         pass
     differing = next(
-        (name for name, method in zip(STATE_BUILDERS, methods, strict=True) if _unwrapped(method) is not _unwrapped(getattr(base, name, None))),
+        (name for name, method in zip(names, methods, strict=True) if _unwrapped(method) is not _unwrapped(getattr(base, name, None))),
         None,
     )
-    _differing[key] = differing
+    known[(base, methods)] = differing
     return differing
 
 
@@ -71,7 +80,7 @@ def _builtin_base(cls: type) -> tuple[type, str] | None:
     found = _builtin_schemas.lookup_owner(cls)
     if found is None:
         return None
-    method = _own_builder(cls, found[0])
+    method = _own_builder(cls, found[0], found[1])
     return None if method is None else (found[0], method)
 
 
@@ -84,11 +93,14 @@ def schema_for(cls: type) -> StateSchema | None:
     class that users' registrations apply to ambiguously has none. See
     :func:`opttree.register_schema`.
     """
+    if not isinstance(cast(object, cls), type):
+        msg = f"schema_for takes an optimizer class, got {kind_of(cls)}"
+        raise OptTreeError(msg)
     schema = _user_schemas.lookup(cls)
     if schema is not None or _user_schemas.ambiguity(cls) is not None:
         return schema
     found = _builtin_schemas.lookup_owner(cls)
-    if found is None or _own_builder(cls, found[0]) is not None:
+    if found is None or _own_builder(cls, *found) is not None:
         return None
     return found[1]
 
@@ -102,8 +114,11 @@ def unregistered_reason(cls: type) -> str:
     if overridden is None:
         return f"no state schema is registered for {dotted_name(cls)}"
     base, method = overridden
+    own_method = _unwrapped(getattr(cls, method, None))  # torch sets a hook over a mixin's step on the class itself
+    definer = next((klass for klass in cls.__mro__ if _unwrapped(vars(klass).get(method)) is own_method and vars(klass)[method] is own_method), cls)
+    own = f"defines its own {method}" if definer is cls else f"takes its own {method} from {dotted_name(definer)}"
     return (
-        f"{dotted_name(cls)} defines its own {method}, where its base {dotted_name(base)}, whose state opttree knows, "
+        f"{dotted_name(cls)} {own}, where its base {dotted_name(base)}, whose state opttree knows, "
         "builds its state: opttree cannot tell that it builds the same state; if it does, register it with that schema: "
         f"opttree.register_schema({cls.__qualname__}, opttree.schema_for({base.__qualname__}))"
     )
