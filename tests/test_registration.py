@@ -726,6 +726,14 @@ def test_registrations_no_leaf_or_wrapper_could_use_are_refused() -> None:
     for base in (object, torch.optim.Optimizer):
         with pytest.raises(opttree.RegistrationError, match="a base of every torch optimizer"):
             opttree.register_wrapper(base, children=lambda wrapper: [])
+    with pytest.raises(opttree.RegistrationError, match="got builtins.object, one of Python's own"):
+        opttree.register_wrapper("builtins.object", children=lambda wrapper: [])
+    with pytest.raises(opttree.RegistrationError, match="got builtins.int, one of Python's own"):
+        opttree.register_schema("builtins.int", opttree.StateSchema())
+    with pytest.raises(opttree.RegistrationError, match="megatron.core.optimizer.optimizer.ChainedOptimizer is a wrapper kind opttree knows"):
+        opttree.register_schema("megatron.core.optimizer.optimizer.ChainedOptimizer", opttree.StateSchema())
+    with pytest.raises(opttree.RegistrationError, match="torch.optim.optimizer.Optimizer, a base of every torch optimizer"):
+        opttree.register_wrapper("torch.optim.optimizer.Optimizer", children=lambda wrapper: [])
     param = torch.nn.Parameter(torch.ones(2))
     assert opttree.validate(torch.optim.Adam([param])) == ()
     assert [p.kind for p in opttree.validate(None)] == [opttree.ProblemKind.NOT_AN_OPTIMIZER]

@@ -10,7 +10,17 @@ from typing import TypeVar, cast, overload
 
 import torch
 
-from opttree._adapter import ChildrenFn, Expander, builtin_kinds, children_expander, expand_leaf, function_failed, is_pair, yielded_wrongly
+from opttree._adapter import (
+    MEGATRON_KINDS,
+    ChildrenFn,
+    Expander,
+    builtin_kinds,
+    children_expander,
+    expand_leaf,
+    function_failed,
+    is_pair,
+    yielded_wrongly,
+)
 from opttree._dispatch import LazyDispatch, dotted_name
 from opttree._errors import OptTreeError, RegistrationError
 from opttree._schemas import builtin_schemas
@@ -161,6 +171,7 @@ def _refuse_odd_class(function: str, cls_or_dotted: type | str) -> None:
     leaves carry the schemas, would never be used; a wrapper kind for a base class of
     torch's optimizers would make every optimizer, and every object, a wrapper."""
     if isinstance(cls_or_dotted, str):
+        _refuse_odd_path(function, cls_or_dotted)
         return
     name = dotted_name(cls_or_dotted)
     if function == "register_schema":
@@ -172,6 +183,20 @@ def _refuse_odd_class(function: str, cls_or_dotted: type | str) -> None:
             raise RegistrationError(msg)
     elif issubclass(torch.optim.Optimizer, cls_or_dotted):
         msg = f"register_wrapper registers a wrapper class, got {name}, a base of every torch optimizer"
+        raise RegistrationError(msg)
+
+
+def _refuse_odd_path(function: str, dotted: str) -> None:
+    """:func:`_refuse_odd_class` for a class named by its dotted path, as far as the path
+    tells: Python's own classes, the wrapper kinds opttree knows, torch's optimizer bases."""
+    if dotted.startswith("builtins."):
+        msg = f"{function} registers an optimizer or wrapper class, got {dotted}, one of Python's own"
+        raise RegistrationError(msg)
+    if function == "register_schema" and dotted in MEGATRON_KINDS:
+        msg = f"{dotted} is a wrapper kind opttree knows: the optimizers it holds carry the schemas"
+        raise RegistrationError(msg)
+    if function == "register_wrapper" and dotted in {dotted_name(base) for base in torch.optim.Optimizer.__mro__}:
+        msg = f"register_wrapper registers a wrapper class, got {dotted}, a base of every torch optimizer"
         raise RegistrationError(msg)
 
 
