@@ -83,12 +83,19 @@ def test_children_from_an_iterator_the_wrapper_keeps_are_a_malformed_wrapper_and
             super().__init__(optimizer)
             self.pairs = iter([("optimizer", optimizer)])
 
+    class SlotsIterator:
+        __slots__ = ("pairs",)
+
+        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+            self.pairs = iter([("optimizer", optimizer)])
+
     opttree.register_wrapper(KeepsIterator, children=lambda w: w.pairs)
-    kept = KeepsIterator(optimizer)
-    for _ in range(2):
-        with pytest.raises(opttree.MalformedWrapper, match="returned an iterator the wrapper keeps"):
-            opttree.reset(kept)
-        assert opttree.validate(kept)[0].kind is opttree.ProblemKind.MALFORMED_WRAPPER  # the optimizer it holds is hidden too
+    opttree.register_wrapper(SlotsIterator, children=lambda w: w.pairs)
+    for kept in (KeepsIterator(optimizer), SlotsIterator(optimizer)):
+        for _ in range(2):
+            with pytest.raises(opttree.MalformedWrapper, match="returned an iterator the wrapper keeps"):
+                opttree.reset(kept)
+            assert opttree.validate(kept)[0].kind is opttree.ProblemKind.MALFORMED_WRAPPER  # the optimizer it holds is hidden too
     assert unchanged(optimizer, before)
 
     def pairs(wrapper: Holder) -> Iterable[tuple[str, object]]:

@@ -358,12 +358,18 @@ def labelled(pairs: list[object], wrapper: object, path: str) -> list[tuple[str,
 
 
 def _kept_iterator(wrapper: object, given: object) -> bool:
-    """Whether ``given`` is an iterator that ``wrapper`` holds in an instance attribute, which
-    one build uses up (a fresh generator each call is not held)."""
+    """Whether ``given`` is an iterator that ``wrapper`` holds in an instance attribute (in
+    its ``__dict__`` or its slots), which one build uses up (a fresh generator each call is
+    not held)."""
     if not isinstance(given, Iterator):
         return False
     attributes = getattr(wrapper, "__dict__", None)
-    return isinstance(attributes, dict) and any(value is given for value in attributes.values())
+    held = list(attributes.values()) if isinstance(attributes, dict) else []
+    for klass in type(wrapper).__mro__:
+        slots = vars(klass).get("__slots__", ())
+        for name in [slots] if isinstance(slots, str) else slots:
+            held.append(getattr(wrapper, name, None))
+    return any(value is given for value in held)
 
 
 def children_expander(children: ChildrenFn) -> Expander:
