@@ -108,8 +108,13 @@ MALFORMED: list[tuple[str, str, Edit, str, str]] = [
     ("fp16", "a loss scale a float", lambda s: put(s["grad_scaler"], "scale", 2.0), "grad_scaler", "holds a float under 'scale'"),  # type: ignore[arg-type]
     ("fp32", "history of another shape", lambda s: put(entry(s), "exp_avg", torch.zeros(3)), "exp_avg", r"its 'exp_avg' has shape \(3,\), where AdamW builds it in shape \(32, 16\)"),
     ("fp32", "history a str", lambda s: put(entry(s), "exp_avg_sq", "s"), "exp_avg_sq", "its 'exp_avg_sq' is a str, where AdamW keeps a tensor"),
-    ("fp32", "a step a str", lambda s: put(entry(s), "step", "s"), "step", "its 'step' is a str, where AdamW counts steps in a number"),
+    ("fp32", "a step a str", lambda s: put(entry(s), "step", "s"), "step", "its 'step' is a str, where AdamW counts steps from 0 in one real number"),
     ("fp32", "a key of no schema", lambda s: put(entry(s), "my_ema", torch.zeros(1)), "my_ema", "its 'my_ema' is not a key AdamW keeps"),
+    ("fp32", "a step of several values", lambda s: put(entry(s), "step", torch.ones(3)), "step", "its 'step' is a float32 tensor of 3 values"),
+    ("fp32", "a negative step", lambda s: put(entry(s), "step", torch.tensor(-5.0)), "step", "its 'step' is -5, where AdamW counts steps from 0"),
+    ("fp32", "an infinite step", lambda s: put(entry(s), "step", float("inf")), "step", "its 'step' is inf"),
+    ("fp32", "an entry without its step", lambda s: entry(s).pop("step"), "step", "state entry 0 holds history but no step, where other entries hold one"),
+    ("fp32", "amsgrad over entries without its history", lambda s: put(groups(s)[0], "amsgrad", True), "max_exp_avg_sq", "lacks 'max_exp_avg_sq', which AdamW reads at every step where 'amsgrad' is on"),
     ("bf16", "history of another shape", lambda s: put(entry(s), "exp_avg", torch.zeros(32, 15)), "exp_avg", r"has shape \(32, 15\), where AdamW builds it in shape \(32, 16\)"),
     ("dist_bf16", "no torch state", lambda s: s.pop("optimizer"), "optimizer", "has no 'optimizer'"),
     ("dist_bf16", "groups without a step", lambda s: [g.pop("step") for g in groups(s)], "step", "do not hold one step"),
@@ -138,6 +143,22 @@ def test_a_malformed_state_dict_is_refused_with_the_stack_and_the_state_dict_unc
     assert all(unchanged(leaf, snap) for leaf, snap in zip(loaded.leaves(), before, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(loaded.main_params(), weights, strict=True))
     assert same(state, given)
+
+
+def test_a_step_numpy_counts_in_is_loaded() -> None:
+    """torch's Adam takes a step saved as NumPy's number, as it takes Python's."""
+    import numpy as np
+
+    stack = recipe("fp32")
+    state = saved(stack)
+    for saved_entry in entries(state).values():
+        assert isinstance(saved_entry, dict)
+        saved_entry["step"] = np.int64(int(saved_entry["step"]))
+    loaded = fresh_like(stack)
+    with loaded.device:
+        opttree.load_state_dict(loaded.optimizer, state)
+    loaded.train(K, 1)
+    assert opttree.validate(loaded.optimizer) == ()
 
 
 def test_megatron_loads_history_of_another_shape_which_fails_the_next_step_and_opttree_refuses_it() -> None:

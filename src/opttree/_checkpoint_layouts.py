@@ -21,11 +21,13 @@ import torch
 from opttree import _registry
 from opttree._adapter import instance_attribute, mapping_attribute, sequence_attribute
 from opttree._dispatch import LazyDispatch
+from opttree._fields import kind_of
 from opttree._inspect import step_number
 from opttree._nodes import LeafNode, Node
+from opttree._numbers import real_number
+from opttree._preflight import torch_name
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import StepLocation
-from opttree._fields import kind_of
 
 STEP_KEY = "common_step"
 """Where Megatron's ``sharded_state_dict`` puts the step its parameters share."""
@@ -129,26 +131,62 @@ def _check_torch_format(node: Node, inner: Node, state: object) -> None:
             raise layout_error(node, index, f"a state entry that is {kind_of(entry)}, not a dict")
     if isinstance(inner, LeafNode):
         params = {index: param for saved, current in zip(groups, live) for index, param in zip(saved["params"], current["params"])}
-        for index, entry in entries.items():
-            if index != STEP_KEY:
-                _check_entry(node, inner, index, cast(dict[object, object], entry), params[index])
+        options = {index: saved for saved in groups[: len(live)] for index in saved["params"]}
+        saved_entries = {index: cast(dict[object, object], entry) for index, entry in entries.items() if index != STEP_KEY}
+        for index, entry in saved_entries.items():
+            _check_entry(node, inner, index, entry, params[index], options[index])
+        _check_steps_held(node, inner, saved_entries)
 
 
-def _check_entry(node: Node, leaf: LeafNode, index: object, entry: dict[object, object], param: object) -> None:
-    """One saved state entry, as the leaf's optimizer builds it for ``param``: torch's load
-    casts history to the parameter's dtype but keeps its shape, so history of another
-    shape, history that is not a tensor, a key the schema does not know or a step that is
-    not a number would load, and be refused (or raise) at the next reset or step."""
+def _check_steps_held(node: Node, leaf: LeafNode, entries: dict[object, dict[object, object]]) -> None:
+    """Where some saved entries hold a per-parameter step, every entry holding history must:
+    torch's Adam raises KeyError at one without, after Megatron has loaded what comes before.
+    (Where none holds one, the checkpoint was saved at step 0: see :mod:`opttree._checkpoints`.)"""
+    if _registry.step_location(type(leaf.optimizer)) is not StepLocation.PER_PARAMETER:
+        return
+    stepless = [index for index, entry in entries.items() if entry and "step" not in entry]
+    if stepless and len(stepless) < sum(1 for entry in entries.values() if entry):
+        message = f"state entry {stepless[0]!r} holds history but no step, where other entries hold one ({len(stepless)} such)"
+        raise layout_error(node, "step", message)
+
+
+def _step_fault(value: object) -> str | None:
+    """What a saved per-parameter step is, where it is not one finite count from 0 (a
+    Python, NumPy or one-element real tensor number): None where it is one."""
+    if isinstance(value, torch.Tensor) and (value.numel() != 1 or value.dtype is torch.bool or value.is_complex()):
+        return f"a {torch_name(value.dtype)} tensor of {value.numel()} values"
+    number = real_number(value)
+    if number is None:
+        return kind_of(value)
+    return None if math.isfinite(number) and number >= 0 else f"{number:g}"
+
+
+def _check_entry(
+    node: Node, leaf: LeafNode, index: object, entry: dict[object, object], param: object, group: dict[object, object]
+) -> None:
+    """One saved state entry, as the leaf's optimizer builds it for ``param`` in its saved
+    param ``group`` (whose options torch's load takes): torch's load casts history to the
+    parameter's dtype but keeps its shape, so history of another shape, history that is not
+    a tensor, history an option of its group needs missing, a key the schema does not know
+    or a step that is not one count would load, and be refused (or raise, or train to NaN)
+    at the next reset or step."""
     schema = _registry.schema_for(type(leaf.optimizer))
     if schema is None or not isinstance(param, torch.Tensor):
         return  # a leaf without a schema is refused by validate and reset; a param group holding no tensor, by torch
     cls = type(leaf.optimizer).__qualname__
     history = schema.zero | schema.filled | schema.identity
+    where = f"state entry {index!r}, of a parameter of shape {tuple(param.shape)}"
+    if entry:
+        for needed, option in schema.built_if:
+            if group.get(option) and needed not in entry:
+                message = f"{where} lacks {needed!r}, which {cls} reads at every step where {option!r} is on, as its saved param group has it"
+                raise layout_error(node, needed, message)
     for key, value in entry.items():
         where = f"state entry {index!r}, of a parameter of shape {tuple(param.shape)}: its {key!r}"
         if key == "step" and schema.step is StepLocation.PER_PARAMETER:
-            if step_number(value) is None:
-                raise layout_error(node, key, f"{where} is {kind_of(value)}, where {cls} counts steps in a number")
+            fault = _step_fault(value)
+            if fault is not None:
+                raise layout_error(node, key, f"{where} is {fault}, where {cls} counts steps from 0 in one real number")
             continue
         if not isinstance(key, str) or key not in schema.actions:
             raise layout_error(node, key, f"{where} is not a key {cls} keeps (its schema has {', '.join(sorted(schema.actions))})")
