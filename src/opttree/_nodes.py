@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from attrs import Attribute, field, frozen
 
+from opttree._dispatch import is_megatron_class
 from opttree._errors import OptTreeError
 from opttree._fields import kind_of, of
 
@@ -40,10 +41,16 @@ def _holding(value: object) -> str:
 
 
 def _under(node: object, attribute: Attribute[tuple[str, object] | None], value: tuple[str, object] | None) -> None:
+    """``under`` is None or what :func:`opttree.tree` records: the path and object of a
+    Megatron wrapper."""
     given: object = value
-    if given is not None and not (isinstance(given, tuple) and len(given) == 2 and isinstance(given[0], str)):
-        msg = f"{type(node).__name__}.under must be None or a (path, wrapper) pair, got {kind_of(given)}"
-        raise OptTreeError(msg)
+    if given is None:
+        return
+    if isinstance(given, tuple) and len(given) == 2 and isinstance(given[0], str) and is_megatron_class(type(given[1])):
+        return
+    found = f"a pair of {kind_of(given[0])} and {kind_of(given[1])}" if isinstance(given, tuple) and len(given) == 2 else kind_of(given)
+    msg = f"{type(node).__name__}.under must be None or the (path, Megatron wrapper) pair opttree.tree records, got {found}"
+    raise OptTreeError(msg)
 
 
 @frozen(repr=False)

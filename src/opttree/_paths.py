@@ -19,3 +19,10 @@ def items(sequence: str, count: int) -> list[str]:
 def key(mapping: str, name: object) -> str:
     """The path of the value stored under ``name`` in the mapping at path ``mapping``."""
     return f"{mapping}[{name!r}]"
+
+
+def within(path: str, root: str) -> bool:
+    """Whether ``path`` is ``root`` or a path below it."""
+    if root == ROOT or path == root:
+        return True
+    return path.startswith((f"{root}.", f"{root}["))

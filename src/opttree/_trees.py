@@ -59,7 +59,14 @@ def _built_for(given: Node, problems: list[Problem] | None) -> Node | None:
     if given.under is None:
         return TreeBuilder(_registry.kind_for, problems).build(given.optimizer, given.path)
     path, wrapper = given.under
-    return node_at(TreeBuilder(_registry.kind_for, problems).build(wrapper, path), given.path)
+    found: list[Problem] = []
+    built = node_at(TreeBuilder(_registry.kind_for, found).build(wrapper, path), given.path)
+    inside = [problem for problem in found if _paths.within(problem.path, given.path)]  # a sibling's are not the subtree's
+    if problems is None and inside:
+        raise inside[0].to_error(others=inside[1:])
+    if problems is not None:
+        problems.extend(inside)
+    return built
 
 
 def _unlike(given: Node, built: Node | None) -> Problem | None:

@@ -435,11 +435,7 @@ class ValidateVisitor(TraverserVisitor):
             return
         if not selection.steps:
             return
-        try:
-            outer = TreeBuilder(_registry.kind_for).build(wrapper, path)
-        except OptTreeError as error:
-            self.problems.append(error.problem or Problem(ProblemKind.MALFORMED_WRAPPER, path, type(wrapper).__qualname__, str(error)))
-            return
+        outer = TreeBuilder(_registry.kind_for, []).build(wrapper, path)  # what it refuses outside the subtree is not the subtree's
         mine = set(map(id, tree_params(root)))
         chosen = mine if selection.tensors is None else mine & selection.tensors
         pending: list[Node] = [outer]
