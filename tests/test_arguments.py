@@ -381,3 +381,5 @@ def test_the_public_values_built_by_hand_refuse_fields_of_the_wrong_type() -> No
     assert str(problem.on_rank(1)) == "rank 1: warning: AdamW at <root>: a message"
     with pytest.raises(opttree.OptTreeError, match="ResetReport.action must be one of 'reset', 'prune', 'scale', got 'bogus'"):
         opttree.ResetReport(1, 0, 0, 0, 0, 0, 0, (), action="bogus")  # type: ignore[arg-type]
+    with pytest.raises(opttree.OptTreeError, match="ResetReport.bytes_reset must be an int, got a str"):
+        opttree.ResetReport(1, 0, 0, "x", 0, 0, 0, ())  # type: ignore[arg-type]

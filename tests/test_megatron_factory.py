@@ -204,4 +204,12 @@ def test_a_recipe_of_fields_megatron_cannot_take_is_refused_where_it_is_made() -
         testing.Recipe("mine", "adam", offload_fraction=2.0)
     with pytest.raises(opttree.OptTreeError, match="Recipe.bf16 must be a bool, got a str"):
         testing.Recipe("mine", "adam", bf16="yes")  # type: ignore[arg-type]
-    assert testing.Recipe("mine", "adam", offload_fraction=1).offload_fraction == 1
+    with pytest.raises(opttree.OptTreeError, match="Recipe 'mine' is both bf16 and fp16"):
+        testing.Recipe("mine", "adam", bf16=True, fp16=True)
+    with pytest.raises(opttree.OptTreeError, match="Recipe 'mine' offloads without distributed=True"):
+        testing.Recipe("mine", "adam", offload_fraction=0.5)
+    with pytest.raises(testing.UnknownRecipe, match="a configuration is a name in RECIPES or a Recipe, got a list"):
+        testing.build(["fp32"])  # type: ignore[arg-type]
+    with pytest.raises(opttree.OptTreeError, match="copy_weights_from takes a MegatronStack, got an int"):
+        testing.build("fp32").copy_weights_from(5)  # type: ignore[arg-type]
+    assert testing.Recipe("mine", "adam", distributed=True, offload_fraction=1).offload_fraction == 1

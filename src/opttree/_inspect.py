@@ -608,8 +608,8 @@ class LeafInspector:
         advice = "reset with release=True for its optimizer to build them again" if schema.rebuilds_missing else "rebuild the optimizer"
         message = (
             f"{lacking} of its {len(entries)} state entries lack it, which its optimizer builds with an entry and reads at "
-            f"every step where {option!r} is on, as it now is in their group: kept so through a reset in place, its next "
-            f"step would raise (KeyError in torch) where a fresh optimizer builds it; {advice}"
+            f"every step where {option!r} is on, as it now is in their group: whatever is done to their history in place, "
+            f"its next step would raise (KeyError in torch) where a fresh optimizer builds it; {advice}"
         )
         self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
 

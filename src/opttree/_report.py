@@ -6,7 +6,7 @@ from typing import Literal
 
 from attrs import asdict, field, frozen
 
-from opttree._fields import one_of
+from opttree._fields import of, one_of
 
 
 def format_bytes(n: int) -> str:
@@ -36,20 +36,20 @@ class ResetReport:
     unless something else still holds them).
     """
 
-    leaves: int
-    tensors_zeroed: int
-    tensors_dropped: int
-    bytes_reset: int
-    steps: int
-    tensors_kept: int
-    bytes_kept: int
-    kept_keys: tuple[str, ...]
-    shared_leaves: int = 0
-    tensors_filled: int = 0
-    loss_scales_reset: int = 0
-    loss_scales_kept: int = 0
-    entries_released: int = 0
-    bytes_released: int = 0
+    leaves: int = field(validator=of(int))
+    tensors_zeroed: int = field(validator=of(int))
+    tensors_dropped: int = field(validator=of(int))
+    bytes_reset: int = field(validator=of(int))
+    steps: int = field(validator=of(int))
+    tensors_kept: int = field(validator=of(int))
+    bytes_kept: int = field(validator=of(int))
+    kept_keys: tuple[str, ...] = field(validator=of(tuple))
+    shared_leaves: int = field(default=0, validator=of(int))
+    tensors_filled: int = field(default=0, validator=of(int))
+    loss_scales_reset: int = field(default=0, validator=of(int))
+    loss_scales_kept: int = field(default=0, validator=of(int))
+    entries_released: int = field(default=0, validator=of(int))
+    bytes_released: int = field(default=0, validator=of(int))
     action: Literal["reset", "prune", "scale"] = field(default="reset", validator=one_of(("reset", "prune", "scale")))
     """What changed the history: a reset zeroes it, ``prune`` and ``scale`` change it in
     place, and ``tensors_zeroed`` then counts the tensors they changed."""

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from attrs import Attribute, field, frozen
 
 from opttree._errors import OptTreeError
-from opttree._fields import of
+from opttree._fields import kind_of, of
 from opttree.testing._cuda_on_cpu import CudaOnCpu, cuda_on_cpu
 
 if TYPE_CHECKING:
@@ -64,6 +64,14 @@ class Recipe:
     layer_wise: bool = field(default=False, validator=of(bool))
     experts: bool = field(default=False, validator=of(bool))
     description: str = field(default="", validator=of(str))
+
+    def __attrs_post_init__(self) -> None:
+        if self.bf16 and self.fp16:
+            msg = f"Recipe {self.name!r} is both bf16 and fp16: Megatron trains in one of them"
+            raise OptTreeError(msg)
+        if self.offload_fraction is not None and not self.distributed:
+            msg = f"Recipe {self.name!r} offloads without distributed=True: Megatron offloads under its DistributedOptimizer"
+            raise OptTreeError(msg)
 
     @property
     def needs_emerging(self) -> bool:
@@ -237,11 +245,15 @@ class RecipeUnavailable(OptTreeError, RuntimeError):
 
 
 def _recipe(configuration: str | Recipe) -> Recipe:
-    if isinstance(configuration, Recipe):
-        return configuration
-    recipe = RECIPES.get(configuration)
+    given: object = configuration
+    if isinstance(given, Recipe):
+        return given
+    if not isinstance(given, str):
+        msg = f"a configuration is a name in RECIPES or a Recipe, got {kind_of(given)}"
+        raise UnknownRecipe(msg)
+    recipe = RECIPES.get(given)
     if recipe is None:
-        msg = f"no configuration named {configuration!r}: RECIPES has {', '.join(RECIPES)}; or pass a Recipe"
+        msg = f"no configuration named {given!r}: RECIPES has {', '.join(RECIPES)}; or pass a Recipe"
         raise UnknownRecipe(msg)
     return recipe
 
@@ -358,6 +370,10 @@ class MegatronStack:
         """Make this stack's model and main weights bitwise equal to ``other``'s: refused,
         with nothing copied, where the two hold weights of other counts, shapes or dtypes
         (a copy between them would cast, and the weights would not be equal)."""
+        given: object = other
+        if not isinstance(given, MegatronStack):
+            msg = f"copy_weights_from takes a MegatronStack, got {kind_of(given)}"
+            raise OptTreeError(msg)
         pairs = [
             *zip(list(self.model.parameters()), list(other.model.parameters())),
             *zip(self.main_params(), other.main_params()),
