@@ -726,6 +726,10 @@ def test_registrations_no_leaf_or_wrapper_could_use_are_refused() -> None:
     for base in (object, torch.optim.Optimizer):
         with pytest.raises(opttree.RegistrationError, match="a base of every torch optimizer"):
             opttree.register_wrapper(base, children=lambda wrapper: [])
+    with pytest.raises(opttree.RegistrationError, match="got abc.ABC, a base of every abstract class"):
+        opttree.register_schema(abc.ABC, opttree.StateSchema())
+    with pytest.raises(opttree.RegistrationError, match="got abc.ABC, one of Python's own"):
+        opttree.register_schema("abc.ABC", opttree.StateSchema())
     with pytest.raises(opttree.RegistrationError, match="got builtins.object, one of Python's own"):
         opttree.register_wrapper("builtins.object", children=lambda wrapper: [])
     with pytest.raises(opttree.RegistrationError, match="got builtins.int, one of Python's own"):

@@ -175,6 +175,9 @@ def _refuse_odd_class(function: str, cls_or_dotted: type | str) -> None:
         return
     name = dotted_name(cls_or_dotted)
     if function == "register_schema":
+        if cls_or_dotted is abc.ABC:
+            msg = "register_schema registers an optimizer class, got abc.ABC, a base of every abstract class"
+            raise RegistrationError(msg)
         if not issubclass(cls_or_dotted, torch.optim.Optimizer) and not isinstance(cls_or_dotted, abc.ABCMeta):
             msg = f"register_schema registers an optimizer class (or an ABC optimizer classes are registered under), got {name}"
             raise RegistrationError(msg)
@@ -189,7 +192,7 @@ def _refuse_odd_class(function: str, cls_or_dotted: type | str) -> None:
 def _refuse_odd_path(function: str, dotted: str) -> None:
     """:func:`_refuse_odd_class` for a class named by its dotted path, as far as the path
     tells: Python's own classes, the wrapper kinds opttree knows, torch's optimizer bases."""
-    if dotted.startswith("builtins."):
+    if dotted.startswith("builtins.") or dotted == "abc.ABC":
         msg = f"{function} registers an optimizer or wrapper class, got {dotted}, one of Python's own"
         raise RegistrationError(msg)
     if function == "register_schema" and dotted in MEGATRON_KINDS:
