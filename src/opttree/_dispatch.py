@@ -30,10 +30,19 @@ def dotted_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+_MEGATRON_CLASSES: dict[type, bool] = {}
+
+
 def is_megatron_class(cls: type) -> bool:
     """Whether a wrapper class is one of Megatron's or derives from one, whoever registered
-    its kind: its checkpoints then need what Megatron's do (one step over its state)."""
-    return any(str(getattr(base, "__module__", "")).partition(".")[0] == "megatron" for base in cls.__mro__)
+    its kind: its checkpoints then need what Megatron's do (one step over its state).
+    Kept per class: a class's bases do not change, and every node a tree builds below a
+    Megatron wrapper asks it of the wrapper's class."""
+    try:
+        return _MEGATRON_CLASSES[cls]
+    except KeyError:
+        found = _MEGATRON_CLASSES[cls] = any(str(getattr(base, "__module__", "")).partition(".")[0] == "megatron" for base in cls.__mro__)
+        return found
 
 
 def _unregistered(_: object) -> type | None:
