@@ -81,17 +81,19 @@ def _own_builder(cls: type, base: type, schema: StateSchema) -> str | None:
     return differing
 
 
-def _builtin_base(cls: type) -> tuple[type, str] | None:
-    """Where no user's registration applies to ``cls`` and a built-in schema would, but
-    ``cls`` defines one of :data:`STATE_BUILDERS` otherwise than the class of that schema:
-    that class and the method."""
-    if _user_schemas.lookup(cls) is not None or _user_schemas.ambiguity(cls) is not None:
-        return None
+def _applying(cls: type) -> tuple[StateSchema | None, tuple[type, str] | None]:
+    """The schema that applies to ``cls``, and, where a built-in one would but ``cls``
+    builds its state with methods of its own (see :data:`STATE_BUILDERS`), the class of
+    that schema and the method, in its place. A user's registration wins; one that applies
+    ambiguously leaves no schema."""
+    schema = _user_schemas.lookup(cls)
+    if schema is not None or _user_schemas.ambiguity(cls) is not None:
+        return schema, None
     found = _builtin_schemas.lookup_owner(cls)
     if found is None:
-        return None
-    method = _own_builder(cls, found[0], found[1])
-    return None if method is None else (found[0], method)
+        return None, None
+    method = _own_builder(cls, *found)
+    return (found[1], None) if method is None else (None, (found[0], method))
 
 
 def schema_for(cls: type) -> StateSchema | None:
@@ -106,13 +108,7 @@ def schema_for(cls: type) -> StateSchema | None:
     if not isinstance(cast(object, cls), type):
         msg = f"schema_for takes an optimizer class, got {kind_of(cls)}"
         raise OptTreeError(msg)
-    schema = _user_schemas.lookup(cls)
-    if schema is not None or _user_schemas.ambiguity(cls) is not None:
-        return schema
-    found = _builtin_schemas.lookup_owner(cls)
-    if found is None or _own_builder(cls, *found) is not None:
-        return None
-    return found[1]
+    return _applying(cls)[0]
 
 
 def unregistered_reason(cls: type) -> str:
@@ -120,12 +116,12 @@ def unregistered_reason(cls: type) -> str:
     ambiguity = _user_schemas.ambiguity(cls)
     if ambiguity is not None:
         return ambiguity
-    overridden = _builtin_base(cls)
+    overridden = _applying(cls)[1]
     if overridden is None:
         return f"no state schema is registered for {dotted_name(cls)}"
     base, method = overridden
     own_method = _unwrapped(getattr(cls, method, None))  # torch sets a hook over a mixin's step on the class itself
-    definer = next((klass for klass in cls.__mro__ if _unwrapped(vars(klass).get(method)) is own_method and vars(klass)[method] is own_method), cls)
+    definer = next((klass for klass in cls.__mro__ if vars(klass).get(method) is own_method), cls)
     own = f"defines its own {method}" if definer is cls else f"takes its own {method} from {dotted_name(definer)}"
     return (
         f"{dotted_name(cls)} {own}, where its base {dotted_name(base)}, whose state opttree knows, "
