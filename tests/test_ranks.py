@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -206,3 +207,22 @@ def test_a_rank_failing_in_the_users_code_is_not_waited_for_by_the_others() -> N
     failure = "the parameters params gives cannot be read: iterating it raised ValueError: no parameters here"
     assert zero == f"OptTreeError: rank 1: {failure}"
     assert one == f"OptTreeError: {failure}"
+
+
+def hanging() -> None:
+    """A rank that never returns, as one waiting in a collective for a rank that left."""
+    threading.Event().wait()
+
+
+def unpicklable() -> object:
+    return lambda: None
+
+
+def test_a_run_past_its_timeout_is_stopped_with_an_error() -> None:
+    with pytest.raises(RuntimeError, match=r"2 ranks did not finish within 5 s"):
+        testing.run_ranks(hanging, 2, timeout=5)
+
+
+def test_a_result_that_cannot_be_pickled_is_a_rank_failure_not_a_timeout() -> None:
+    with pytest.raises(RuntimeError, match=r"rank \d failed:[\s\S]*pickle"):
+        testing.run_ranks(unpicklable, 2, timeout=120)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -22,7 +23,9 @@ def _rank_main(fn: Callable[[], object], rank: int, world_size: int, port: int, 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        results.put((rank, True, fn()))
+        value = fn()
+        pickle.dumps(value)  # the queue pickles in a thread of its own, where a failure is only printed
+        results.put((rank, True, value))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -35,7 +38,9 @@ def run_ranks(fn: Callable[[], R], world_size: int, *, timeout: float = 180.0) -
 
     ``fn`` runs in a fresh process per rank (``spawn``) after ``init_process_group``, so it
     must be importable by name, and so must what it returns be picklable. A rank that
-    raises, or a run past ``timeout`` seconds in all, raises ``RuntimeError`` here.
+    raises or returns what cannot be pickled, or a run past ``timeout`` seconds in all,
+    raises ``RuntimeError`` here, once every rank's process has ended: ranks still running
+    then are killed, since they may wait for the failed one in a collective forever.
     """
     from opttree.testing._megatron import free_port
 
@@ -50,6 +55,7 @@ def run_ranks(fn: Callable[[], R], world_size: int, *, timeout: float = 180.0) -
         process.start()
     collected: dict[int, object] = {}
     deadline = time.monotonic() + timeout
+    finished = False
     try:
         while len(collected) < world_size:
             try:
@@ -61,9 +67,11 @@ def run_ranks(fn: Callable[[], R], world_size: int, *, timeout: float = 180.0) -
                 msg = f"rank {rank} failed:\n{value}"
                 raise RuntimeError(msg)
             collected[rank] = value
+        finished = True
     finally:
         for process in processes:
-            process.join(timeout=10)
+            process.join(timeout=10 if finished else 0)
             if process.is_alive():
                 process.kill()
+                process.join()
     return [cast(R, collected[rank]) for rank in range(world_size)]
