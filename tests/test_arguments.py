@@ -383,3 +383,12 @@ def test_the_public_values_built_by_hand_refuse_fields_of_the_wrong_type() -> No
         opttree.ResetReport(1, 0, 0, 0, 0, 0, 0, (), action="bogus")  # type: ignore[arg-type]
     with pytest.raises(opttree.OptTreeError, match="ResetReport.bytes_reset must be an int, got a str"):
         opttree.ResetReport(1, 0, 0, "x", 0, 0, 0, ())  # type: ignore[arg-type]
+
+
+def test_messages_name_a_class_with_the_article_it_is_said_with() -> None:
+    """A class name opening on two capitals is spelt out: an SGD, a LaProp."""
+    said_as = {torch.optim.SGD: "an SGD", torch.optim.NAdam: "an NAdam", torch.optim.LBFGS: "an LBFGS", torch.optim.Adam: "an Adam"}
+    for cls, said in said_as.items():
+        optimizer = cls([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        with pytest.raises(opttree.OptTreeError, match=f"ChainedNode.path must be a str, got {said}$"):
+            opttree.ChainedNode(path=optimizer, optimizer=None, members=())

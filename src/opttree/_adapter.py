@@ -26,7 +26,7 @@ from opttree._identity import by_identity, identity_key
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._problems import Problem, ProblemKind
 from opttree._visitor import NodeVisitor
-from opttree._fields import kind_of
+from opttree._fields import article, kind_of
 
 MAX_DEPTH = 64
 """Deeper stacks are refused: no real optimizer nests this far, and a clear error beats
@@ -79,7 +79,7 @@ def unlike_built(given: Node, built: Node) -> Problem | None:
 
 def _difference(mine: Node, theirs: Node) -> str | None:
     if type(mine) is not type(theirs):
-        return f"a {type(mine).__name__} where opttree builds a {type(theirs).__name__}"
+        return f"{article(type(mine).__name__)} where opttree builds {article(type(theirs).__name__)}"
     if mine.path != theirs.path:
         return f"a node at {mine.path!r} where opttree builds one at {theirs.path!r}"
     if mine.optimizer is not theirs.optimizer:

@@ -21,7 +21,7 @@ import torch
 from opttree import _registry
 from opttree._adapter import instance_attribute, mapping_attribute, sequence_attribute
 from opttree._dispatch import LazyDispatch
-from opttree._fields import kind_of
+from opttree._fields import article, kind_of
 from opttree._inspect import step_number
 from opttree._nodes import LeafNode, Node
 from opttree._numbers import real_number
@@ -154,7 +154,7 @@ def _step_fault(value: object) -> str | None:
     """What a saved per-parameter step is, where it is not one finite count from 0 (a
     Python, NumPy or one-element real tensor number): None where it is one."""
     if isinstance(value, torch.Tensor) and (value.numel() != 1 or value.dtype is torch.bool or value.is_complex()):
-        return f"a {torch_name(value.dtype)} tensor of {value.numel()} values"
+        return f"{article(torch_name(value.dtype))} tensor of {value.numel()} values"
     number = real_number(value)
     if number is None:
         return kind_of(value)

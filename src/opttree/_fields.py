@@ -15,8 +15,11 @@ from opttree._errors import OptTreeError
 T = TypeVar("T")
 
 
-def _article(name: str) -> str:
-    return f"an {name}" if name[:1].lower() in "aeiou" else f"a {name}"
+def article(name: str) -> str:
+    """``a`` or ``an``, as the name is said: a name opening on two capitals is spelt out
+    (an SGD, an LBFGS, an RAdam, a TensorParallelMuon), any other read as a word (an int)."""
+    spelt = name[:2].isupper() and name[:2].isalpha()
+    return f"an {name}" if name[:1] in ("AEFHILMNORSX" if spelt else "AEIOUaeiou") else f"a {name}"
 
 
 def kind_of(value: object) -> str:
@@ -26,13 +29,13 @@ def kind_of(value: object) -> str:
     name = cls.__qualname__
     if cls.__module__ != "builtins" and hasattr(builtins, name):
         name = f"{cls.__module__}.{name}"
-    return _article(name)
+    return article(name)
 
 
 def of(*kinds: type, optional: bool = False, what: str | None = None) -> Callable[[object, Attribute[T], T], None]:
     """A validator accepting instances of ``kinds`` (a bool is not an int), and None where
     ``optional``; ``what`` names them in its message, in place of their class names."""
-    names = (what or " or ".join(_article(kind.__name__) for kind in kinds)) + (" or None" if optional else "")
+    names = (what or " or ".join(article(kind.__name__) for kind in kinds)) + (" or None" if optional else "")
 
     def check(instance: object, attribute: Attribute[T], value: T) -> None:
         if value is None and optional:

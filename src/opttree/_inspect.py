@@ -34,7 +34,7 @@ from opttree._preflight import _DTYPE, _SHAPE, Extents, identities, plain_reads,
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import KeyAction, ScaleLookup, StateSchema, StepLocation, StepType
 from opttree._selection import EVERYTHING, Selection
-from opttree._fields import kind_of
+from opttree._fields import article, kind_of
 
 Placement = tuple[torch.dtype | None, torch.device | None]
 
@@ -187,7 +187,7 @@ def not_one_real_value(found: Extents) -> tuple[int, str] | None:
         return None
     odd = [(span, dtype) for span, dtype in zip(spans, dtypes, strict=True) if span != dtype.itemsize or dtype in _NOT_COUNTS]
     span, dtype = odd[0]
-    what = f"a {torch_name(dtype)} tensor" if dtype in _NOT_COUNTS else f"a {torch_name(dtype)} tensor of {span // dtype.itemsize} values"
+    what = f"{article(torch_name(dtype))} tensor" if dtype in _NOT_COUNTS else f"{article(torch_name(dtype))} tensor of {span // dtype.itemsize} values"
     return len(odd), what
 
 
@@ -867,7 +867,7 @@ class LeafInspector:
         cls = own_writes(containers)
         if cls is None:
             return False
-        message = f"{what} is a {cls.__qualname__}, which sets and deletes keys by its own code: opttree cannot tell that the reset's writes to it succeed"
+        message = f"{what} is {article(cls.__qualname__)}, which sets and deletes keys by its own code: opttree cannot tell that the reset's writes to it succeed"
         self.problem(node, kind, message, key)
         return True
 

@@ -27,6 +27,8 @@ import torch
 from attrs import define, field
 from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 
+from opttree._fields import article
+
 _Tensor = torch._C.TensorBase
 _IS_WRAPPER: Callable[[object], bool] = is_traceable_wrapper_subclass  # a plain bool, not a narrowing guard
 
@@ -118,10 +120,10 @@ def unwritable_reason(tensor: torch.Tensor) -> str | None:
 def _unwritable_reason(tensor: torch.Tensor) -> str | None:
     cls = type(tensor)
     if not plain_dispatch(cls):
-        return f"a {cls.__qualname__} (a tensor subclass with its own dispatch: opttree cannot tell that zeroing it is exact)"
+        return f"{article(cls.__qualname__)} (a tensor subclass with its own dispatch: opttree cannot tell that zeroing it is exact)"
     layout = _LAYOUT(tensor)
     if layout is not torch.strided:
-        return f"a {torch_name(layout)} tensor (only dense tensors are zeroed in place)"
+        return f"{article(torch_name(layout))} tensor (only dense tensors are zeroed in place)"
     if _IS_NESTED(tensor):
         return "a nested tensor (it has no in-place zero of its own)"
     if _DTYPE(tensor) in _QUANTIZED:
