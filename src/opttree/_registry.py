@@ -34,10 +34,12 @@ _builtin_kinds = builtin_kinds()
 _user_kinds: LazyDispatch[Expander] = LazyDispatch()
 
 
-STATE_BUILDERS = ("step", "_init_group")
+STATE_BUILDERS = ("step", "_init_group", "pre_weight_update_fn_inplace", "post_weight_update_fn_inplace")
 """The methods in which torch's, Megatron's and emerging-optimizers' classes build their
-state, and ``__init__`` too for a class that builds it there (whose schema says it does not
-build a missing entry again: Adagrad). A built-in schema describes the state its class's
+state (the last two are the hooks emerging-optimizers' orthogonalized optimizers call
+around each weight update, where ``MuonHyperball`` writes its ``hyperball_R``), and
+``__init__`` too for a class that builds it there (whose schema says it does not build a
+missing entry again: Adagrad). A built-in schema describes the state its class's
 own methods build: a subclass that defines one of them otherwise may build other state,
 so it inherits no built-in schema. A user's registration applies to the class's
 subclasses as it says."""
@@ -101,7 +103,7 @@ def schema_for(cls: type) -> StateSchema | None:
 
     A user's registration for the class or a base of it wins; then a built-in schema of
     the class or its nearest base, where the class builds its state with that base's own
-    ``step`` and ``_init_group`` (a subclass defining either otherwise is not known). A
+    methods (:data:`STATE_BUILDERS`: a subclass defining one otherwise is not known). A
     class that users' registrations apply to ambiguously has none. See
     :func:`opttree.register_schema`.
     """
