@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import abc
+import functools
 import re
+import types
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -613,13 +615,36 @@ class WarmAdam(torch.optim.Adam):
 
 
 class DefaultsAdam(torch.optim.Adam):
-    """An Adam with other defaults and a method of its own, building its state as Adam does."""
+    """An Adam with other defaults: its own ``__init__``, which opttree does not read."""
 
     def __init__(self, params: Any) -> None:
         super().__init__(params, lr=0.01, betas=(0.8, 0.9))
 
+
+class MethodsAdam(torch.optim.Adam):
+    """An Adam with a method of its own, building its state with Adam's own methods."""
+
     def learning_rates(self) -> list[float]:
         return [group["lr"] for group in self.param_groups]
+
+
+def _warm_start(step: Callable[..., Any]) -> Callable[..., Any]:
+    """A decorator over Adam's step that starts second moments at 1e-2, and copies
+    ``__wrapped__`` as ``functools.wraps`` does: the code it runs is its own."""
+
+    @functools.wraps(step)
+    def wrapped(self: torch.optim.Optimizer, closure: None = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and not self.state[p]:
+                    self.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.full_like(p, 1e-2))
+        return step(self, closure)
+
+    return wrapped
+
+
+class WrappedStepAdam(torch.optim.Adam):
+    step = _warm_start(torch.optim.Adam.step)
 
 
 def test_a_subclass_with_its_own_state_building_inherits_no_built_in_schema() -> None:
@@ -665,7 +690,6 @@ def test_a_subclass_building_state_in_init_or_taking_a_step_from_a_mixin_inherit
     train(net, optimizer, 0, 2)
     with pytest.raises(opttree.UnsupportedOptimizer, match=r"WarmAdagrad defines its own __init__, where its base torch\.optim\.adagrad\.Adagrad"):
         opttree.reset(optimizer)
-    assert opttree.schema_for(DefaultsAdam) is not None  # Adam builds its state in step: its __init__ may differ
     clipped = ClippedAdam(model().parameters())
     problems = opttree.validate(clipped)
     assert [p.kind for p in problems] == [opttree.ProblemKind.UNSUPPORTED_OPTIMIZER]
@@ -675,22 +699,74 @@ def test_a_subclass_building_state_in_init_or_taking_a_step_from_a_mixin_inherit
 
 
 def test_a_subclass_building_state_with_its_bases_methods_inherits_its_schema() -> None:
-    """Other defaults, methods of its own, and torch's profiling hook, which torch sets as
-    ``step`` on a subclass's first instance, are not state building of its own."""
+    """Methods of its own, and torch's profiling hook, which torch sets as ``step`` on a
+    subclass's first instance, are not state building of its own."""
     net = model()
-    optimizer = DefaultsAdam(net.parameters())
+    optimizer = MethodsAdam(net.parameters())
     train(net, optimizer, 0, 2)
     hooked = type("HookedAdam", (torch.optim.Adam,), {})
     setattr(hooked, "step", torch.optim.Optimizer.profile_hook_step(torch.optim.Adam.step))  # as torch's _patch_step_function does
 
-    assert opttree.schema_for(DefaultsAdam) is opttree.schema_for(torch.optim.Adam) is opttree.schema_for(hooked)
+    assert opttree.schema_for(MethodsAdam) is opttree.schema_for(torch.optim.Adam) is opttree.schema_for(hooked)
     assert opttree.schema_for(torch.optim.Adam) is not None
     twin = clone_model(net)
-    fresh = DefaultsAdam(twin.parameters())
+    fresh = MethodsAdam(twin.parameters())
     opttree.reset(optimizer)
     train(net, optimizer, 2, 3)
     train(twin, fresh, 2, 3)
     assert weights_equal(net, twin)
+
+
+def test_a_subclass_with_its_own_init_or_a_decorated_step_inherits_no_built_in_schema() -> None:
+    """An ``__init__`` may build entries before any step (opttree cannot tell one that
+    only sets other defaults), and a decorator that copies ``__wrapped__`` runs code of its
+    own: it is only torch's own wrappers that opttree looks through."""
+    for cls, method in ((DefaultsAdam, "__init__"), (WrappedStepAdam, "step")):
+        optimizer = cls(model().parameters())
+        before = snapshot(optimizer)
+        with pytest.raises(opttree.UnsupportedOptimizer, match=rf"{cls.__qualname__} defines its own {method}, where its base torch\.optim\.adam\.Adam"):
+            opttree.reset(optimizer)
+        assert unchanged(optimizer, before)
+    assert opttree.schema_for(DefaultsAdam) is opttree.schema_for(WrappedStepAdam) is None
+
+    class RegisteredAdam(DefaultsAdam):
+        pass
+
+    with pytest.raises(opttree.RegistrationError, match=r"got None \(schema_for gives None for a class opttree has no schema for\)"):
+        opttree.register_schema(RegisteredAdam, opttree.schema_for(WrappedStepAdam))
+
+    opttree.register_schema(RegisteredAdam, opttree.schema_for(torch.optim.Adam))  # as the message says, where it builds Adam's state
+    net = model()
+    optimizer = RegisteredAdam(net.parameters())
+    train(net, optimizer, 0, 2)
+    report = opttree.reset(optimizer)
+    assert (report.tensors_zeroed, report.steps) == (2 * len(list(net.parameters())), len(list(net.parameters())))
+
+
+def test_a_step_set_on_the_instance_is_refused_unless_torch_wrapped_the_classs_own() -> None:
+    """A ``step`` of its own on one Adam may build other state, as a subclass's may; the
+    wrapper ``LRScheduler`` sets there over the class's own ``step`` is torch's."""
+    net = model()
+    optimizer = torch.optim.Adam(net.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    assert "step" in vars(optimizer)  # LRScheduler's wrapper
+    train(net, optimizer, 0, 2)
+    scheduler.step()
+    twin = clone_model(net)
+    fresh = torch.optim.Adam(twin.parameters(), lr=optimizer.param_groups[0]["lr"])
+    opttree.reset(optimizer)
+    train(net, optimizer, 2, 3)
+    train(twin, fresh, 2, 3)
+    assert weights_equal(net, twin)
+
+    patched = [torch.optim.Adam(model().parameters()) for _ in range(3)]
+    setattr(patched[1], "step", types.MethodType(_warm_start(torch.optim.Adam.step), patched[1]))
+    chain = LoraChain(dict(zip("abc", patched, strict=True)))  # a run of three Adams, planned as one where it can be
+    problems = opttree.validate(chain)
+    assert [(p.kind, p.path) for p in problems] == [(opttree.ProblemKind.UNSUPPORTED_OPTIMIZER, "adapters['b']")]
+    assert "this Adam holds its own step on the instance" in problems[0].message
+    with pytest.raises(opttree.UnsupportedOptimizer, match="holds its own step on the instance"):
+        opttree.reset(patched[1])
 
 
 def test_a_users_registration_applies_to_its_subclasses_whatever_they_define() -> None:

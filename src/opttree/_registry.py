@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import abc
-import inspect
+import os
+import types
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar, cast, overload
@@ -34,41 +35,50 @@ _builtin_kinds = builtin_kinds()
 _user_kinds: LazyDispatch[Expander] = LazyDispatch()
 
 
-STATE_BUILDERS = ("step", "_init_group", "pre_weight_update_fn_inplace", "post_weight_update_fn_inplace")
+STATE_BUILDERS = ("step", "_init_group", "pre_weight_update_fn_inplace", "post_weight_update_fn_inplace", "__init__", "add_param_group")
 """The methods in which torch's, Megatron's and emerging-optimizers' classes build their
-state (the last two are the hooks emerging-optimizers' orthogonalized optimizers call
-around each weight update, where ``MuonHyperball`` writes its ``hyperball_R``), and
-``__init__`` too for a class that builds it there (whose schema says it does not build a
-missing entry again: Adagrad). A built-in schema describes the state its class's
-own methods build: a subclass that defines one of them otherwise may build other state,
-so it inherits no built-in schema. A user's registration applies to the class's
-subclasses as it says."""
+state, or may: the last two of the first four are the hooks emerging-optimizers'
+orthogonalized optimizers call around each update (where ``MuonHyperball`` keeps its
+radius); ``__init__`` builds Adagrad's, and a subclass's may build entries for every
+parameter before any step; ``add_param_group`` is where Adagrad builds a later group's. A
+built-in schema describes the state its class's own methods build: a subclass that defines
+one of them otherwise may build other state (other defaults set in its own ``__init__``
+included), so it inherits no built-in schema. A user's registration applies to the
+class's subclasses as it says."""
+
+INSTANCE_BUILDERS = frozenset(STATE_BUILDERS) - {"__init__"}
+"""The state-building methods an instance may hold in its own ``__dict__``, in place of
+its class's (torch's ``LRScheduler`` sets a wrapper of the class's ``step`` there)."""
+
+_TORCH_CODE = os.path.dirname(torch.__file__) + os.sep
 
 _differing: weakref.WeakKeyDictionary[type, dict[tuple[type, tuple[object, ...]], str | None]] = weakref.WeakKeyDictionary()
 
 
 def _unwrapped(method: object) -> object:
-    """A method without its decorators (torch wraps ``step`` in ``_use_grad_for_differentiable``
-    and, on a subclass's first instance, in a profiling hook set on the subclass)."""
-    try:
-        return inspect.unwrap(cast(Callable[..., object], method)) if callable(method) else method
-    except ValueError:  # a cycle of __wrapped__
-        return method
+    """The function a method runs, through the wrappers torch's own code puts around it
+    (``_use_grad_for_differentiable``, the profiling hook torch sets as ``step`` on a
+    subclass, ``LRScheduler``'s, ``torch.compile``'s), and only those: a user's decorator
+    that copies ``__wrapped__`` with ``functools.wraps`` runs code of its own."""
+    for _ in range(16):
+        function: object = getattr(method, "__func__", method)  # a bound method
+        code = getattr(function, "__code__", None)
+        inner: object = getattr(function, "__wrapped__", None)
+        if inner is None or not isinstance(code, types.CodeType) or not code.co_filename.startswith(_TORCH_CODE):
+            return function
+        method = inner
+    return method
 
 
-def _builders(schema: StateSchema) -> tuple[str, ...]:
-    return STATE_BUILDERS if schema.rebuilds_missing else (*STATE_BUILDERS, "__init__")
-
-
-def _own_builder(cls: type, base: type, schema: StateSchema) -> str | None:
+def _own_builder(cls: type, base: type) -> str | None:
     """The first of the methods that build ``base``'s state (see :data:`STATE_BUILDERS`)
-    that ``cls`` defines otherwise than ``base``, the class of the built-in ``schema`` that
+    that ``cls`` defines otherwise than ``base``, the class of the built-in schema that
     would apply to it; None where it builds state with ``base``'s own methods. Kept per
     class and the methods it has now, so that a method set on the class later is looked at
     again, and forgotten with the class."""
     if cls is base:
         return None
-    names = _builders(schema)
+    names = STATE_BUILDERS
     methods = tuple(getattr(cls, name, None) for name in names)
     known = _differing.setdefault(cls, {})
     try:
@@ -94,7 +104,7 @@ def _applying(cls: type) -> tuple[StateSchema | None, tuple[type, str] | None]:
     found = _builtin_schemas.lookup_owner(cls)
     if found is None:
         return None, None
-    method = _own_builder(cls, *found)
+    method = _own_builder(cls, found[0])
     return (found[1], None) if method is None else (None, (found[0], method))
 
 
@@ -113,6 +123,33 @@ def schema_for(cls: type) -> StateSchema | None:
     return _applying(cls)[0]
 
 
+def instance_builder(optimizer: object) -> str | None:
+    """The first state-building method (:data:`INSTANCE_BUILDERS`) that ``optimizer`` holds
+    in its own ``__dict__`` otherwise than its class has it, where a built-in schema
+    applies to the class: a ``step`` set on one instance may build other state, as a
+    subclass's may. None where it holds none, or a user's registration applies."""
+    own = getattr(optimizer, "__dict__", None)
+    if not isinstance(own, dict) or INSTANCE_BUILDERS.isdisjoint(own):
+        return None
+    cls = type(optimizer)
+    if _user_schemas.lookup(cls) is not None or _user_schemas.ambiguity(cls) is not None:
+        return None
+    return next(
+        (name for name in STATE_BUILDERS if name in own and _unwrapped(own[name]) is not _unwrapped(getattr(cls, name, None))),
+        None,
+    )
+
+
+def instance_builder_reason(optimizer: object, method: str) -> str:
+    """Why a leaf whose instance holds its own ``method`` is refused."""
+    cls = type(optimizer)
+    return (
+        f"this {cls.__qualname__} holds its own {method} on the instance, otherwise than its class {dotted_name(cls)}, "
+        "whose state opttree knows, builds its state: opttree cannot tell that it builds the same state; "
+        "set it on a subclass and register that, if it does"
+    )
+
+
 def unregistered_reason(cls: type) -> str:
     """Why a leaf class has no schema."""
     ambiguity = _user_schemas.ambiguity(cls)
@@ -127,7 +164,9 @@ def unregistered_reason(cls: type) -> str:
     own = f"defines its own {method}" if definer is cls else f"takes its own {method} from {dotted_name(definer)}"
     return (
         f"{dotted_name(cls)} {own}, where its base {dotted_name(base)}, whose state opttree knows, "
-        "builds its state: opttree cannot tell that it builds the same state; if it does, register it with that schema: "
+        "builds its state: opttree cannot tell that it builds the same state"
+        f"{' (it does not read the code of an __init__, even one that only sets other defaults)' if method == '__init__' else ''}; "
+        "if it does, register it with that schema: "
         f"opttree.register_schema({cls.__qualname__}, opttree.schema_for({base.__qualname__}))"
     )
 
@@ -224,13 +263,18 @@ def _refuse_both(cls_or_dotted: type | str, registering: str) -> None:
         raise RegistrationError(msg)
 
 
-def register_schema(cls_or_dotted: type | str, schema: StateSchema) -> None:
+def register_schema(cls_or_dotted: type | str, schema: StateSchema | None) -> None:
     """Register the state schema of a leaf optimizer class and its subclasses.
 
     A dotted path (``"my_pkg.optim.Lion"``) registers lazily: the module is never
     imported by opttree, and the schema applies once such an object is met. A user's
     schema takes precedence over a built-in one for the class and its subclasses.
+    ``schema`` may be what :func:`schema_for` gives (``register_schema(MyAdamW,
+    schema_for(AdamW))``), so None is taken by the signature and refused here.
     """
+    if schema is None:
+        msg = "register_schema expects a StateSchema, got None (schema_for gives None for a class opttree has no schema for)"
+        raise RegistrationError(msg)
     if not isinstance(cast(object, schema), StateSchema):
         msg = f"register_schema expects a StateSchema, got {type(schema).__qualname__}"
         raise RegistrationError(msg)

@@ -330,7 +330,8 @@ class ValidateVisitor(TraverserVisitor):
                 item.accept(self)
                 continue
             inspector = self._inspector_for(type(item[0].optimizer)) if self._pooling else None
-            if inspector is not None and inspector.inspect_alike(item):
+            pooled = inspector is not None and not any(map(_registry.instance_builder, map(_OPTIMIZER, item)))
+            if pooled and inspector is not None and inspector.inspect_alike(item):
                 self._pooled = True
                 continue
             for leaf in item:
@@ -482,6 +483,11 @@ class ValidateVisitor(TraverserVisitor):
             self._plan.shared_leaves += 1
             return
         cls = type(node.optimizer)
+        own_method = _registry.instance_builder(node.optimizer)
+        if own_method is not None:
+            reason = _registry.instance_builder_reason(node.optimizer, own_method)
+            self.problems.append(Problem(ProblemKind.UNSUPPORTED_OPTIMIZER, node.path, cls.__qualname__, reason))
+            return
         inspector = self._inspector_for(cls)
         if inspector is None:
             self.problems.append(
