@@ -347,6 +347,26 @@ def test_carry_out_needs_a_whole_check_that_passed_and_carries_it_out_once() -> 
         once.carry_out()
 
 
+def test_a_walk_after_a_passed_check_is_not_carried_out() -> None:
+    """A plan that ``refusal`` passed and a later ``accept`` of another tree added to (its
+    history aliasing a weight, which only the tree-wide checks catch) is not carried out:
+    neither tree changes."""
+    checked_param, checked = trained_adam()
+    param, aliased = trained_adam()
+    aliased.state[param]["exp_avg"] = param.data
+    weight = param.detach().clone()
+    moments = checked.state[checked_param]["exp_avg"].clone()
+    visitor = opttree.ResetVisitor()
+
+    assert visitor.refusal(opttree.tree(checked)) is None
+    opttree.tree(aliased).accept(visitor)
+
+    with pytest.raises(opttree.OptTreeError, match=r"carry_out carries out the plan of a tree that refusal\(\) has just checked whole"):
+        visitor.carry_out()
+    assert torch.equal(param.detach(), weight)
+    assert torch.equal(checked.state[checked_param]["exp_avg"], moments)
+
+
 @pytest.mark.parametrize("visitor", [opttree.ResetVisitor, opttree.ValidateVisitor])
 def test_a_visitor_flag_that_is_not_a_bool_is_refused(visitor: type[opttree.ValidateVisitor]) -> None:
     with pytest.raises(opttree.OptTreeError, match="keep_loss_scale must be True or False, got a str"):

@@ -6,6 +6,7 @@ import logging
 
 from opttree._errors import OptTreeError
 from opttree._nodes import Node
+from opttree._problems import Severity
 from opttree._report import ResetReport
 from opttree._validate import ValidateVisitor
 
@@ -25,8 +26,9 @@ class ResetVisitor(ValidateVisitor):
     def carry_out(self) -> ResetReport:
         """Carry out the plan :meth:`refusal` made and found nothing wrong with, once.
         Raises :class:`~opttree.OptTreeError`, changing nothing, for any other plan: one a
-        walk by ``accept`` made, without the tree-wide checks, or one already carried out."""
-        if not self._passed:
+        walk by ``accept`` made or added to, without the tree-wide checks, or one already
+        carried out."""
+        if not self._passed or any(p.severity is Severity.ERROR for p in self.problems):
             msg = (
                 "carry_out carries out the plan of a tree that refusal() has just checked whole and found "
                 "nothing wrong with, once: call reset(root), which does both"

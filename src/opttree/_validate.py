@@ -339,6 +339,7 @@ class ValidateVisitor(TraverserVisitor):
 
     def visit_chained(self, node: ChainedNode) -> None:
         """Check the chain's step unit and a release under it, then its members."""
+        self._passed = False  # a walk after refusal() adds to a plan it did not check
         self._check_step_unit(node)
         self._check_release(node)
         self._keep_stepped_params(node)
@@ -346,6 +347,7 @@ class ValidateVisitor(TraverserVisitor):
 
     def visit_hybrid(self, node: HybridNode) -> None:
         """Check a release under it, plan the steps its own param groups count, then its sub-optimizers."""
+        self._passed = False  # a walk after refusal() adds to a plan it did not check
         self._check_release(node)
         pairs = self._keep_stepped_params(node)
         if self._selection.resets("step") and pairs is not None:
@@ -376,6 +378,7 @@ class ValidateVisitor(TraverserVisitor):
 
     def visit_wrapper(self, node: WrapperNode) -> None:
         """Check the wrapper's step unit, loss scaler and a release under it, then its inner optimizers."""
+        self._passed = False  # a walk after refusal() adds to a plan it did not check
         self._check_step_unit(node)
         self._check_release(node)
         self._check_loss_scale(node)
@@ -479,6 +482,7 @@ class ValidateVisitor(TraverserVisitor):
 
     def visit_leaf(self, node: LeafNode) -> None:
         """Check and plan one leaf against its schema."""
+        self._passed = False  # a walk after refusal() adds to a plan it did not check
         if node.shared_with is not None:
             self._plan.shared_leaves += 1
             return
