@@ -9,6 +9,7 @@ checkpoint an emptied state.
 
 from __future__ import annotations
 
+import collections
 import gc
 import types
 import weakref
@@ -218,6 +219,33 @@ def test_a_release_from_a_plain_dict_state_is_refused() -> None:
 
     assert len(optimizer.state) == count
     assert opttree.reset(optimizer).tensors_zeroed == 2 * count
+
+
+class _StrictState(collections.defaultdict[torch.Tensor, dict[str, object]]):
+    """A defaultdict(dict) whose own ``__missing__`` raises, as a state that must hold
+    every parameter's entry might."""
+
+    def __missing__(self, key: torch.Tensor) -> dict[str, object]:
+        msg = "no state for this parameter"
+        raise KeyError(msg)
+
+
+def test_a_release_from_a_defaultdict_that_does_not_build_entries_is_refused() -> None:
+    """A defaultdict(dict) whose subclass's ``__missing__`` does not build an empty entry
+    would raise on the next step for each released entry: refused, with nothing deleted."""
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters())
+    train(net, optimizer, 0, 2)
+    strict = _StrictState(dict)
+    strict.update(optimizer.state)
+    optimizer.state = strict
+    count = len(optimizer.state)
+
+    with pytest.raises(opttree.ReleaseRefused, match="its state is a _StrictState, not torch's defaultdict\\(dict\\)"):
+        opttree.reset(optimizer, release=True)
+
+    assert len(optimizer.state) == count
+    train(net, optimizer, 2, 3)  # each entry still there: the step reads them all
 
 
 @pytest.mark.usefixtures("process_group")

@@ -485,8 +485,8 @@ class LeafInspector:
         into.found_keys.update(counts)
         if self.schema.step is StepLocation.PER_PARAMETER and counts["step"] < len(entries):
             self.stepless_entries(node, held, entries, in_groups)
-        for key, option in self.schema.built_if:
-            if any(map(operator.methodcaller("get", option), groups)):
+        for key, option in self.schema.built_with_entry:
+            if counts[key] < len(entries) and (option is None or any(map(operator.methodcaller("get", option), groups))):
                 self.unbuilt_entries(node, key, option, held, entries, groups)
         for key, count in counts.items():
             action = self.actions.get(key)
@@ -589,26 +589,32 @@ class LeafInspector:
         self,
         node: LeafNode,
         key: str,
-        option: str,
+        option: str | None,
         held: list[torch.Tensor],
         entries: list[StateEntry],
         groups: Sequence[Mapping[str, object]],
     ) -> None:
-        """Built entries that lack ``key`` where their group's ``option`` is now on (see
-        ``StateSchema.built_if``): the optimizer reads it at every step, and builds it
-        only with the entry, so the next step would raise where a fresh one's builds it."""
-        needing = {id(param) for group in groups if group.get(option) for param in cast(list[torch.Tensor], group["params"])}
+        """Built entries that lack ``key``, which the optimizer builds with every entry, or
+        where their group's ``option`` is now on (see ``StateSchema.built_with_entry``): it
+        reads it at every step, and builds it only with the entry, so the next step would
+        raise where a fresh one's builds it."""
         schema = self.schema
         built = schema.zero | schema.filled | schema.identity | {"step"}
-        lacking = sum(
-            key not in entry and not built.isdisjoint(entry) and id(param) in needing for param, entry in zip(held, entries, strict=True)
-        )
+        if option is None:
+            lacking = sum(key not in entry and not built.isdisjoint(entry) for entry in entries)
+            when = ""
+        else:
+            needing = {id(param) for group in groups if group.get(option) for param in cast(list[torch.Tensor], group["params"])}
+            lacking = sum(
+                key not in entry and not built.isdisjoint(entry) and id(param) in needing for param, entry in zip(held, entries, strict=True)
+            )
+            when = f" where {option!r} is on, as it now is in their group"
         if not lacking:
             return
         advice = "reset with release=True for its optimizer to build them again" if schema.rebuilds_missing else "rebuild the optimizer"
         message = (
             f"{lacking} of its {len(entries)} state entries lack it, which its optimizer builds with an entry and reads at "
-            f"every step where {option!r} is on, as it now is in their group: whatever is done to their history in place, "
+            f"every step{when}: whatever is done to their history in place, "
             f"its next step would raise (KeyError in torch) where a fresh optimizer builds it; {advice}"
         )
         self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
@@ -723,10 +729,10 @@ class LeafInspector:
             message = f"its state is {kind_of(state)}, which has no entries to delete: {advice}"
             self.problem(node, ProblemKind.UNRELEASABLE_STATE, message)
             return
-        if not isinstance(state, defaultdict) or state.default_factory is not dict:
+        if not _builds_missing_entries(state):
             message = (
-                f"its state is {kind_of(state)}, not torch's defaultdict(dict): its next step would "
-                f"raise KeyError for a deleted entry instead of building it again; {advice}"
+                f"its state is {kind_of(state)}, not torch's defaultdict(dict): its next step may not "
+                f"build a deleted entry again as an empty dict; {advice}"
             )
             self.problem(node, ProblemKind.UNRELEASABLE_STATE, message)
             return
@@ -912,3 +918,14 @@ class LeafInspector:
         into.scales.extend(scales)
         into.written.extend(checked.owned((*owner, f"{key} scale")))
 
+
+def _builds_missing_entries(state: object) -> bool:
+    """Whether reading a deleted entry of ``state`` gives a new empty dict, as torch's
+    ``defaultdict(dict)`` does: a subclass's own ``__missing__`` or ``__getitem__`` may not."""
+    cls = type(state)
+    return (
+        isinstance(state, defaultdict)
+        and state.default_factory is dict
+        and getattr(cls, "__missing__") is defaultdict.__missing__
+        and getattr(cls, "__getitem__") is defaultdict.__getitem__
+    )
