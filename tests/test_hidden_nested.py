@@ -13,7 +13,8 @@ from megatron.core.optimizer import FP32Optimizer
 
 import opttree
 from tests.helpers import model, snapshot, train, unchanged
-from tests.megatron_parts import fp32
+from opttree.testing import cuda_on_cpu
+from tests.megatron_parts import config, fp32
 
 pytestmark = pytest.mark.usefixtures("process_group")
 
@@ -166,3 +167,28 @@ def test_tensors_and_modules_are_not_looked_into() -> None:
     wrapper, _ = wrapper_holding({"modules": [net], "grads": [torch.zeros(3)]})
 
     assert opttree.validate(wrapper) == ()
+
+
+class SlottedFP32(FP32Optimizer):
+    """An FP32Optimizer subclass that keeps an extra optimizer in a slot (and a
+    private one, name-mangled), where ``__dict__`` does not show it."""
+
+    __slots__ = ("ema", "__shadow", "unset")
+
+
+@pytest.mark.parametrize(("slot", "label"), [("ema", "ema"), ("_SlottedFP32__shadow", "_SlottedFP32__shadow")])
+def test_an_optimizer_held_in_a_slot_is_reported_and_refused(slot: str, label: str) -> None:
+    leaf = stepped(0)
+    with cuda_on_cpu():
+        wrapper = SlottedFP32(leaf, config(), None)
+    hidden = stepped(1)
+    setattr(wrapper, slot, [hidden])  # the slot "unset" is never set, and passed over
+    before = [snapshot(leaf), snapshot(hidden)]
+
+    problems = opttree.validate(wrapper)
+    with pytest.raises(opttree.HiddenOptimizer, match=r"SlottedFP32 at <root>: holds an AdamW"):
+        opttree.reset(wrapper)
+
+    assert [p.kind for p in problems] == [opttree.ProblemKind.HIDDEN_OPTIMIZER]
+    assert f"in {label}[0] that" in problems[0].message
+    assert unchanged(leaf, before[0]) and unchanged(hidden, before[1])

@@ -21,6 +21,7 @@ thousand per-parameter dicts of tensors, costs little.
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Callable, Iterable, Iterator
 from itertools import chain, compress, islice
 from typing import cast
@@ -126,9 +127,23 @@ def _level_below(level: list[object], classes: set[type], kinds: set[type], limi
 
 def held_optimizers(wrapper: object, is_optimizer: IsOptimizer, *, depth: int = DEPTH) -> Iterator[Held]:
     """The optimizers in ``wrapper``'s instance attributes, by attribute path."""
-    attributes = getattr(wrapper, "__dict__", None)
-    if isinstance(attributes, dict):
-        yield from _Search(is_optimizer).search(list(dict.items(attributes)), depth)
+    yield from _Search(is_optimizer).search(_instance_attributes(wrapper), depth)
+
+
+def _instance_attributes(instance: object) -> list[tuple[str, object]]:
+    """An instance's attributes: those of its ``__dict__`` and those its classes' ``__slots__``
+    hold, each slot read through its own descriptor (no property of a subclass runs);
+    a slot never set is passed over."""
+    attributes = getattr(instance, "__dict__", None)
+    found = list(dict.items(attributes)) if isinstance(attributes, dict) else []
+    for cls in type(instance).__mro__:
+        for name, descriptor in vars(cls).items():
+            if isinstance(descriptor, types.MemberDescriptorType) and name not in ("__weakref__", "__dict__"):
+                try:
+                    found.append((name, descriptor.__get__(instance, cls)))
+                except AttributeError:
+                    continue
+    return found
 
 
 @dataclasses.dataclass
