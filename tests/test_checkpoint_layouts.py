@@ -114,6 +114,7 @@ MALFORMED: list[tuple[str, str, Edit, str, str]] = [
     ("fp32", "a negative step", lambda s: put(entry(s), "step", torch.tensor(-5.0)), "step", "its 'step' is -5, where AdamW counts steps from 0"),
     ("fp32", "an infinite step", lambda s: put(entry(s), "step", float("inf")), "step", "its 'step' is inf"),
     ("fp32", "an entry without its step", lambda s: entry(s).pop("step"), "step", "state entry 0 holds history but no step, where other entries hold one"),
+    ("fp32", "an entry without its second moment", lambda s: entry(s).pop("exp_avg_sq"), "exp_avg_sq", "lacks 'exp_avg_sq', which AdamW builds with every entry and reads at every step"),
     ("fp32", "amsgrad over entries without its history", lambda s: put(groups(s)[0], "amsgrad", True), "max_exp_avg_sq", "lacks 'max_exp_avg_sq', which AdamW reads at every step where 'amsgrad' is on"),
     ("bf16", "history of another shape", lambda s: put(entry(s), "exp_avg", torch.zeros(32, 15)), "exp_avg", r"has shape \(32, 15\), where AdamW builds it in shape \(32, 16\)"),
     ("dist_bf16", "no torch state", lambda s: s.pop("optimizer"), "optimizer", "has no 'optimizer'"),
@@ -159,6 +160,23 @@ def test_a_step_numpy_counts_in_is_loaded() -> None:
         opttree.load_state_dict(loaded.optimizer, state)
     loaded.train(K, 1)
     assert opttree.validate(loaded.optimizer) == ()
+
+
+def test_megatron_loads_an_entry_lacking_a_moment_which_fails_the_next_step_and_opttree_refuses_it() -> None:
+    """torch's AdamW builds an entry whole, only where it is empty: Megatron's own load
+    takes an entry without its ``exp_avg_sq``, and the next step raises KeyError."""
+    stack = recipe("fp32")
+    state = saved(stack)
+    entry(state).pop("exp_avg_sq")
+    megatrons = fresh_like(stack)
+    with megatrons.device:
+        megatrons.optimizer.load_state_dict(copy.deepcopy(state))
+    with pytest.raises(KeyError, match="exp_avg_sq"):
+        megatrons.train(K, 1)
+
+    ours = fresh_like(stack)
+    with ours.device, pytest.raises(opttree.UnsupportedCheckpoint, match="lacks 'exp_avg_sq'"):
+        opttree.load_state_dict(ours.optimizer, state)
 
 
 def test_megatron_loads_history_of_another_shape_which_fails_the_next_step_and_opttree_refuses_it() -> None:

@@ -176,11 +176,14 @@ def _check_entry(
     cls = type(leaf.optimizer).__qualname__
     history = schema.zero | schema.filled | schema.identity
     where = f"state entry {index!r}, of a parameter of shape {tuple(param.shape)}"
-    if entry:
-        for needed, option in schema.built_if:
-            if group.get(option) and needed not in entry:
-                message = f"{where} lacks {needed!r}, which {cls} reads at every step where {option!r} is on, as its saved param group has it"
-                raise layout_error(node, needed, message)
+    if not (history | {"step"}).isdisjoint(entry):  # an empty entry is built whole at the next step
+        for needed, option in schema.built_with_entry:
+            if needed in entry or (option is not None and not group.get(option)):
+                continue
+            when = " builds with every entry and" if option is None else ""
+            on = "" if option is None else f" where {option!r} is on, as its saved param group has it"
+            message = f"{where} lacks {needed!r}, which {cls}{when} reads at every step{on}"
+            raise layout_error(node, needed, message)
     for key, value in entry.items():
         where = f"state entry {index!r}, of a parameter of shape {tuple(param.shape)}: its {key!r}"
         if key == "step" and schema.step is StepLocation.PER_PARAMETER:

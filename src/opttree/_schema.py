@@ -165,6 +165,14 @@ class StateSchema:
     switched on; kept through a reset in place, it would make the next step raise where a
     fresh optimizer builds the key: refused.
 
+    ``always_built``: zeroed, filled or identity keys the optimizer builds with every entry
+    and reads at every step (Adam's ``exp_avg``), as ``built_if`` keys whose option is
+    always on: an entry that holds some of its keys but lacks one (a hand-edited state, a
+    checkpoint of another layout) would make the next step raise where a fresh optimizer
+    builds it, so it is refused; an empty entry is built whole on the next step. Optional:
+    a schema that leaves it out checks nothing of this kind (an optimizer that builds each
+    missing key on its own, as Muon does, needs nothing).
+
     ``starts_at_first_step``: the optimizer builds a parameter's entry at its first step,
     filled from its group's values then (Rprop's ``step_size`` from the lr), so a fill in
     place would freeze today's lr where a scheduler moves it before the next step: a reset
@@ -199,6 +207,14 @@ class StateSchema:
     one_value: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     shape_of: tuple[tuple[str, ShapeOf], ...] = field(converter=_shapes, factory=tuple, kw_only=True)
     built_if: tuple[tuple[str, str], ...] = field(converter=_options, factory=tuple, kw_only=True)
+    always_built: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
+
+    @functools.cached_property
+    def built_with_entry(self) -> tuple[tuple[str, str | None], ...]:
+        """Each key the optimizer builds with an entry and reads at every step, with the
+        group option it is built under, or None where it always is
+        (:attr:`always_built`, :attr:`built_if`)."""
+        return (*((key, None) for key in sorted(self.always_built)), *self.built_if)
 
     @property
     def filled(self) -> frozenset[str]:
@@ -264,9 +280,14 @@ class StateSchema:
                 if first_keys & second_keys:
                     msg = f"state keys {sorted(first_keys & second_keys)} are named in both {first} and {second}"
                     raise RegistrationError(msg)
-        optional = {key for key, _ in self.built_if}
-        if not optional <= self.zero | self.filled | self.identity:
-            msg = f"built_if names {sorted(optional - self.zero - self.filled - self.identity)}, which are neither zeroed, filled nor identity"
+        optional = frozenset(key for key, _ in self.built_if)
+        history = self.zero | self.filled | self.identity
+        for name, named in (("built_if", optional), ("always_built", self.always_built)):
+            if not named <= history:
+                msg = f"{name} names {sorted(named - history)}, which are neither zeroed, filled nor identity"
+                raise RegistrationError(msg)
+        if optional & self.always_built:
+            msg = f"state keys {sorted(optional & self.always_built)} are named in both built_if and always_built"
             raise RegistrationError(msg)
         if "step" in self.zero | self.drop | self.keep | self.filled | self.identity:
             msg = "'step' is described by StateSchema.step, not by a key set"

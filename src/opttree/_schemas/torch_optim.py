@@ -12,7 +12,8 @@ parameter of two or more dimensions into ``row_var`` and ``col_var``, reduced al
 and its next-to-last dimension, and keeps a ``variance`` like any other's. Adam's
 ``max_exp_avg_sq`` is built only where its group has ``amsgrad``, RMSprop's
 ``momentum_buffer`` and ``grad_avg`` only where it has ``momentum`` and ``centered``
-(``built_if``). Every class but
+(``built_if``); every other key is built with every entry (``always_built``), but for
+Adafactor's, which depend on its parameter's dimensions. Every class but
 Adagrad builds a missing entry again on its next step, so its state can be released
 (Adagrad builds its state in ``__init__``; torch 2.13 and 2.14 also build a missing entry on
 a step, which opttree, supporting torch from 2.4, does not rely on).
@@ -55,12 +56,16 @@ def _per_step(
     shape_of: Mapping[str, ShapeOf] | None = None,
     one_value: frozenset[str] = frozenset(),
     built_if: Mapping[str, str] | None = None,
+    keys_by_shape: bool = False,
 ) -> StateSchema:
     """A schema whose history is built ``*_like`` its parameter but for the keys of
     ``shape_of`` (Adafactor's factored ones, typed as the parameter in a shape derived from
-    its) and ``one_value`` (NAdam's ``mu_product`` and ASGD's ``eta`` and ``mu``, scalars)."""
+    its) and ``one_value`` (NAdam's ``mu_product`` and ASGD's ``eta`` and ``mu``, scalars).
+    Every entry is built whole (``if len(state) == 0``) with each of its keys but those of
+    ``built_if``, unless ``keys_by_shape`` (Adafactor's depend on its parameter's dimensions)."""
     shapes = dict(shape_of or {})
     fills = dict(fill or {})
+    optional = dict(built_if or {})
     return StateSchema(
         zero=set(zero),
         keep={MASTER_PARAM},
@@ -72,7 +77,8 @@ def _per_step(
         like_param=(set(zero) | set(fills)) - set(shapes) - one_value,
         one_value=one_value,
         shape_of=shapes,
-        built_if=dict(built_if or {}),
+        built_if=optional,
+        always_built=set() if keys_by_shape else (set(zero) | set(fills)) - set(optional),
     )
 
 
@@ -98,7 +104,9 @@ SCHEMAS: dict[str, StateSchema] = {
     "SGD": SGD,
     "LBFGS": LBFGS,
     "SparseAdam": _per_step("exp_avg", "exp_avg_sq", step_type=StepType.INT),  # state["step"] = 0
-    "Adafactor": _per_step("row_var", "col_var", "variance", shape_of={"row_var": _rows, "col_var": _columns}),
+    "Adafactor": _per_step(
+        "row_var", "col_var", "variance", shape_of={"row_var": _rows, "col_var": _columns}, keys_by_shape=True
+    ),
     "Muon": StateSchema(zero={"momentum_buffer"}, keep={MASTER_PARAM}, rebuilds_missing=True, like_param={"momentum_buffer"}),
 }
 """By class name in ``torch.optim``; a class this torch lacks (Muon, Adafactor before

@@ -1,0 +1,177 @@
+"""State entries an optimizer builds whole (``if len(state) == 0``) and that lack one of
+their keys: torch's next step raises KeyError for the missing key, as emerging-optimizers'
+LaProp, SOAP, REKLS and AdaptiveMuon do, whatever a reset did to the rest in place. opttree
+refuses them (``StateSchema.always_built``) with nothing changed; an optimizer that builds
+each missing key on its own (ObliqueAdam) is reset, and trains as a fresh one."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import opttree
+from opttree._registry import schema_for
+from tests.helpers import clone_model, model, snapshot, train, unchanged, weights_equal
+
+TORCH_CASES = [
+    pytest.param(cls, key, id=f"{cls.__name__}-{key}")
+    for cls in (
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.Adamax,
+        torch.optim.NAdam,
+        torch.optim.RAdam,
+        torch.optim.Adagrad,
+        torch.optim.Adadelta,
+        torch.optim.RMSprop,
+    )
+    for key in sorted((schema_for(cls) or opttree.StateSchema()).always_built)
+]
+
+
+@pytest.mark.parametrize(("optimizer_cls", "key"), TORCH_CASES)
+def test_a_torch_entry_lacking_a_key_it_is_built_with_is_refused(optimizer_cls: Callable[..., torch.optim.Optimizer], key: str) -> None:
+    net = model()
+    optimizer = optimizer_cls(net.parameters(), lr=0.01)
+    train(net, optimizer, 0, 2)
+    first = next(iter(optimizer.state.values()))
+    del first[key]
+    before = snapshot(optimizer)
+
+    problems = opttree.validate(optimizer)
+
+    assert [(p.kind, p.key) for p in problems] == [(opttree.ProblemKind.UNSUPPORTED_STATE, key)]
+    assert "1 of its 4 state entries lack it, which its optimizer builds with an entry and reads at every step:" in problems[0].message
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=rf"{optimizer_cls.__name__} at <root>: key '{key}'"):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before)
+    with pytest.raises(KeyError):  # what the refusal spares: torch's own next step
+        train(net, optimizer, 2, 1)
+
+
+def test_every_key_torch_builds_with_an_entry_is_named() -> None:
+    """Each torch schema names as always built what its class builds with every entry:
+    the keys of a fresh optimizer's entries, but for those an option builds."""
+    for cls in (torch.optim.Adam, torch.optim.NAdam, torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.ASGD):
+        net = model()
+        optimizer = cls(net.parameters(), lr=0.01)
+        train(net, optimizer, 0, 1)
+        schema = schema_for(cls)
+        assert schema is not None
+        built = set().union(*map(set, optimizer.state.values())) - {"step"}
+        assert schema.always_built == built, cls.__name__
+
+
+@pytest.mark.parametrize(("optimizer_cls", "key"), [(torch.optim.Rprop, "prev"), (torch.optim.ASGD, "ax")])
+def test_an_entry_a_full_reset_deletes_may_lack_a_key(optimizer_cls: Callable[..., torch.optim.Optimizer], key: str) -> None:
+    """Rprop's and ASGD's entries start from the lr at their first step, so a full reset
+    deletes them whole, and the optimizer builds them again: one lacking a key is no problem."""
+    net = model()
+    optimizer = optimizer_cls(net.parameters(), lr=0.01)
+    train(net, optimizer, 0, 2)
+    del next(iter(optimizer.state.values()))[key]
+
+    assert opttree.validate(optimizer) == ()
+    opttree.reset(optimizer)
+    twin = clone_model(net)
+    fresh = optimizer_cls(twin.parameters(), lr=0.01)
+    train(net, optimizer, 2, 3)
+    train(twin, fresh, 2, 3)
+    assert weights_equal(net, twin)
+
+
+def test_an_empty_entry_is_built_whole_and_not_refused() -> None:
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
+    train(net, optimizer, 0, 2)
+    first = next(iter(optimizer.state))
+    optimizer.state[first].clear()
+
+    assert opttree.validate(optimizer) == ()
+    opttree.reset(optimizer)
+    twin = clone_model(net)
+    fresh = torch.optim.AdamW(twin.parameters(), lr=0.01)
+    train(net, optimizer, 2, 3)
+    train(twin, fresh, 2, 3)
+    assert weights_equal(net, twin)
+
+
+needs_emerging = pytest.mark.skipif(importlib.util.find_spec("emerging_optimizers") is None, reason="no emerging-optimizers in this lane")
+
+
+@needs_emerging
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("laprop", "exp_avg_sq"),
+        ("soap", "Q_R"),
+        ("soap", "exp_avg"),
+        ("rekls", "L"),
+        ("adaptive_muon", "moment2_buffer"),
+    ],
+)
+def test_an_emerging_entry_lacking_a_key_it_is_built_with_is_refused(name: str, key: str) -> None:
+    from tests.test_emerging_catalogue import BUILD, _registry, params
+    from tests.test_emerging_catalogue import train as train_emerging
+
+    ps = params()
+    optimizer = BUILD[name](_registry()[name], ps)
+    train_emerging(optimizer, ps, range(2))
+    del optimizer.state[ps[0]][key]
+    before = snapshot(optimizer)
+
+    problems = opttree.validate(optimizer)
+
+    assert [(p.kind, p.key) for p in problems] == [(opttree.ProblemKind.UNSUPPORTED_STATE, key)]
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=rf"key '{key}': 1 of its 2 state entries lack it"):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before)
+    with pytest.raises(KeyError):
+        train_emerging(optimizer, ps, range(2, 3))
+
+
+@needs_emerging
+def test_an_oblique_adam_entry_lacking_a_key_is_reset_and_trains_as_a_fresh_one() -> None:
+    """ObliqueAdam builds each missing key on its own, so an entry lacking one is no problem."""
+    from tests.test_emerging_catalogue import BUILD, _registry, params
+    from tests.test_emerging_catalogue import train as train_emerging
+
+    cls = _registry()["oblique_adam"]
+    ps = params()
+    optimizer = BUILD["oblique_adam"](cls, ps)
+    train_emerging(optimizer, ps, range(2))
+    del optimizer.state[ps[0]]["exp_avg_sq"]
+
+    assert opttree.validate(optimizer) == ()
+    opttree.reset(optimizer)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    fresh = BUILD["oblique_adam"](cls, twins)
+    train_emerging(optimizer, ps, range(2, 5))
+    train_emerging(fresh, twins, range(2, 5))
+    assert all(torch.equal(a, b) for a, b in zip(ps, twins, strict=True))
+
+
+def test_always_built_names_history_apart_from_built_if() -> None:
+    with pytest.raises(opttree.RegistrationError, match=r"always_built names \['master_param'\], which are neither zeroed, filled nor identity"):
+        opttree.StateSchema(zero={"exp_avg"}, keep={"master_param"}, always_built={"master_param"})
+    with pytest.raises(opttree.RegistrationError, match=r"state keys \['ema'\] are named in both built_if and always_built"):
+        opttree.StateSchema(zero={"exp_avg", "ema"}, built_if={"ema": "use_ema"}, always_built={"exp_avg", "ema"})
+    with pytest.raises(opttree.RegistrationError, match="state keys are given as a set of names"):
+        opttree.StateSchema(zero={"exp_avg"}, always_built="exp_avg")  # type: ignore[arg-type]
+    schema = opttree.StateSchema(zero={"exp_avg", "ema"}, built_if={"ema": "use_ema"}, always_built={"exp_avg"})
+    assert schema.built_with_entry == (("exp_avg", None), ("ema", "use_ema"))
+
+
+def test_a_copy_keeps_the_check() -> None:
+    """A deep copy of an optimizer (as a framework's snapshot takes) is checked alike."""
+    net = model()
+    optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
+    train(net, optimizer, 0, 2)
+    copied = copy.deepcopy(optimizer)
+    del next(iter(copied.state.values()))["exp_avg"]
+    assert [p.key for p in opttree.validate(copied)] == ["exp_avg"]
+    assert opttree.validate(optimizer) == ()
