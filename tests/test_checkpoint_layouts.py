@@ -108,7 +108,11 @@ MALFORMED: list[tuple[str, str, Edit, str, str]] = [
     ("fp16", "a loss scale a float", lambda s: put(s["grad_scaler"], "scale", 2.0), "grad_scaler", "holds a float under 'scale'"),  # type: ignore[arg-type]
     ("fp32", "history of another shape", lambda s: put(entry(s), "exp_avg", torch.zeros(3)), "exp_avg", r"its 'exp_avg' has shape \(3,\), where AdamW builds it in shape \(32, 16\)"),
     ("fp32", "history a str", lambda s: put(entry(s), "exp_avg_sq", "s"), "exp_avg_sq", "its 'exp_avg_sq' is a str, where AdamW keeps a tensor"),
-    ("fp32", "a step a str", lambda s: put(entry(s), "step", "s"), "step", "its 'step' is a str, where AdamW counts steps from 0 in one real number"),
+    ("fp32", "a step a str", lambda s: put(entry(s), "step", "s"), "step", "its 'step' is a str, where AdamW counts steps from 0 in one whole number"),
+    ("fp32", "a fractional step", lambda s: put(entry(s), "step", torch.tensor(1.5)), "step", "its 'step' is 1.5, where AdamW counts"),
+    ("fp32", "a bfloat16 step", lambda s: put(entry(s), "step", torch.tensor(2.0, dtype=torch.bfloat16)), "step", "its 'step' is a bfloat16 tensor of 1 value,"),
+    ("fp32", "a common step of -1", lambda s: put(entries(s), "common_step", torch.tensor(-1.0)), "common_step", "is -1, which Megatron's load writes as the step of every entry"),
+    ("fp32", "a common step a str", lambda s: put(entries(s), "common_step", "2"), "common_step", "is a str, which Megatron's load writes"),
     ("fp32", "a key of no schema", lambda s: put(entry(s), "my_ema", torch.zeros(1)), "my_ema", "its 'my_ema' is not a key AdamW keeps"),
     ("fp32", "a step of several values", lambda s: put(entry(s), "step", torch.ones(3)), "step", "its 'step' is a float32 tensor of 3 values"),
     ("fp32", "a negative step", lambda s: put(entry(s), "step", torch.tensor(-5.0)), "step", "its 'step' is -5, where AdamW counts steps from 0"),

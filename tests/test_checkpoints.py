@@ -313,3 +313,67 @@ def test_load_state_dict_takes_the_list_a_chain_of_several_members_writes_in_mem
     stack.train(K, K)
     assert all(torch.equal(a, b) for a, b in zip(ours.main_params(), megatrons.main_params(), strict=True))
     assert all(torch.equal(a, b) for a, b in zip(ours.main_params(), stack.main_params(), strict=True))
+
+
+def _emptied(state: dict[str, object], *indices: int) -> dict[str, object]:
+    entries = state["state"]
+    assert isinstance(entries, dict)
+    for index in indices:
+        entries[index] = {}
+    return state
+
+
+@pytest.mark.parametrize("common_step", [None, 0, 2], ids=["saved-at-step-0", "common-step-0", "common-step-2"])
+def test_an_empty_saved_entry_is_left_for_the_optimizer_to_build(common_step: int | None) -> None:
+    """An entry saved empty (a parameter whose entry a read created, never stepped) is built
+    whole by torch's Adam at its next step. Megatron's own load writes a common step into
+    it, and torch's Adam, taking the entry for built, raises KeyError; opttree's load gives
+    the step only to entries that hold history, as a fresh optimizer holds them."""
+    stack = testing.build("fp32")
+    stack.train(0, K)
+    with stack.device:
+        state = _emptied(copy.deepcopy(stack.optimizer.state_dict()), 0)
+    entries = state["state"]
+    assert isinstance(entries, dict)
+    for entry in entries.values():
+        entry.pop("step", None)
+    if common_step is not None:
+        entries["common_step"] = torch.tensor(float(common_step))
+
+    if common_step is not None:
+        megatrons = fresh_like(stack)
+        with megatrons.device:
+            megatrons.optimizer.load_state_dict(copy.deepcopy(state))
+        with pytest.raises(KeyError):
+            megatrons.train(K, 1)
+
+    ours = fresh_like(stack)
+    with ours.device:
+        opttree.load_state_dict(ours.optimizer, state)
+    (leaf,) = ours.leaves()
+    loaded = list(leaf.state.values())
+    assert loaded[0] == {} and all(int(entry["step"]) == (common_step or 0) for entry in loaded[1:])
+    ours.train(K, 1)
+    # built at step 1 beside entries at 3, which Megatron cannot checkpoint: validate says so
+    expected = [] if not common_step else [opttree.ProblemKind.UNEQUAL_STEPS]
+    assert [p.kind for p in opttree.validate(ours.optimizer)] == expected
+
+
+def test_a_state_dict_of_only_empty_entries_loads_as_megatron_loads_it() -> None:
+    """Nothing to give a step to: opttree's load adds none, and the optimizer trains as one
+    loaded by Megatron's own code (before, a step written into each empty entry made the
+    next step raise KeyError)."""
+    stack = testing.build("fp32")
+    stack.train(0, K)
+    with stack.device:
+        state = copy.deepcopy(stack.optimizer.state_dict())
+    entries = state["state"]
+    assert isinstance(entries, dict)
+    _emptied(state, *[index for index in entries if isinstance(index, int)])
+    megatrons, ours = fresh_like(stack), fresh_like(stack)
+    with megatrons.device:
+        megatrons.optimizer.load_state_dict(copy.deepcopy(state))
+        opttree.load_state_dict(ours.optimizer, state)
+    megatrons.train(K, K)
+    ours.train(K, K)
+    assert all(torch.equal(a, b) for a, b in zip(ours.main_params(), megatrons.main_params(), strict=True))

@@ -124,6 +124,7 @@ def _check_torch_format(node: Node, inner: Node, state: object) -> None:
     loaded = {index for saved in groups[: len(live)] for index in saved["params"]}
     for index, entry in entries.items():
         if index == STEP_KEY:
+            _check_common_step(node, inner, entry)
             continue
         if index not in loaded:
             raise layout_error(node, index, "a state entry for no parameter of the param groups it loads (torch would keep it under that index)")
@@ -138,6 +139,15 @@ def _check_torch_format(node: Node, inner: Node, state: object) -> None:
         _check_steps_held(node, inner, saved_entries)
 
 
+def _check_common_step(node: Node, inner: Node, value: object) -> None:
+    """The step Megatron's load writes into every saved entry of the leaf below."""
+    fault = _step_fault(value)
+    if fault is not None:
+        cls = type(inner.optimizer).__qualname__
+        message = f"is {fault}, which Megatron's load writes as the step of every entry, where {cls} counts steps from 0 in one whole number"
+        raise layout_error(node, STEP_KEY, message)
+
+
 def _check_steps_held(node: Node, leaf: LeafNode, entries: dict[object, dict[object, object]]) -> None:
     """Where some saved entries hold a per-parameter step, every entry holding history must:
     torch's Adam raises KeyError at one without, after Megatron has loaded what comes before.
@@ -150,15 +160,21 @@ def _check_steps_held(node: Node, leaf: LeafNode, entries: dict[object, dict[obj
         raise layout_error(node, "step", message)
 
 
+_COUNTING_DTYPES = frozenset({torch.float32, torch.float64, torch.int32, torch.int64})
+"""Tensor dtypes that count steps exactly as far as training goes (a bfloat16 step stops at
+256, and bias correction then computes at its precision, unlike a fresh optimizer's)."""
+
+
 def _step_fault(value: object) -> str | None:
-    """What a saved per-parameter step is, where it is not one finite count from 0 (a
-    Python, NumPy or one-element real tensor number): None where it is one."""
-    if isinstance(value, torch.Tensor) and (value.numel() != 1 or value.dtype is torch.bool or value.is_complex()):
-        return f"{article(torch_name(value.dtype))} tensor of {value.numel()} values"
+    """What a saved per-parameter step is, where it is not one whole count from 0 (a
+    Python, NumPy or one-element tensor number of a dtype that counts exactly): None where
+    it is one."""
+    if isinstance(value, torch.Tensor) and (value.numel() != 1 or value.dtype not in _COUNTING_DTYPES):
+        return f"{article(torch_name(value.dtype))} tensor of {value.numel()} value{'s' if value.numel() != 1 else ''}"
     number = real_number(value)
     if number is None:
         return kind_of(value)
-    return None if math.isfinite(number) and number >= 0 else f"{number:g}"
+    return None if math.isfinite(number) and number >= 0 and number.is_integer() else f"{number:g}"
 
 
 def _check_entry(
@@ -189,7 +205,7 @@ def _check_entry(
         if key == "step" and schema.step is StepLocation.PER_PARAMETER:
             fault = _step_fault(value)
             if fault is not None:
-                raise layout_error(node, key, f"{where} is {fault}, where {cls} counts steps from 0 in one real number")
+                raise layout_error(node, key, f"{where} is {fault}, where {cls} counts steps from 0 in one whole number")
             continue
         if not isinstance(key, str) or key not in schema.actions:
             raise layout_error(node, key, f"{where} is not a key {cls} keeps (its schema has {', '.join(sorted(schema.actions))})")

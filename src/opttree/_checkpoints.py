@@ -15,6 +15,12 @@ saved at step 0: Megatron writes the step whenever it is not 0, so history witho
 was saved at step 0, and the step given back is 0, of the type the leaf's optimizer
 starts it as (a float tensor for torch's, an int for LaProp's: see ``StateSchema.step_type``).
 
+Megatron's load writes the common step into every saved entry, an empty one too (a
+parameter whose entry a read created before any step): torch's Adam takes an entry with a
+step for built and raises ``KeyError`` for its history. :func:`load_state_dict` gives the
+step only to entries that hold history, and leaves an empty one for the optimizer to
+build whole, as a fresh optimizer does.
+
 ``DistributedOptimizer`` writes its step into the param groups whatever its value, and
 leaves that count steps per group (TE and apex ``FusedAdam``) keep them in the param
 groups too: neither needs anything. Its ``load_state_dict`` (megatron-core 0.16.1 and
@@ -25,6 +31,8 @@ tensor of its own, as the optimizer that saved it held.
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar, cast
 
@@ -117,7 +125,9 @@ def load_state_dict(
 ) -> None:
     """Megatron's ``optimizer.load_state_dict(state_dict)``, for a checkpoint that may have
     been saved by Megatron's own ``sharded_state_dict`` at step 0: each leaf state that
-    holds history but no step is given the step 0 it was saved at.
+    holds history but no step is given the step 0 it was saved at. The common step of a
+    sharded checkpoint is given to the entries that hold history, and not, as Megatron's
+    own load gives it, to empty ones too.
 
     ``state_dict`` is what the stack's ``state_dict()`` returns or a sharded load gives
     back (by member index for a chain of several). Before anything is loaded or written it
@@ -126,16 +136,31 @@ def load_state_dict(
     the stack and ``state_dict`` unchanged. An error Megatron's own load raises past those
     checks is given back as one too, saying that what it loaded before stays loaded."""
     root = _megatron_root(optimizer)
-    stepless = [
-        (leaf, entries)
-        for leaf, leaf_state in list(walk(root, state_dict, loading=True))  # every check before any write
-        if isinstance(entries := leaf_state["state"], dict) and entries and STEP_KEY not in entries and not _has_steps(entries)
-    ]
-    for leaf, entries in stepless:
-        entries[STEP_KEY] = _fresh_step(leaf)
+    for leaf, leaf_state in list(walk(root, state_dict, loading=True)):  # every check before any write
+        entries = leaf_state["state"]
+        if isinstance(entries, dict):
+            _give_steps(leaf, entries)
     load = getattr(root.optimizer, "load_state_dict")
     _megatrons(root, "load_state_dict", lambda: load(state_dict))
     _unshare_steps(root)
+
+
+def _give_steps(leaf: LeafNode, entries: dict[object, object]) -> None:
+    """Give each saved entry that holds history the step it was saved at: the common step
+    where Megatron wrote one, else 0 where no entry holds one (saved at step 0). Megatron's
+    own load writes its common step into every entry, an empty one too, which torch's Adam
+    then takes for built and raises ``KeyError`` at; an empty entry is left empty, for the
+    optimizer to build whole, as a fresh one does."""
+    step: Callable[[], object]
+    if STEP_KEY in entries:
+        step = functools.partial(copy.deepcopy, entries.pop(STEP_KEY))  # a copy each, as Megatron gives
+    elif not _has_steps(entries):
+        step = functools.partial(_fresh_step, leaf)
+    else:
+        return
+    for entry in entries.values():
+        if isinstance(entry, dict) and entry:
+            entry["step"] = step()
 
 
 def _unshare_steps(root: Node) -> None:
