@@ -13,7 +13,7 @@ import operator
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from itertools import chain, compress, repeat
-from typing import cast
+from typing import TypeVar, cast
 
 import torch
 
@@ -45,6 +45,9 @@ _IS_LEAF = cast(Callable[[torch.Tensor], bool], torch._C.TensorBase.__dict__["is
 GRADIENTS = ".grad"
 """The key under which the gradients of a leaf's parameters are kept memory."""
 _OPTIMIZER = operator.attrgetter("optimizer")
+
+_Param = TypeVar("_Param")
+_Built = TypeVar("_Built")
 
 
 _DIFFERENTIABLE = (
@@ -600,15 +603,13 @@ class LeafInspector:
         raise where a fresh one's builds it."""
         schema = self.schema
         built = schema.zero | schema.filled | schema.identity | {"step"}
-        if option is None:
-            lacking = sum(key not in entry and not built.isdisjoint(entry) for entry in entries)
-            when = ""
-        else:
-            needing = {id(param) for group in groups if group.get(option) for param in cast(list[torch.Tensor], group["params"])}
-            lacking = sum(
-                key not in entry and not built.isdisjoint(entry) and id(param) in needing for param, entry in zip(held, entries, strict=True)
-            )
-            when = f" where {option!r} is on, as it now is in their group"
+        needing = {
+            id(param) for group in groups if option is None or group.get(option) for param in cast(list[torch.Tensor], group["params"])
+        }  # an entry of a tensor in no group is an orphan, reported as such
+        lacking = sum(
+            key not in entry and not built.isdisjoint(entry) and id(param) in needing for param, entry in zip(held, entries, strict=True)
+        )
+        when = "" if option is None else f" where {option!r} is on, as it now is in their group"
         if not lacking:
             return
         advice = "reset with release=True for its optimizer to build them again" if schema.rebuilds_missing else "rebuild the optimizer"
@@ -639,16 +640,19 @@ class LeafInspector:
         if count != len(entries):
             having = [key in entry for entry in entries]
             param_shapes, param_dtypes = list(compress(param_shapes, having)), list(compress(param_dtypes, having))
-        built = param_shapes if key in self.schema.like_param else self.built_shapes(node, key, param_shapes)
-        if built is None:
+        schema = self.schema
+        built = param_shapes if key in schema.like_param else self.derived(node, key, "shape_of", schema.built_shape, list(map(tuple, param_shapes)))
+        built_dtypes = param_dtypes if key not in schema.typed else self.derived(node, key, "dtype_of", schema.built_dtype, param_dtypes)
+        if built is None or built_dtypes is None:
             return
         with plain_reads():
             shapes = list(map(_SHAPE, tensors))
-        if shapes == built and dtypes == param_dtypes:
+        if shapes == built and dtypes == built_dtypes:
             return
-        unlike = [i for i, (a, b, c, d) in enumerate(zip(shapes, dtypes, built, param_dtypes, strict=True)) if a != c or b is not d]
+        unlike = [i for i, (a, b, c, d) in enumerate(zip(shapes, dtypes, built, built_dtypes, strict=True)) if a != c or b is not d]
         first = unlike[0]
-        as_built = "" if built is param_shapes else f"built as {_layout_text(built[first], param_dtypes[first])} for it; "
+        derived = built is not param_shapes or built_dtypes is not param_dtypes
+        as_built = f"built as {_layout_text(built[first], built_dtypes[first])} for it; " if derived else ""
         message = (
             f"history of {_layout_text(shapes[first], dtypes[first])} where its parameter is "
             f"{_layout_text(param_shapes[first], param_dtypes[first])} ({as_built}{len(unlike)} of {count} such): the parameter was "
@@ -657,15 +661,19 @@ class LeafInspector:
         )
         self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
 
-    def built_shapes(self, node: LeafNode, key: str, param_shapes: list[torch.Size]) -> list[torch.Size] | None:
-        """The shapes ``shape_of`` builds ``key`` in for these parameters; None, with a
-        problem, where the schema's function fails."""
+    def derived(
+        self, node: LeafNode, key: str, name: str, build: Callable[[str, _Param], _Built], of_params: list[_Param]
+    ) -> list[_Built] | None:
+        """What the schema's ``name`` (``shape_of``, ``dtype_of``) builds ``key`` as, through
+        ``build``, for parameters of ``of_params``; None, with a problem, where the schema's
+        function fails."""
         try:
-            return [self.schema.built_shape(key, tuple(shape)) for shape in param_shapes]
+            found = [build(key, param) for param in of_params]
         except Exception as error:  # noqa: BLE001  # a registered function may raise anything
-            message = f"its schema's shape_of raised {type(error).__name__}: {error}"
+            message = f"its schema's {name} raised {type(error).__name__}: {error}"
             self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
             return None
+        return found
 
     def plan_unselected(self, node: LeafNode, owner: tuple[str, str], entries: list[StateEntry], into: StatePlan) -> None:
         """A partial reset keeps the state of the parameters it does not select: its memory
