@@ -333,7 +333,7 @@ def test_a_fill_may_be_numpys_number_as_a_fill_function_may_return() -> None:
         ({"zero": {"m"}, "one_value": {"n"}}, r"one_value names \['n'\], which are neither zeroed nor filled"),
         ({"zero": {"m"}, "one_value": {"m"}, "like_param": {"m"}}, r"state keys \['m'\] are named in both like_param and one_value"),
         ({"zero": {"m"}, "shape_of": {"m": 3}}, r"the shape_of of 'm' is an int: expected \(param shape\) -> shape"),
-        ({"zero": {"m"}, "shape_of": {"n": tuple}}, r"shape_of names \['n'\], which are neither zeroed nor filled"),
+        ({"zero": {"m"}, "shape_of": {"n": tuple}}, r"shape_of names \['n'\], which are neither zeroed, filled nor identity"),
     ],
     ids=[
         "fill-set", "fill-str", "fill-none", "fill-twice", "fill-key-int", "zero-none", "zero-int", "scale-of", "rebuilds-str",

@@ -66,6 +66,10 @@ ShapeOf = Callable[[tuple[int, ...]], Sequence[int]]
 """``param shape -> shape``: the shape an optimizer builds a history tensor in, from its
 parameter's (Adafactor's ``row_var`` keeps the parameter's shape with its last dimension 1)."""
 
+DtypeOf = Callable[[torch.dtype], torch.dtype]
+"""``param dtype -> dtype``: the dtype an optimizer builds a history tensor in, where it is
+not its parameter's (SOAP keeps its moments in float32 whatever the parameter's)."""
+
 _Value = TypeVar("_Value")
 
 
@@ -101,6 +105,10 @@ def _fills(value: Mapping[str, Fill] | tuple[tuple[str, Fill], ...]) -> tuple[tu
 
 def _shapes(value: Mapping[str, ShapeOf] | tuple[tuple[str, ShapeOf], ...]) -> tuple[tuple[str, ShapeOf], ...]:
     return _keyed(value, "shape_of", "functions (param shape) -> shape")
+
+
+def _dtypes(value: Mapping[str, DtypeOf] | tuple[tuple[str, DtypeOf], ...]) -> tuple[tuple[str, DtypeOf], ...]:
+    return _keyed(value, "dtype_of", "functions (param dtype) -> dtype")
 
 
 def _options(value: Mapping[str, str] | tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
@@ -150,9 +158,13 @@ class StateSchema:
     ``.data``, after the optimizer built it), a reset in place would keep it so where a
     fresh optimizer builds it as the parameter is now: refused.
 
-    ``shape_of``: zeroed or filled keys the optimizer builds typed as their parameter, in a
-    shape derived from the parameter's (Adafactor's factored ``row_var`` and ``col_var``),
-    checked as ``like_param`` keys are.
+    ``shape_of``: zeroed, filled or identity keys the optimizer builds typed as their
+    parameter, in a shape derived from the parameter's (Adafactor's factored ``row_var`` and
+    ``col_var``, SOAP's Kronecker factors), checked as ``like_param`` keys are.
+
+    ``dtype_of``: ``like_param`` or ``shape_of`` keys the optimizer builds in a dtype of
+    their own, derived from (or regardless of) the parameter's (SOAP's moments in float32,
+    its Kronecker factors in torch's default dtype): checked against it instead.
 
     ``one_value``: zeroed or filled keys that hold one real value whatever their parameter
     (NAdam's ``mu_product``). One that holds several, none, or a bool or complex one would
@@ -206,6 +218,7 @@ class StateSchema:
     like_param: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     one_value: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     shape_of: tuple[tuple[str, ShapeOf], ...] = field(converter=_shapes, factory=tuple, kw_only=True)
+    dtype_of: tuple[tuple[str, DtypeOf], ...] = field(converter=_dtypes, factory=tuple, kw_only=True)
     built_if: tuple[tuple[str, str], ...] = field(converter=_options, factory=tuple, kw_only=True)
     always_built: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
 
@@ -234,6 +247,27 @@ class StateSchema:
     @functools.cached_property
     def _shape_by_key(self) -> dict[str, ShapeOf]:
         return dict(self.shape_of)
+
+    @property
+    def typed(self) -> frozenset[str]:
+        """The keys :attr:`dtype_of` names."""
+        return frozenset(self._dtype_by_key)
+
+    @functools.cached_property
+    def _dtype_by_key(self) -> dict[str, DtypeOf]:
+        return dict(self.dtype_of)
+
+    def built_dtype(self, key: str, param_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the optimizer builds ``key`` in for a parameter of ``param_dtype``:
+        the parameter's, or :attr:`dtype_of`'s for it."""
+        dtype_of = self._dtype_by_key.get(key)
+        if dtype_of is None:
+            return param_dtype
+        dtype: object = dtype_of(param_dtype)
+        if not isinstance(dtype, torch.dtype):
+            msg = f"it gave {kind_of(dtype)}, expected a torch.dtype"
+            raise TypeError(msg)
+        return dtype
 
     def built_shape(self, key: str, param_shape: tuple[int, ...]) -> torch.Size:
         """The shape the optimizer builds ``key`` in for a parameter of ``param_shape``:
@@ -266,15 +300,21 @@ class StateSchema:
             if number is None or math.isnan(number):
                 msg = f"the fill of {key!r} is {_what(value)}: expected a real number a float holds, or (group, defaults) -> number"
                 raise RegistrationError(msg)
-        for key, shape_of in self.shape_of:
-            if not callable(cast(object, shape_of)):
-                msg = f"the shape_of of {key!r} is {kind_of(shape_of)}: expected (param shape) -> shape"
-                raise RegistrationError(msg)
+        for name, functions, meaning in (("shape_of", self.shape_of, "(param shape) -> shape"), ("dtype_of", self.dtype_of, "(param dtype) -> dtype")):
+            for key, function in functions:
+                if not callable(cast(object, function)):
+                    msg = f"the {name} of {key!r} is {kind_of(function)}: expected {meaning}"
+                    raise RegistrationError(msg)
         layouts = {"like_param": self.like_param, "one_value": self.one_value, "shape_of": self.shaped}
         for name, named in layouts.items():
-            if not named <= self.zero | self.filled:
-                msg = f"{name} names {sorted(named - self.zero - self.filled)}, which are neither zeroed nor filled"
+            allowed = self.zero | self.filled | (self.identity if name == "shape_of" else frozenset())
+            if not named <= allowed:
+                what = "neither zeroed, filled nor identity" if name == "shape_of" else "neither zeroed nor filled"
+                msg = f"{name} names {sorted(named - allowed)}, which are {what}"
                 raise RegistrationError(msg)
+        if not self.typed <= self.built_like_param:
+            msg = f"dtype_of names {sorted(self.typed - self.built_like_param)}, which are neither like_param nor shape_of keys"
+            raise RegistrationError(msg)
         for i, (first, first_keys) in enumerate(layouts.items()):
             for second, second_keys in list(layouts.items())[i + 1 :]:
                 if first_keys & second_keys:

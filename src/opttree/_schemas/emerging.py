@@ -9,8 +9,8 @@ ObliqueAdam build each missing key on its own. LaProp, ObliqueAdam and SOAP coun
 int, and SOAP's decides when it takes a full eigendecomposition (at step 0).
 ``MuonHyperball``'s ``hyperball_R`` is written on every step before it is read, so it is
 dropped. Their moments are built ``zeros_like`` their parameter (``like_param``), but
-AdaptiveMuon's ``moment2_buffer``, shaped by its mode, and SOAP's, built in float32 whatever
-the parameter's dtype. PSGDPro creates each key on its own when it is missing: its lists of Kronecker
+AdaptiveMuon's ``moment2_buffer``, shaped by its mode; SOAP's are built in float32 whatever
+the parameter's dtype (``dtype_of``), and its Kronecker factors square (``shape_of``). PSGDPro creates each key on its own when it is missing: its lists of Kronecker
 factors ``Q`` and Lipschitz constants ``L`` are dropped and rebuilt on the next step.
 Each of them builds a missing entry again, so its state can be released.
 """
@@ -18,6 +18,7 @@ Each of them builds a missing entry again, so its state can be released.
 from __future__ import annotations
 
 import attrs
+import torch
 
 from opttree._schema import StateSchema, StepLocation, StepType
 from opttree._schemas._keys import MASTER_PARAM
@@ -40,6 +41,27 @@ _OBLIQUE_ADAM = StateSchema(
 )
 """ObliqueAdam builds each missing key on its own; LaProp builds them with the entry."""
 LAPROP = attrs.evolve(_OBLIQUE_ADAM, always_built={"exp_avg", "exp_avg_sq"})
+
+
+def _rows_square(shape: tuple[int, ...]) -> tuple[int, int]:
+    """SOAP's left Kronecker factor and eigenbasis: square in the parameter's rows."""
+    return (shape[0], shape[0])
+
+
+def _columns_square(shape: tuple[int, ...]) -> tuple[int, int]:
+    """SOAP's right Kronecker factor and eigenbasis: square in the parameter's columns."""
+    return (shape[-1], shape[-1])
+
+
+def _float32(param_dtype: torch.dtype) -> torch.dtype:
+    return torch.float32
+
+
+def _default_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """What ``torch.zeros``/``torch.eye`` build in when given no dtype, read at each check."""
+    return torch.get_default_dtype()
+
+
 SOAP = StateSchema(
     zero={"exp_avg", "exp_avg_sq", "L", "R"},
     keep={MASTER_PARAM},
@@ -48,7 +70,13 @@ SOAP = StateSchema(
     identity={"Q_L", "Q_R"},
     rebuilds_missing=True,
     always_built={"exp_avg", "exp_avg_sq", "L", "R", "Q_L", "Q_R"},
+    like_param={"exp_avg", "exp_avg_sq"},
+    shape_of={"L": _rows_square, "Q_L": _rows_square, "R": _columns_square, "Q_R": _columns_square},
+    dtype_of={"exp_avg": _float32, "exp_avg_sq": _float32, "L": _default_dtype, "R": _default_dtype, "Q_L": _default_dtype, "Q_R": _default_dtype},
 )
+"""SOAP and REKLS (2-D parameters only) build their moments in the parameter's shape in
+float32, their Kronecker factors and eigenbases square in its rows and its columns, in
+torch's default dtype."""
 
 _ORTHOGONALIZED = "emerging_optimizers.orthogonalized_optimizers."
 LAZY: dict[str, StateSchema] = {

@@ -1,0 +1,131 @@
+"""SOAP and REKLS build their moments in their parameter's shape in float32, and their
+Kronecker factors ``L``/``R`` and eigenbases ``Q_L``/``Q_R`` square in the parameter's
+rows and columns, in torch's default dtype (``StateSchema.shape_of`` and ``dtype_of``).
+State of another shape or dtype (a hand-edited state, a checkpoint of another layout,
+history cast by a load) would stay so through a reset in place, where a fresh optimizer
+builds it so: refused, with nothing changed. A correct state resets exactly (the
+catalogue tests prove that)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+import torch
+
+import opttree
+from tests.helpers import snapshot, unchanged
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("emerging_optimizers") is None, reason="no emerging-optimizers in this lane")
+
+
+def stepped(name: str) -> tuple[torch.optim.Optimizer, torch.nn.Parameter]:
+    from tests.test_emerging_catalogue import BUILD, _registry, params, train
+
+    ps = params()  # (4, 4) and (4, 6)
+    optimizer = BUILD[name](_registry()[name], ps)
+    train(optimizer, ps, range(2))
+    return optimizer, ps[1]
+
+
+@pytest.mark.parametrize("name", ["soap", "rekls"])
+@pytest.mark.parametrize(
+    ("key", "wrong", "expected"),
+    [
+        ("L", torch.zeros(6, 6), r"history of shape \(6, 6\) float32 where its parameter is shape \(4, 6\) float32 \(built as shape \(4, 4\) float32 for it; "),
+        ("Q_R", torch.eye(4), r"history of shape \(4, 4\) float32 where its parameter is shape \(4, 6\) float32 \(built as shape \(6, 6\) float32 for it; "),
+        ("exp_avg", torch.zeros(6, 4), r"history of shape \(6, 4\) float32 where its parameter is shape \(4, 6\) float32 \(built as shape \(4, 6\) float32"),
+        ("exp_avg_sq", torch.zeros(4, 6, dtype=torch.bfloat16), r"history of shape \(4, 6\) bfloat16 where its parameter is shape \(4, 6\) float32 \(built as shape \(4, 6\) float32"),
+        ("L", torch.zeros(4, 4, dtype=torch.float64), r"history of shape \(4, 4\) float64 where"),
+    ],
+    ids=["L-columns", "Q_R-rows", "exp_avg-transposed", "exp_avg_sq-bfloat16", "L-float64"],
+)
+def test_soap_state_of_another_layout_is_refused(name: str, key: str, wrong: torch.Tensor, expected: str) -> None:
+    optimizer, param = stepped(name)
+    assert opttree.validate(optimizer) == ()
+    optimizer.state[param][key] = wrong
+    before = snapshot(optimizer)
+
+    problems = opttree.validate(optimizer)
+
+    assert [(p.kind, p.key) for p in problems] == [(opttree.ProblemKind.UNSUPPORTED_STATE, key)]
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=rf"key '{key}': " + expected):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before)
+
+
+def test_soaps_kronecker_factors_follow_torchs_default_dtype() -> None:
+    """SOAP builds its factors and eigenbases in torch's default dtype, its moments in
+    float32: with the default switched to float64 after they were built, a fresh SOAP would
+    build float64 factors, so the float32 ones are refused while the default is float64."""
+    optimizer, _ = stepped("soap")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        keys = sorted({p.key or "" for p in opttree.validate(optimizer)})
+    finally:
+        torch.set_default_dtype(previous)
+
+    assert keys == ["L", "Q_L", "Q_R", "R"]
+    assert opttree.validate(optimizer) == ()
+
+
+def test_dtype_of_names_keys_whose_layout_is_checked() -> None:
+    with pytest.raises(opttree.RegistrationError, match=re.escape("dtype_of names ['m'], which are neither like_param nor shape_of keys")):
+        opttree.StateSchema(zero={"m"}, dtype_of={"m": lambda dtype: torch.float32})
+    with pytest.raises(opttree.RegistrationError, match="the dtype_of of 'm' is a str: expected"):
+        opttree.StateSchema(zero={"m"}, like_param={"m"}, dtype_of={"m": "float32"})  # type: ignore[dict-item]
+    schema = opttree.StateSchema(zero={"m"}, identity={"q"}, like_param={"m"}, shape_of={"q": lambda s: (s[0], s[0])}, dtype_of={"m": lambda dtype: torch.float32})
+    assert schema.built_dtype("m", torch.bfloat16) is torch.float32 and schema.built_dtype("q", torch.bfloat16) is torch.bfloat16
+    assert schema.built_shape("q", (3, 5)) == torch.Size((3, 3))
+
+
+def test_a_registered_dtype_of_that_fails_is_a_problem_not_a_crash() -> None:
+    class Odd(torch.optim.SGD):
+        pass
+
+    opttree.register_schema(
+        Odd,
+        opttree.StateSchema(zero={"momentum_buffer"}, like_param={"momentum_buffer"}, dtype_of={"momentum_buffer": lambda dtype: "float32"}),  # type: ignore[dict-item,return-value]
+    )
+    param = torch.nn.Parameter(torch.ones(3))
+    optimizer = Odd([param], lr=0.1, momentum=0.9)
+    optimizer.state[param]["momentum_buffer"] = torch.ones(3)
+
+    problems = opttree.validate(optimizer)
+
+    assert [(p.kind, p.key) for p in problems] == [(opttree.ProblemKind.UNSUPPORTED_STATE, "momentum_buffer")]
+    assert "its schema's dtype_of raised TypeError: it gave a str, expected a torch.dtype" in problems[0].message
+
+
+def test_a_soap_checkpoint_with_a_factor_of_another_shape_is_refused_where_megatron_loads_it() -> None:
+    """Megatron's own load (torch's) keeps a saved tensor's shape: a Kronecker factor of
+    another shape loads, and the next step raises inside SOAP; opttree's load refuses it."""
+    import copy
+
+    from opttree import testing
+
+    stack = testing.build("soap")
+    stack.train(0, 2)
+    with stack.device:
+        state = copy.deepcopy(stack.optimizer.state_dict())
+    members = state if isinstance(state, list) else [state]  # a chain of several saves a list
+    first = next(entry for member in members for entry in member["state"].values() if isinstance(entry, dict) and "L" in entry)
+    rows = first["L"].shape[0]
+    first["L"] = torch.zeros(rows + 1, rows + 1)
+
+    def fresh() -> testing.MegatronStack:
+        built = testing.build("soap")
+        built.copy_weights_from(stack)
+        return built
+
+    megatrons = fresh()
+    with megatrons.device:
+        megatrons.optimizer.load_state_dict(copy.deepcopy(state))
+    with pytest.raises(RuntimeError):
+        megatrons.train(2, 1)
+
+    ours = fresh()
+    with ours.device, pytest.raises(opttree.UnsupportedCheckpoint, match=rf"its 'L' has shape \({rows + 1}, {rows + 1}\), where SOAP builds it in shape \({rows}, {rows}\)"):
+        opttree.load_state_dict(ours.optimizer, state)
