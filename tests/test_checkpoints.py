@@ -65,12 +65,13 @@ def _steps(stack: testing.MegatronStack) -> list[torch.Tensor]:
     return [entry["step"] for leaf in stack.leaves() for entry in leaf.state.values()]
 
 
-@pytest.mark.parametrize("name", [n for n in ("dist_fp32", "dist_bf16") if n in testing.available()])
+@pytest.mark.parametrize("name", [n for n in ("dist_fp32", "dist_bf16", "offload_0.75") if n in testing.available()])
 def test_a_distributed_optimizers_load_through_opttree_gives_each_entry_its_own_step(name: str) -> None:
     """``DistributedOptimizer.load_state_dict`` puts every parameter's state on one step
     tensor, which torch's Adam then advances once per parameter and step (its
     ``state_dict()`` holds no history: Megatron saves that apart, and its load leaves the
-    history unset until ``load_parameter_state``). Through opttree each entry has its own."""
+    history unset until ``load_parameter_state``). Through opttree each entry has its own,
+    in the sub-optimizers a HybridDeviceOptimizer builds anew at its load too."""
     stack = testing.build(name)
     stack.train(0, K)
     opttree.reset(stack.optimizer)

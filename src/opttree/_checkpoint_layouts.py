@@ -120,6 +120,10 @@ def _check_torch_format(node: Node, inner: Node, state: object) -> None:
         if len(saved["params"]) != len(current["params"]):
             message = f"param group {index} holds {len(saved['params'])} parameters, and the optimizer's has {len(current['params'])}"
             raise layout_error(node, "param_groups", message)
+        unhashable = next((param for param in saved["params"] if not _hashable(param)), None)
+        if unhashable is not None:
+            message = f"param group {index} names a parameter by {kind_of(unhashable)}, which torch's load cannot index its state by"
+            raise layout_error(node, "param_groups", message)
     _check_pairing(node, live, groups)
     loaded = {index for saved in groups[: len(live)] for index in saved["params"]}
     for index, entry in entries.items():
@@ -137,6 +141,14 @@ def _check_torch_format(node: Node, inner: Node, state: object) -> None:
         for index, entry in saved_entries.items():
             _check_entry(node, inner, index, entry, params[index], options[index])
         _check_steps_held(node, inner, saved_entries)
+
+
+def _hashable(value: object) -> bool:
+    try:
+        hash(value)
+    except Exception:  # noqa: BLE001  # a tuple holding a list raises TypeError; a class's own __hash__ anything
+        return False
+    return True
 
 
 def _check_common_step(node: Node, inner: Node, value: object) -> None:
@@ -309,9 +321,15 @@ def _steps_in_groups(node: Node, state: object, loading: bool) -> StateDicts:
         raise layout_error(node, "param_groups", "is not a list of param groups, each a dict")
     _check_pairing(node, _groups(node), groups)
     if node.children and isinstance(node.children[0], LeafNode) and _counts_per_parameter(node.children[0]):
-        steps = {step_number(group.get("step")) for group in groups}
+        values = [group.get("step") for group in groups]
+        steps = {step_number(value) for value in values}
         if len(steps) != 1 or not all(step is not None and math.isfinite(step) for step in steps):
             message = "its param groups do not hold one step (Megatron's load reads each parameter's step from them)"
+            raise layout_error(node, "step", message)
+        fault = _step_fault(values[0]) if values else None
+        if fault is not None:
+            cls = type(node.children[0].optimizer).__qualname__
+            message = f"its param groups' step is {fault}, which Megatron's load gives each parameter, where {cls} counts steps from 0 in one whole number"
             raise layout_error(node, "step", message)
     _check_scaler(node, checked)
     if "param_state" in checked:

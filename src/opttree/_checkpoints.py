@@ -142,7 +142,7 @@ def load_state_dict(
             _give_steps(leaf, entries)
     load = getattr(root.optimizer, "load_state_dict")
     _megatrons(root, "load_state_dict", lambda: load(state_dict))
-    _unshare_steps(root)
+    _unshare_steps(tree(root.optimizer))  # built again: a HybridDeviceOptimizer's load builds new sub-optimizers
 
 
 def _give_steps(leaf: LeafNode, entries: dict[object, object]) -> None:
