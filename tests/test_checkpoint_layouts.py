@@ -124,8 +124,8 @@ MALFORMED: list[tuple[str, str, Edit, str, str]] = [
     ("dist_bf16", "no torch state", lambda s: s.pop("optimizer"), "optimizer", "has no 'optimizer'"),
     ("dist_bf16", "groups without a step", lambda s: [g.pop("step") for g in groups(s)], "step", "do not hold one step"),
     ("dist_bf16", "groups at two steps", lambda s: put(groups(s)[0], "step", 7), "step", "do not hold one step"),
-    ("dist_bf16", "groups at step -1", lambda s: [put(g, "step", -1) for g in groups(s)], "step", "its param groups' step is -1, which Megatron's load gives each parameter"),
-    ("dist_bf16", "groups at step 1.5", lambda s: [put(g, "step", 1.5) for g in groups(s)], "step", "its param groups' step is 1.5"),
+    ("dist_bf16", "groups at step -1", lambda s: [g.update(step=-1) for g in groups(s)], "step", "its param groups' step is -1, which Megatron's load gives each parameter"),
+    ("dist_bf16", "groups at step 1.5", lambda s: [g.update(step=1.5) for g in groups(s)], "step", "its param groups' step is 1.5"),
     ("fp32", "a parameter named by a list", lambda s: put(groups(s)[0], "params", [[0], *groups(s)[0]["params"][1:]]), "param_groups", "param group 0 names a parameter by a list, which torch's load cannot index"),  # type: ignore[index]
     ("dist_bf16", "an unknown sharding", lambda s: s.update(param_state={}, param_state_sharding_type="zigzag"), "param_state_sharding_type", "'zigzag' is not one of"),
 ]
