@@ -307,6 +307,21 @@ def test_the_describe_visitor_cuts_a_tree_built_by_hand_too_deep_as_describe_doe
     assert text == opttree.describe(deep) and "the stack is nested deeper than 64" in text
 
 
+@pytest.mark.parametrize("visitor", [opttree.ValidateVisitor, opttree.ResetVisitor])
+def test_a_walk_by_accept_of_a_hand_built_tree_deeper_than_python_recurses_reports_it(visitor: type[opttree.ValidateVisitor]) -> None:
+    """``accept`` walks without the tree-wide checks that ``check`` runs first, the depth
+    limit among them: the walk stops at that depth with a problem, not a RecursionError."""
+    _, optimizer = trained_adam()
+    deep: opttree.Node = opttree.LeafNode("x", optimizer)
+    for _ in range(3000):
+        deep = opttree.WrapperNode("w", object(), (deep,))
+    walker = visitor()
+
+    deep.accept(walker)
+
+    assert [(p.kind, p.message) for p in walker.problems] == [(opttree.ProblemKind.OPTIMIZER_CYCLE, "the stack is nested deeper than 64")]
+
+
 def test_a_visitor_checks_afresh_each_time_it_is_used() -> None:
     """A visitor used twice reports what the second tree holds: nothing of the first walk
     (its optimizers counted as met before, its plan) carries over."""

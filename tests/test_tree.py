@@ -147,3 +147,30 @@ def test_a_nodes_repr_names_its_class_and_reads_its_path_as_describe_does() -> N
     assert repr(root) == "ChainedNode(ChainedOptimizer @ <root>, 1 children)"
     assert repr(root.children[0].children[0]) == "LeafNode(AdamW @ chained[0].optimizer)"
     assert opttree.describe(stack).splitlines()[0].endswith("@ <root>")
+
+
+def test_trees_compare_and_hash_without_recursion() -> None:
+    """Two hand-built trees deeper than Python recurses compare level by level, and a
+    node's hash reads no node below it: equal trees are equal and hash alike, a tree whose
+    deepest leaf differs is not equal."""
+    first, second = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]), torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])
+    wrapper = object()
+
+    def deep(leaf: torch.optim.Optimizer) -> opttree.Node:
+        node: opttree.Node = opttree.LeafNode("x", leaf)
+        for _ in range(3000):
+            node = opttree.WrapperNode("w", wrapper, (node,))
+        return node
+
+    assert deep(first) == deep(first) and hash(deep(first)) == hash(deep(first))
+    assert deep(first) != deep(second)
+    assert len({deep(first), deep(first), deep(second)}) == 2
+
+
+def test_a_hybrid_nodes_children_compare_by_where_they_are_held() -> None:
+    """The same children held as CPU sub-optimizers or as the GPU one are different trees."""
+    leaf = opttree.LeafNode("x", torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]))
+    hybrid = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+
+    assert opttree.HybridNode("h", hybrid, (leaf,), None) != opttree.HybridNode("h", hybrid, (), leaf)
+    assert opttree.HybridNode("h", hybrid, (leaf,), None) == opttree.HybridNode("h", hybrid, (leaf,), None)

@@ -1,6 +1,6 @@
 """The typed tree: one frozen attrs node per optimizer object in a wrapper stack.
 
-Nodes are plain values. They are built from a live optimizer by :func:`opttree.tree`
+Nodes are plain values, compared and hashed without recursion. They are built from a live optimizer by :func:`opttree.tree`
 and walked by visitors (:mod:`opttree._visitor`); each knows its path from the root
 and the live object it stands for, and never mutates it.
 """
@@ -12,7 +12,7 @@ from itertools import repeat
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
-from attrs import Attribute, field, frozen
+from attrs import Attribute, field, fields, frozen
 
 from opttree._dispatch import is_megatron_class
 from opttree._errors import OptTreeError
@@ -22,6 +22,14 @@ if TYPE_CHECKING:
     from opttree._visitor import NodeVisitor
 
 T = TypeVar("T")
+
+_CHILD_FIELDS = frozenset({"members", "cpu", "gpu", "inner"})
+"""The fields of the node kinds that hold child nodes."""
+
+
+def _held_count(value: object) -> int:
+    """How many nodes a child field holds: a tuple's length, or one node or none."""
+    return len(value) if isinstance(value, tuple) else int(value is not None)
 
 
 def _nodes(node: object, attribute: Attribute[object], value: object) -> None:
@@ -53,7 +61,7 @@ def _under(node: object, attribute: Attribute[tuple[str, object] | None], value:
     raise OptTreeError(msg)
 
 
-@frozen(repr=False)
+@frozen(repr=False, eq=False)
 class Node(ABC):
     """Base of the four node kinds. Its repr names the class of the object it stands for
     and its path, as ``describe`` does: ``LeafNode(AdamW @ chained[0].optimizer)``."""
@@ -67,6 +75,32 @@ class Node(ABC):
     def __repr__(self) -> str:
         children = f", {len(self.children)} children" if self.children else ""
         return f"{type(self).__name__}({type(self.optimizer).__qualname__} @ {self.path}{children})"
+
+    def __eq__(self, other: object) -> bool:
+        """Trees are equal where their nodes are, kind, fields and children alike, compared
+        level by level: a tree nested deeper than Python recurses compares too."""
+        if not isinstance(other, Node):
+            return NotImplemented
+        pairs: list[tuple[Node, Node]] = [(self, other)]
+        while pairs:
+            mine, theirs = pairs.pop()
+            if mine is theirs:
+                continue
+            if type(mine) is not type(theirs) or mine._own_fields() != theirs._own_fields():
+                return False
+            pairs.extend(zip(mine.children, theirs.children))
+        return True
+
+    def __hash__(self) -> int:
+        """Of the node's kind and path, which equal trees share; no walk below it."""
+        return hash((type(self), self.path))
+
+    def _own_fields(self) -> tuple[object, ...]:
+        """The node's fields, with each that holds nodes given as how many it holds."""
+        return tuple(
+            _held_count(value) if name in _CHILD_FIELDS else value
+            for name, value in ((attribute.name, getattr(self, attribute.name)) for attribute in fields(type(self)))
+        )
 
     @property
     @abstractmethod
@@ -83,7 +117,7 @@ class Node(ABC):
         """Call the ``visit_*`` method of ``visitor`` that matches this node's kind."""
 
 
-@frozen(repr=False)
+@frozen(repr=False, eq=False)
 class ChainedNode(Node):
     """A ``ChainedOptimizer`` (or ``LayerWiseDistributedOptimizer``): members stepped in turn."""
 
@@ -100,7 +134,7 @@ class ChainedNode(Node):
         return visitor.visit_chained(self)
 
 
-@frozen(repr=False)
+@frozen(repr=False, eq=False)
 class HybridNode(Node):
     """A ``HybridDeviceOptimizer``: CPU sub-optimizers and at most one GPU sub-optimizer.
 
@@ -122,7 +156,7 @@ class HybridNode(Node):
         return visitor.visit_hybrid(self)
 
 
-@frozen(repr=False)
+@frozen(repr=False, eq=False)
 class WrapperNode(Node):
     """A wrapper that holds inner optimizers, such as Megatron's ``.optimizer`` wrappers.
 
@@ -148,7 +182,7 @@ class WrapperNode(Node):
         return visitor.visit_wrapper(self)
 
 
-@frozen(repr=False)
+@frozen(repr=False, eq=False)
 class LeafNode(Node):
     """A ``torch.optim.Optimizer`` that holds state.
 

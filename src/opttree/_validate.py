@@ -15,7 +15,7 @@ from opttree._dispatch import is_megatron_class
 from opttree._errors import OptTreeError
 from opttree._held import Held, held_optimizers
 from opttree._identity import identity_key, identity_keys
-from opttree._adapter import TreeBuilder
+from opttree._adapter import MAX_DEPTH, TreeBuilder, too_deep
 from opttree._inspect import GRADIENTS, LeafInspector, step_number
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._plan import ResetPlan, StateEntry
@@ -93,6 +93,8 @@ class ValidateVisitor(TraverserVisitor):
         self._megatron_above: list[str] = []
         """The classes of the Megatron wrappers above the node visited."""
         self._scalers_seen: list[object] = []
+        self._depth = 0
+        """How many wrappers above the node visited."""
 
     def _forget_plan(self) -> None:
         """Drop the plan, and the inspectors that add to it, with every tensor they hold."""
@@ -272,6 +274,16 @@ class ValidateVisitor(TraverserVisitor):
         self._inspectors[cls] = inspector
         return inspector
 
+    def _entering(self, node: Node) -> bool:
+        """Whether ``node`` is to be visited: not where a tree built by hand nests deeper
+        than a built one may (a problem, and no recursion into it). A walk after
+        :meth:`refusal` adds to a plan it did not check: that plan is no longer carried out."""
+        self._passed = False
+        if self._depth < MAX_DEPTH or not node.children:
+            return True
+        self.problems.append(too_deep(node.optimizer, node.path))
+        return False
+
     def visit_children(self, node: Node) -> None:
         """Record the children and the optimizers ``node`` holds, check the wrapper's own
         state, then visit runs of siblings."""
@@ -281,10 +293,12 @@ class ValidateVisitor(TraverserVisitor):
         megatron = is_megatron_class(type(node.optimizer))
         if megatron:
             self._megatron_above.append(type(node.optimizer).__qualname__)
+        self._depth += 1
         try:
             for siblings in sibling_groups(node):
                 self._visit_siblings(siblings)
         finally:
+            self._depth -= 1
             if megatron:
                 self._megatron_above.pop()
 
@@ -339,7 +353,8 @@ class ValidateVisitor(TraverserVisitor):
 
     def visit_chained(self, node: ChainedNode) -> None:
         """Check the chain's step unit and a release under it, then its members."""
-        self._passed = False  # a walk after refusal() adds to a plan it did not check
+        if not self._entering(node):
+            return
         self._check_step_unit(node)
         self._check_release(node)
         self._keep_stepped_params(node)
@@ -347,7 +362,8 @@ class ValidateVisitor(TraverserVisitor):
 
     def visit_hybrid(self, node: HybridNode) -> None:
         """Check a release under it, plan the steps its own param groups count, then its sub-optimizers."""
-        self._passed = False  # a walk after refusal() adds to a plan it did not check
+        if not self._entering(node):
+            return
         self._check_release(node)
         pairs = self._keep_stepped_params(node)
         if self._selection.resets("step") and pairs is not None:
@@ -378,7 +394,8 @@ class ValidateVisitor(TraverserVisitor):
 
     def visit_wrapper(self, node: WrapperNode) -> None:
         """Check the wrapper's step unit, loss scaler and a release under it, then its inner optimizers."""
-        self._passed = False  # a walk after refusal() adds to a plan it did not check
+        if not self._entering(node):
+            return
         self._check_step_unit(node)
         self._check_release(node)
         self._check_loss_scale(node)
@@ -482,7 +499,8 @@ class ValidateVisitor(TraverserVisitor):
 
     def visit_leaf(self, node: LeafNode) -> None:
         """Check and plan one leaf against its schema."""
-        self._passed = False  # a walk after refusal() adds to a plan it did not check
+        if not self._entering(node):
+            return
         if node.shared_with is not None:
             self._plan.shared_leaves += 1
             return
