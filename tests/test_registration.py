@@ -806,6 +806,9 @@ def test_registrations_no_leaf_or_wrapper_could_use_are_refused() -> None:
         opttree.register_schema(abc.ABC, opttree.StateSchema())
     with pytest.raises(opttree.RegistrationError, match="got abc.ABC, one of Python's own"):
         opttree.register_schema("abc.ABC", opttree.StateSchema())
+    for own in (int, abc.ABC):
+        with pytest.raises(opttree.RegistrationError, match=f"register_wrapper registers an optimizer or wrapper class, got {own.__module__}.{own.__qualname__}, one of Python's own"):
+            opttree.register_wrapper(own, children=lambda wrapper: [])
     with pytest.raises(opttree.RegistrationError, match="got builtins.object, one of Python's own"):
         opttree.register_wrapper("builtins.object", children=lambda wrapper: [])
     with pytest.raises(opttree.RegistrationError, match="got builtins.int, one of Python's own"):
@@ -817,3 +820,34 @@ def test_registrations_no_leaf_or_wrapper_could_use_are_refused() -> None:
     param = torch.nn.Parameter(torch.ones(2))
     assert opttree.validate(torch.optim.Adam([param])) == ()
     assert [p.kind for p in opttree.validate(None)] == [opttree.ProblemKind.NOT_AN_OPTIMIZER]
+
+
+def test_a_dotted_path_through_a_re_export_applies_once_its_module_is_imported() -> None:
+    """``package.Optimizer`` re-exported from ``package._impl``: the class's own path is
+    ``package._impl.Optimizer``, and the registration by the path users import it from
+    applies once that module is imported (read from its namespace; opttree imports nothing)."""
+    import sys
+    import types
+
+    package, impl = types.ModuleType("opttree_reexport_pkg"), types.ModuleType("opttree_reexport_pkg._impl")
+
+    class StepOwn(torch.optim.SGD):
+        def step(self, closure: None = None) -> None:  # type: ignore[override]
+            super().step()
+
+    StepOwn.__module__, StepOwn.__qualname__ = impl.__name__, "StepOwn"
+    setattr(impl, "StepOwn", StepOwn)
+    setattr(package, "StepOwn", StepOwn)
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = StepOwn([param], lr=0.1, momentum=0.9)
+    param.grad = torch.ones(2)
+    optimizer.step()
+    opttree.register_schema("opttree_reexport_pkg.StepOwn", opttree.StateSchema(drop={"momentum_buffer"}))
+    assert [p.kind for p in opttree.validate(optimizer)] == [opttree.ProblemKind.UNSUPPORTED_OPTIMIZER]  # not imported: not applied
+
+    sys.modules[package.__name__], sys.modules[impl.__name__] = package, impl
+    try:
+        assert opttree.validate(StepOwn([torch.nn.Parameter(torch.ones(2))], lr=0.1)) == ()
+        assert opttree.reset(optimizer).tensors_dropped == 1
+    finally:
+        del sys.modules[package.__name__], sys.modules[impl.__name__]

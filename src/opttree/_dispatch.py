@@ -2,8 +2,9 @@
 
 ``singledispatch`` has no lazy hook, so this wraps it thinly (after dask's ``Dispatch``):
 a registration by dotted path (``"apex.optimizers.fused_adam.FusedAdam"``) waits in a
-second table until a looked-up class has that path somewhere in its MRO. The class
-then exists, so its module was imported by the user, never by opttree.
+second table until a looked-up class has that path somewhere in its MRO, or, for a path
+through a re-export (``torch.optim.AdamW``), until its module has been imported and names
+a class there. The class then exists, so its module was imported by the user, never by opttree.
 
 Every class in the MRO is resolved before dispatching, so a lazily registered subclass
 is found even when its parent was resolved earlier.
@@ -11,15 +12,16 @@ is found even when its parent was resolved earlier.
 Threads may look classes up at once: each answer is worked out under a lock and then
 kept in a plain dict, read without the lock, which every registration empties, and so
 does a class registered under an ABC (``abc.get_cache_token()`` changes), as
-``singledispatch`` empties its own cache.
+``singledispatch`` empties its own cache, and, while a path waits, a module imported.
 """
 
 from __future__ import annotations
 
 import abc
 import functools
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Generic, TypeVar
 
 V = TypeVar("V")
@@ -45,6 +47,22 @@ def is_megatron_class(cls: type) -> bool:
         return found
 
 
+def imported_class(dotted: str) -> type | None:
+    """The class a dotted path names where its module is imported already, read from the
+    modules' and classes' own namespaces (no import, no module ``__getattr__`` runs):
+    ``torch.optim.AdamW`` names ``torch.optim.adamw.AdamW``. None where it names none."""
+    parts = dotted.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        found: object = sys.modules.get(".".join(parts[:split]))
+        if found is None:
+            continue
+        for name in parts[split:]:
+            namespace = getattr(found, "__dict__", None)
+            found = namespace.get(name) if isinstance(namespace, Mapping) else None
+        return found if isinstance(found, type) else None
+    return None
+
+
 def _unregistered(_: object) -> type | None:
     return None
 
@@ -62,8 +80,13 @@ class LazyDispatch(Generic[V]):
         self._lazy: dict[str, V] = {}
         self._found: dict[type, tuple[type, V] | None] = {}
         self._ambiguous: dict[type, str] = {}
-        self._token = abc.get_cache_token()
+        self._token = self._cache_token()
         self._lock = threading.Lock()
+
+    def _cache_token(self) -> tuple[object, int]:
+        """What the answers kept hold for: the ABC registrations, and, while a path waits,
+        the modules imported (one may have brought a re-exported class it names)."""
+        return abc.get_cache_token(), len(sys.modules) if self._lazy else 0
 
     def register(self, cls: type, value: V) -> None:
         with self._lock:
@@ -94,8 +117,8 @@ class LazyDispatch(Generic[V]):
     def lookup_owner(self, cls: type) -> tuple[type, V] | None:
         """The registered class whose value applies to ``cls`` (itself or its nearest
         registered ancestor), and that value."""
-        token = abc.get_cache_token()
-        if token != self._token:  # a class registered under an ABC may now have a value
+        token = self._cache_token()
+        if token != self._token:  # a class registered under an ABC, or a module imported, may now have a value
             with self._lock:
                 self._forget()
                 self._token = token
@@ -123,6 +146,10 @@ class LazyDispatch(Generic[V]):
             dotted = dotted_name(klass)
             if dotted in self._lazy:
                 self._add(klass, self._lazy.pop(dotted))
+        for dotted in list(self._lazy):  # a path through a re-export (torch.optim.AdamW), once imported
+            imported = imported_class(dotted)
+            if imported is not None and imported not in self._values:
+                self._add(imported, self._lazy.pop(dotted))
         try:
             owner = self._owners.dispatch(cls)(None)
         except RuntimeError:  # singledispatch's "Ambiguous dispatch"

@@ -224,6 +224,7 @@ def _refuse_odd_class(function: str, cls_or_dotted: type | str) -> None:
     elif issubclass(torch.optim.Optimizer, cls_or_dotted):
         msg = f"register_wrapper registers a wrapper class, got {name}, a base of every torch optimizer"
         raise RegistrationError(msg)
+    _refuse_odd_path(function, name)  # Python's own classes, as by their paths
 
 
 def _refuse_odd_path(function: str, dotted: str) -> None:
