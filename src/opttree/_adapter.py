@@ -354,7 +354,27 @@ def labelled(pairs: list[object], wrapper: object, path: str) -> list[tuple[str,
         twice = next(label for label in labels if labels.count(label) > 1)
         message = f"its children function gave the label {twice!r} to more than one child: give each its own label"
         raise refusal(ProblemKind.MALFORMED_WRAPPER, wrapper, path, message)
+    overlap = _label_within_another(labels)
+    if overlap is not None:
+        raise refusal(ProblemKind.MALFORMED_WRAPPER, wrapper, path, overlap)
     return checked
+
+
+def _label_within_another(labels: list[str]) -> str | None:
+    """Why two labels would give two nodes one path, or None: a label may itself be a path
+    (``optimizers[0]``), but not one below a sibling's (``a`` and ``a.b``, where a child
+    ``b`` of ``a`` would be ``a.b`` too), nor empty."""
+    if "" in labels:
+        return "its children function gave a child the empty label: give each a label of its own"
+    given = set(labels)
+    for label in labels:
+        for cut, char in enumerate(label):
+            if char in ".[" and label[:cut] in given:
+                return (
+                    f"its children function gave the labels {label[:cut]!r} and {label!r}: the second's path lies below the "
+                    "first's, where a node under the first could have it too; give each a label of its own"
+                )
+    return None
 
 
 def _kept_iterator(wrapper: object, given: object) -> bool:
