@@ -418,6 +418,13 @@ def test_the_public_values_built_by_hand_refuse_fields_of_the_wrong_type() -> No
         opttree.ResetReport(1, 0, 0, 0, 0, 0, 0, (), action="bogus")  # type: ignore[arg-type]
     with pytest.raises(opttree.OptTreeError, match="ResetReport.bytes_reset must be an int, got a str"):
         opttree.ResetReport(1, 0, 0, "x", 0, 0, 0, ())  # type: ignore[arg-type]
+    with pytest.raises(opttree.OptTreeError, match="ResetReport.kept_keys must be a tuple of key names, got a tuple holding an int"):
+        opttree.ResetReport(1, 0, 0, 0, 0, 0, 0, (1, 2))  # type: ignore[arg-type]
+    with pytest.raises(opttree.OptTreeError, match="to_error takes others as a sequence of problems, got a str"):
+        problem.to_error(others="ab")  # type: ignore[arg-type]
+    with pytest.raises(opttree.OptTreeError, match="to_error takes others as a sequence of problems, got a list"):
+        problem.to_error(others=[problem, "b"])  # type: ignore[list-item]
+    assert problem.to_error(others=[problem]).problems == (problem, problem)
 
 
 def test_messages_name_a_class_with_the_article_it_is_said_with() -> None:

@@ -305,7 +305,7 @@ def test_a_fill_may_be_numpys_number_as_a_fill_function_may_return() -> None:
     optimizer = torch.optim.Adagrad([param], initial_accumulator_value=0.25)
     param.grad = torch.ones_like(param)
     optimizer.step()
-    schema = opttree.StateSchema(fill={"sum": np.float32(0.25)}, step=opttree.StepLocation.PER_PARAMETER)  # type: ignore[dict-item]
+    schema = opttree.StateSchema(fill={"sum": np.float32(0.25)}, step=opttree.StepLocation.PER_PARAMETER)
 
     class NumpyAdagrad(torch.optim.Adagrad):
         pass

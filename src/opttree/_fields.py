@@ -48,6 +48,20 @@ def of(*kinds: type, optional: bool = False, what: str | None = None) -> Callabl
     return check
 
 
+def tuple_of(kind: type, *, what: str) -> Callable[[object, Attribute[T], T], None]:
+    """A validator accepting a tuple of instances of ``kind``, named ``what`` in its message."""
+
+    def check(instance: object, attribute: Attribute[T], value: T) -> None:
+        if isinstance(value, tuple) and all(isinstance(item, kind) for item in value):
+            return
+        wrong = next((item for item in value if not isinstance(item, kind)), None) if isinstance(value, tuple) else None
+        holding = f" holding {kind_of(wrong)}" if isinstance(value, tuple) else ""
+        msg = f"{type(instance).__name__}.{attribute.name} must be a tuple of {what}, got {kind_of(value)}{holding}"
+        raise OptTreeError(msg)
+
+    return check
+
+
 def one_of(choices: Collection[T]) -> Callable[[object, Attribute[T], T], None]:
     """A validator accepting one of ``choices``."""
 

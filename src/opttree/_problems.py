@@ -21,7 +21,7 @@ from opttree._errors import (
     UnsupportedOptimizer,
     UnsupportedOptimizerState,
 )
-from opttree._fields import of
+from opttree._fields import kind_of, of
 
 
 class Severity(enum.Enum):
@@ -157,6 +157,10 @@ class Problem:
     def to_error(self, *, others: Sequence[Problem] = ()) -> OptTreeError:
         """The error a refused operation raises; ``others`` are the further errors found,
         which the error carries in ``problems`` after this one."""
+        given: object = others
+        if not isinstance(given, (list, tuple)) or not all(isinstance(problem, Problem) for problem in given):
+            msg = f"to_error takes others as a sequence of problems, got {kind_of(given)}"
+            raise OptTreeError(msg)
         message = str(self) if not others else f"{self} (and {len(others)} more: see the error's problems)"
         error = self.kind.error(message)
         error.problem = self

@@ -6,7 +6,7 @@ from typing import Literal
 
 from attrs import asdict, field, frozen
 
-from opttree._fields import of, one_of
+from opttree._fields import of, one_of, tuple_of
 
 
 def format_bytes(n: int) -> str:
@@ -43,7 +43,7 @@ class ResetReport:
     steps: int = field(validator=of(int))
     tensors_kept: int = field(validator=of(int))
     bytes_kept: int = field(validator=of(int))
-    kept_keys: tuple[str, ...] = field(validator=of(tuple))
+    kept_keys: tuple[str, ...] = field(validator=tuple_of(str, what="key names"))
     shared_leaves: int = field(default=0, validator=of(int))
     tensors_filled: int = field(default=0, validator=of(int))
     loss_scales_reset: int = field(default=0, validator=of(int))

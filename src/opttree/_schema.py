@@ -6,7 +6,7 @@ import enum
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar, cast
+from typing import SupportsFloat, TypeVar, cast
 
 import torch
 from attrs import field, frozen
@@ -55,7 +55,7 @@ class StepType(enum.Enum):
     tensor in its place would change the arithmetic of bias correction."""
 
 
-Fill = float | Callable[[Mapping[str, object], Mapping[str, object]], object]
+Fill = SupportsFloat | Callable[[Mapping[str, object], Mapping[str, object]], object]
 """What a history tensor starts as: a number, or ``(param_group, defaults) -> number``
 for one that depends on its group (Rprop's ``step_size`` starts at the group's ``lr``);
 the number Python's, NumPy's or a one-element real tensor, anything else the key's problem.
