@@ -365,3 +365,25 @@ def test_the_checkpoint_functions_take_the_tree_of_a_stack_as_the_others_do(tmp_
     loaded.train(K, K)
     stack.train(K, K)
     assert all(torch.equal(a, b) for a, b in zip(loaded.main_params(), stack.main_params(), strict=True))
+
+
+def test_megatron_loads_history_that_shares_a_tensor_and_opttree_refuses_it() -> None:
+    """A state dict whose history is one tensor under two keys (as a saved aliased state
+    holds it): torch's load keeps it one tensor, which the optimizer then updates as two
+    histories, and opttree's next reset refuses; opttree's load refuses it first."""
+    stack = recipe("fp32")
+    state = saved(stack)
+    put(entry(state), "exp_avg_sq", entry(state)["exp_avg"])
+    megatrons = fresh_like(stack)
+    with megatrons.device:
+        megatrons.optimizer.load_state_dict(copy.deepcopy(state))
+    (leaf,) = megatrons.leaves()
+    loaded = next(iter(leaf.state.values()))
+    assert loaded["exp_avg"] is loaded["exp_avg_sq"]
+    assert opttree.ProblemKind.ALIASED_STATE in [p.kind for p in opttree.validate(megatrons.optimizer)]
+
+    ours = fresh_like(stack)
+    before = [snapshot(leaf) for leaf in ours.leaves()]
+    with ours.device, pytest.raises(opttree.UnsupportedCheckpoint, match="state entry 0's 'exp_avg(_sq)?' shares memory with state entry 0's 'exp_avg(_sq)?'"):
+        opttree.load_state_dict(ours.optimizer, state)
+    assert all(unchanged(leaf, snap) for leaf, snap in zip(ours.leaves(), before, strict=True))

@@ -25,7 +25,7 @@ from opttree._fields import article, kind_of
 from opttree._inspect import step_number
 from opttree._nodes import LeafNode, Node
 from opttree._numbers import real_number
-from opttree._preflight import torch_name
+from opttree._preflight import Extents, overlap, ranges, torch_name
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import StepLocation
 
@@ -141,6 +141,7 @@ def _check_torch_format(node: Node, inner: Node, state: object) -> None:
         for index, entry in saved_entries.items():
             _check_entry(node, inner, index, entry, params[index], options[index])
         _check_steps_held(node, inner, saved_entries)
+        _check_history_apart(node, inner, saved_entries)
 
 
 def _hashable(value: object) -> bool:
@@ -149,6 +150,31 @@ def _hashable(value: object) -> bool:
     except Exception:  # noqa: BLE001  # a tuple holding a list raises TypeError; a class's own __hash__ anything
         return False
     return True
+
+
+def _check_history_apart(node: Node, leaf: LeafNode, entries: dict[object, dict[object, object]]) -> None:
+    """Saved history tensors that share memory (one tensor under two entries or keys, as a
+    state dict of an aliased state holds it): torch's load keeps a tensor of the parameter's
+    dtype and device as it is, so the loaded optimizer would update one tensor as two
+    histories, and opttree's reset would refuse it."""
+    schema = _registry.schema_for(type(leaf.optimizer))
+    if schema is None:
+        return
+    history = schema.zero | schema.filled | schema.identity
+    cls = type(leaf.optimizer).__qualname__
+    written = Extents()
+    for index, entry in entries.items():
+        for key, value in entry.items():
+            if key in history and isinstance(value, torch.Tensor):
+                written.extend(ranges([value]).owned((repr(index), cls, str(key))))
+    clash = overlap(written, Extents())
+    if clash is not None:
+        (first, _, first_key), (second, _, second_key) = clash
+        message = (
+            f"state entry {first}'s {first_key!r} shares memory with state entry {second}'s {second_key!r}: torch's load "
+            f"keeps them one tensor, which {cls} would then update as two histories"
+        )
+        raise layout_error(node, first_key, message)
 
 
 def _check_common_step(node: Node, inner: Node, value: object) -> None:
