@@ -97,6 +97,9 @@ MALFORMED: list[tuple[str, str, Edit, str, str]] = [
     ("fp32", "an entry for no parameter", lambda s: put(entries(s), 99, {}), "99", "no parameter of the param groups"),
     ("fp32", "a group short of a parameter", lambda s: groups(s)[0]["params"].pop(), "param_groups", "param group 0 holds"),  # type: ignore[attr-defined]
     ("fp32", "a group missing", lambda s: groups(s).pop(), "param_groups", "holds 1 param groups, and the optimizer has 2"),
+    ("fp32", "betas a str", lambda s: put(groups(s)[0], "betas", "0.9,0.999"), "param_groups", "param group 0 holds a str as 'betas', which AdamW reads as a sequence of 2 values"),
+    ("fp32", "eps a list", lambda s: put(groups(s)[1], "eps", [1e-8]), "param_groups", "param group 1 holds a sequence of 1 values as 'eps', which AdamW reads as a real number"),
+    ("fp32", "amsgrad a str", lambda s: put(groups(s)[0], "amsgrad", "False"), "param_groups", "param group 0 holds a str as 'amsgrad', which AdamW reads as True or False"),
     ("fp32", "a group of other settings", lambda s: put(groups(s)[0], "wd_mult", 7.0), "param_groups", "Megatron pairs no saved param group"),
     ("bf16", "no torch state", lambda s: s.pop("optimizer"), "optimizer", "has no 'optimizer'"),
     ("bf16", "master weights missing", lambda s: s.pop("fp32_from_fp16_params"), "fp32_from_fp16_params", "has no"),

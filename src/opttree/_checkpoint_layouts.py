@@ -125,6 +125,8 @@ def _check_torch_format(node: Node, inner: Node, state: object) -> None:
             message = f"param group {index} names a parameter by {kind_of(unhashable)}, which torch's load cannot index its state by"
             raise layout_error(node, "param_groups", message)
     _check_pairing(node, live, groups)
+    if isinstance(inner, LeafNode):
+        _check_options(node, inner, groups[: len(live)])
     loaded = {index for saved in groups[: len(live)] for index in saved["params"]}
     for index, entry in entries.items():
         if index == STEP_KEY:
@@ -142,6 +144,36 @@ def _check_torch_format(node: Node, inner: Node, state: object) -> None:
             _check_entry(node, inner, index, entry, params[index], options[index])
         _check_steps_held(node, inner, saved_entries)
         _check_history_apart(node, inner, saved_entries)
+
+
+def _option_kind(value: object) -> str:
+    """What a param group option is, as far as an optimizer's step reads it."""
+    if isinstance(value, bool):
+        return "True or False"
+    if real_number(value) is not None:
+        return "a real number"
+    if isinstance(value, (tuple, list)):
+        return f"a sequence of {len(value)} values"
+    return kind_of(value)
+
+
+def _check_options(node: Node, leaf: LeafNode, saved: list[dict[object, object]]) -> None:
+    """The options the leaf's optimizer reads (its ``defaults``), as the saved groups hold
+    them: torch's load takes a saved group whole, so ``betas`` saved as a str or ``eps``
+    as a list would load and raise inside the next step. An option the optimizer holds as
+    None takes anything."""
+    defaults: object = getattr(leaf.optimizer, "defaults", None)
+    if not isinstance(defaults, dict):
+        return
+    for index, group in enumerate(saved):
+        for option, default in defaults.items():
+            if default is None or option not in group or group[option] is None:
+                continue
+            expected, given = _option_kind(default), _option_kind(group[option])
+            if expected != given:
+                cls = type(leaf.optimizer).__qualname__
+                message = f"param group {index} holds {given} as {option!r}, which {cls} reads as {expected}"
+                raise layout_error(node, "param_groups", message)
 
 
 def _hashable(value: object) -> bool:
