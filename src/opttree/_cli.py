@@ -67,7 +67,11 @@ def load_factory(spec: str) -> Callable[[], object]:
     except (Exception, SystemExit) as error:  # a module that exits at import validated nothing
         msg = f"importing {module_name} raised {_raised(error)}"
         raise SystemExit(msg) from error
-    factory: object = getattr(module, attribute, None)
+    try:
+        factory: object = getattr(module, attribute, None)
+    except (Exception, SystemExit) as error:  # a module's __getattr__ may raise anything, not only AttributeError
+        msg = f"getting {attribute} from {module_name} raised {_raised(error)}"
+        raise SystemExit(msg) from error
     if not callable(factory):
         msg = f"{spec} is not a callable in {module_name}"
         raise SystemExit(msg)

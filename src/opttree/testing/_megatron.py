@@ -416,6 +416,13 @@ def build(configuration: str | Recipe, *, seed: int = 0, lr: float = 1e-2) -> Me
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
 
+    given: object = seed
+    if not isinstance(given, int) or isinstance(given, bool):  # torch.manual_seed takes "3" and 1.5 without a word
+        msg = f"build's seed must be an int, got {kind_of(given)}"
+        raise OptTreeError(msg)
+    if not -(2**63) <= given < 2**64:
+        msg = f"build's seed must be an int from -2**63 to 2**64 - 1, as torch.manual_seed takes, got {given}"
+        raise OptTreeError(msg)
     recipe = _recipe(configuration)
     reason = missing_feature(recipe)
     if reason is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import pickle
@@ -12,6 +13,8 @@ from collections.abc import Callable
 from typing import TypeVar, cast
 
 import torch.distributed as dist
+
+from opttree._errors import OptTreeError
 
 R = TypeVar("R")
 
@@ -33,6 +36,17 @@ def _rank_main(fn: Callable[[], object], rank: int, world_size: int, port: int, 
             dist.destroy_process_group()
 
 
+def _refuse_bad_arguments(world_size: object, timeout: object) -> None:
+    """Refuse before spawning: a NaN or infinite timeout fails only once ranks run, and
+    ``world_size`` 0 would return no results, as if every rank had passed."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size <= 0:
+        msg = f"run_ranks' world_size must be a positive int, got {world_size!r}"
+        raise OptTreeError(msg)
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
+        msg = f"run_ranks' timeout must be a positive, finite number of seconds, got {timeout!r}"
+        raise OptTreeError(msg)
+
+
 def run_ranks(fn: Callable[[], R], world_size: int, *, timeout: float = 180.0) -> list[R]:
     """Run ``fn`` on ``world_size`` gloo ranks and return each rank's result, in rank order.
 
@@ -44,6 +58,7 @@ def run_ranks(fn: Callable[[], R], world_size: int, *, timeout: float = 180.0) -
     """
     from opttree.testing._megatron import free_port
 
+    _refuse_bad_arguments(world_size, timeout)
     context = multiprocessing.get_context("spawn")
     results: multiprocessing.Queue[_Message] = context.Queue()
     port = free_port()
