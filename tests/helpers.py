@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+import opttree
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -35,6 +38,17 @@ def clone_model(net: torch.nn.Module) -> torch.nn.Module:
 
 def weights_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def trains_as_fresh(
+    net: torch.nn.Module, optimizer: torch.optim.Optimizer, build: Callable[[torch.nn.Module], torch.optim.Optimizer], start: int, steps: int
+) -> bool:
+    """Whether ``optimizer`` trains ``net`` as ``build`` builds a fresh one over a copy of it."""
+    twin = clone_model(net)
+    fresh = build(twin)
+    train(net, optimizer, start, steps)
+    train(twin, fresh, start, steps)
+    return weights_equal(net, twin)
 
 
 def state_tensors(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
@@ -101,3 +115,15 @@ def stepped_lbfgs() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     for _ in range(2):
         optimizer.step(closure)
     return net, optimizer
+
+
+def refused_in_place(optimizer: torch.optim.Optimizer, key: str, match: str) -> opttree.Problem:
+    """The one problem ``validate`` finds, an unsupported state under ``key``, after
+    checking that ``reset`` refuses it (``match``) with the state unchanged."""
+    before = snapshot(optimizer)
+    problems = opttree.validate(optimizer)
+    assert [(p.kind, p.key) for p in problems] == [(opttree.ProblemKind.UNSUPPORTED_STATE, key)]
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=match):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before)
+    return problems[0]

@@ -172,37 +172,28 @@ def test_a_step_numpy_counts_in_is_loaded() -> None:
     assert opttree.validate(loaded.optimizer) == ()
 
 
-def test_megatron_loads_an_entry_lacking_a_moment_which_fails_the_next_step_and_opttree_refuses_it() -> None:
-    """torch's AdamW builds an entry whole, only where it is empty: Megatron's own load
-    takes an entry without its ``exp_avg_sq``, and the next step raises KeyError."""
+LOADED_THEN_FAILING: list[tuple[str, Edit, type[Exception], str, str]] = [
+    ("an entry lacking a moment", lambda s: entry(s).pop("exp_avg_sq"), KeyError, "exp_avg_sq", "lacks 'exp_avg_sq'"),
+    ("history of another shape", lambda s: put(entry(s), "exp_avg", torch.zeros(3)), RuntimeError, "must match the size", "its 'exp_avg' has shape"),
+]
+
+
+@pytest.mark.parametrize(("edit", "error", "raised", "refusal"), [case[1:] for case in LOADED_THEN_FAILING], ids=[case[0] for case in LOADED_THEN_FAILING])
+def test_megatron_loads_what_fails_the_next_step_and_opttree_refuses_it(edit: Edit, error: type[Exception], raised: str, refusal: str) -> None:
+    """Torch's load casts history to its parameter's dtype but keeps its shape, and builds an
+    entry whole only where it is empty: Megatron's own load takes a moment of another shape,
+    or an entry without its ``exp_avg_sq``, and the next step raises inside torch."""
     stack = recipe("fp32")
     state = saved(stack)
-    entry(state).pop("exp_avg_sq")
+    edit(state)
     megatrons = fresh_like(stack)
     with megatrons.device:
         megatrons.optimizer.load_state_dict(copy.deepcopy(state))
-    with pytest.raises(KeyError, match="exp_avg_sq"):
-        megatrons.train(K, 1)
-
-    ours = fresh_like(stack)
-    with ours.device, pytest.raises(opttree.UnsupportedCheckpoint, match="lacks 'exp_avg_sq'"):
-        opttree.load_state_dict(ours.optimizer, state)
-
-
-def test_megatron_loads_history_of_another_shape_which_fails_the_next_step_and_opttree_refuses_it() -> None:
-    """Torch's load casts history to its parameter's dtype and keeps its shape: Megatron's
-    own load takes a moment of another shape, and the next step raises inside torch."""
-    stack = recipe("fp32")
-    state = saved(stack)
-    put(entry(state), "exp_avg", torch.zeros(3))
-    megatrons = fresh_like(stack)
-    with megatrons.device:
-        megatrons.optimizer.load_state_dict(copy.deepcopy(state))
-    with pytest.raises(RuntimeError, match="must match the size"):
+    with pytest.raises(error, match=raised):
         megatrons.train(K, 1)
 
     refused = fresh_like(stack)
-    with refused.device, pytest.raises(opttree.UnsupportedCheckpoint, match="its 'exp_avg' has shape"):
+    with refused.device, pytest.raises(opttree.UnsupportedCheckpoint, match=refusal):
         opttree.load_state_dict(refused.optimizer, state)
     refused.train(K, 1)  # nothing loaded: it trains as the fresh stack it is
 
