@@ -333,6 +333,22 @@ def _check_scaler(node: Node, state: dict[object, object]) -> None:
         if isinstance(value, torch.Tensor) != isinstance(saved[key], torch.Tensor):
             message = f"holds {kind_of(saved[key])} under {key!r}, where {type(scaler).__qualname__} holds {kind_of(value)}"
             raise layout_error(node, "grad_scaler", message)
+        fault = _scaler_fault(key, saved[key])
+        if fault is not None:
+            raise layout_error(node, "grad_scaler", f"its {key!r} is {fault}")
+
+
+def _scaler_fault(key: object, value: object) -> str | None:
+    """What is wrong with a saved loss-scaler value, or None: the scale must be one positive
+    finite number, a tracker a count from 0."""
+    number = real_number(value)
+    what = kind_of(value) if number is None else f"{number:g}"
+    if key == "scale":
+        if number is None or not (math.isfinite(number) and number > 0):
+            return f"{what}, where the loss scale is one positive finite number (a NaN one makes every later gradient NaN, a zero or infinite one skips every step)"
+    elif number is None or number < 0 or not number.is_integer():
+        return f"{what}, where it counts steps from 0"
+    return None
 
 
 def _check_masters(node: Node, state: dict[object, object]) -> None:
