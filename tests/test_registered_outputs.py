@@ -75,26 +75,36 @@ def test_children_sharing_a_label_are_a_malformed_wrapper_and_under_two_labels_o
 @pytest.mark.parametrize(
     ("labels", "message"),
     [
-        (("a", "a.b"), "gave the labels 'a' and 'a.b': the second's path lies below the first's"),
-        (("opt", "opt[0]"), "gave the labels 'opt' and 'opt[0]': the second's path lies below the first's"),
+        (("a", "a.optimizer"), "gave the labels 'a' and 'a.optimizer': the second's path lies below the first's"),
+        (("a", "a[0]"), "gave the labels 'a' and 'a[0]': the second's path lies below the first's"),
         (("", "b"), "gave a child the empty label"),
     ],
     ids=["dotted", "indexed", "empty"],
 )
 def test_children_whose_labels_would_give_two_nodes_one_path_are_a_malformed_wrapper(labels: tuple[str, str], message: str) -> None:
-    """A label ``a.b`` beside a child ``a`` that holds a ``b`` names two nodes ``a.b``: every
-    check that finds a node by its path would find either. A label may be a path of its own
-    (``optimizers[0]``, ``optimizers[1]``)."""
+    """A label ``a.optimizer`` beside a child ``a`` that holds a child ``optimizer`` names two
+    nodes ``a.optimizer``: every check that finds a node by its path would find either."""
     optimizer, other = stepped_adamw(2), stepped_adamw(2)
     before = snapshot(optimizer)
-    clashing = registered_holder(lambda w: [(labels[0], w.optimizer), (labels[1], other)])(optimizer)
-    indexed = registered_holder(lambda w: [("optimizers[0]", w.optimizer), ("optimizers[1]", other)])(optimizer)
+    inner = registered_holder(lambda w: [("optimizer", w.optimizer)])(optimizer)
+    clashing = registered_holder(lambda w: [(labels[0], inner), (labels[1], other)])(optimizer)
 
     with pytest.raises(opttree.MalformedWrapper, match=re.escape(message)):
         opttree.reset(clashing)
     assert unchanged(optimizer, before)
     assert [p.kind for p in opttree.validate(clashing)][0] is opttree.ProblemKind.MALFORMED_WRAPPER
+
+
+def test_labels_that_are_paths_of_their_own_are_taken() -> None:
+    """Labels may be paths (``optimizers[0]``), and one below a sibling leaf's (a
+    submodule's name, ``encoder.attn`` beside ``encoder``): no node below a leaf has its path."""
+    optimizer, other = stepped_adamw(2), stepped_adamw(2)
+    indexed = registered_holder(lambda w: [("optimizers[0]", w.optimizer), ("optimizers[1]", other)])(optimizer)
+    modules = registered_holder(lambda w: [("encoder", w.optimizer), ("encoder.attn", other)])(optimizer)
+
     assert [node.path for node in opttree.tree(indexed).children] == ["optimizers[0]", "optimizers[1]"]
+    assert opttree.validate(modules) == ()
+    assert opttree.reset(modules).leaves == 2
 
 
 def test_children_from_an_iterator_the_wrapper_keeps_are_a_malformed_wrapper_and_a_fresh_generator_is_not() -> None:

@@ -851,3 +851,16 @@ def test_a_dotted_path_through_a_re_export_applies_once_its_module_is_imported()
         assert opttree.reset(optimizer).tensors_dropped == 1
     finally:
         del sys.modules[package.__name__], sys.modules[impl.__name__]
+
+
+def test_a_class_made_by_exec_is_not_taken_for_one_of_pythons_own() -> None:
+    """``exec`` without a ``__name__`` gives a class the module ``builtins``: it is a user's
+    class all the same, registered as any other."""
+    namespace: dict[str, object] = {"torch": torch}
+    exec("class ExecWrapper:\n    def __init__(self, inner):\n        self.inner = inner\n", namespace)  # noqa: S102
+    made = namespace["ExecWrapper"]
+    assert isinstance(made, type) and made.__module__ == "builtins"
+
+    opttree.register_wrapper(made, children=lambda wrapper: [("inner", wrapper.inner)])
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    assert opttree.tree(made(optimizer)).children[0].optimizer is optimizer

@@ -354,25 +354,24 @@ def labelled(pairs: list[object], wrapper: object, path: str) -> list[tuple[str,
         twice = next(label for label in labels if labels.count(label) > 1)
         message = f"its children function gave the label {twice!r} to more than one child: give each its own label"
         raise refusal(ProblemKind.MALFORMED_WRAPPER, wrapper, path, message)
-    overlap = _label_within_another(labels)
-    if overlap is not None:
-        raise refusal(ProblemKind.MALFORMED_WRAPPER, wrapper, path, overlap)
+    if "" in labels:
+        message = "its children function gave a child the empty label: give each a label of its own"
+        raise refusal(ProblemKind.MALFORMED_WRAPPER, wrapper, path, message)
     return checked
 
 
-def _label_within_another(labels: list[str]) -> str | None:
-    """Why two labels would give two nodes one path, or None: a label may itself be a path
-    (``optimizers[0]``), but not one below a sibling's (``a`` and ``a.b``, where a child
-    ``b`` of ``a`` would be ``a.b`` too), nor empty."""
-    if "" in labels:
-        return "its children function gave a child the empty label: give each a label of its own"
-    given = set(labels)
-    for label in labels:
+def _label_below_a_parent(children: list[tuple[str, Node]]) -> str | None:
+    """Why two children's labels could give two nodes one path, or None: a label may itself
+    be a path (``optimizers[0]``, or a submodule's name, ``encoder.attn`` beside a leaf
+    ``encoder``), but not one below a sibling that holds nodes of its own (``a`` and ``a.b``,
+    where a child ``b`` of ``a`` is ``a.b`` too)."""
+    parents = {label for label, node in children if node.children}
+    for label, _ in children:
         for cut, char in enumerate(label):
-            if char in ".[" and label[:cut] in given:
+            if char in ".[" and label[:cut] in parents:
                 return (
                     f"its children function gave the labels {label[:cut]!r} and {label!r}: the second's path lies below the "
-                    "first's, where a node under the first could have it too; give each a label of its own"
+                    "first's, whose nodes could have it too; give each a label of its own"
                 )
     return None
 
@@ -409,9 +408,11 @@ def children_expander(children: ChildrenFn) -> Expander:
             raise
         except Exception as error:
             raise function_failed("children", obj, path, error) from error
-        return WrapperNode(
-            path, obj, tuple(builder.build(child, _paths.child(path, label)) for label, child in labelled(pairs, obj, path))
-        )
+        built = [(label, builder.build(child, _paths.child(path, label))) for label, child in labelled(pairs, obj, path)]
+        nested = _label_below_a_parent(built)
+        if nested is not None:
+            raise refusal(ProblemKind.MALFORMED_WRAPPER, obj, path, nested)
+        return WrapperNode(path, obj, tuple(node for _, node in built))
 
     return expand
 

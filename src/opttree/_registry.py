@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import builtins
 import os
 import types
 import weakref
@@ -224,7 +225,9 @@ def _refuse_odd_class(function: str, cls_or_dotted: type | str) -> None:
     elif issubclass(torch.optim.Optimizer, cls_or_dotted):
         msg = f"register_wrapper registers a wrapper class, got {name}, a base of every torch optimizer"
         raise RegistrationError(msg)
-    _refuse_odd_path(function, name)  # Python's own classes, as by their paths
+    if cls_or_dotted is abc.ABC or vars(builtins).get(cls_or_dotted.__qualname__) is cls_or_dotted:
+        msg = f"{function} registers an optimizer or wrapper class, got {name}, one of Python's own"
+        raise RegistrationError(msg)
 
 
 def _refuse_odd_path(function: str, dotted: str) -> None:
