@@ -130,6 +130,8 @@ MALFORMED: list[tuple[str, str, Edit, str, str]] = [
     ("dist_bf16", "no torch state", lambda s: s.pop("optimizer"), "optimizer", "has no 'optimizer'"),
     ("dist_bf16", "groups without a step", lambda s: [g.pop("step") for g in groups(s)], "step", "do not hold one step"),
     ("dist_bf16", "groups at two steps", lambda s: put(groups(s)[0], "step", 7), "step", "do not hold one step"),
+    ("dist_bf16", "betas a str", lambda s: put(groups(s)[0], "betas", "0.9,0.999"), "param_groups", "param group 0 holds a str as 'betas', which AdamW reads as a sequence of 2 values"),
+    ("offload_0.75", "betas a str", lambda s: put(groups(s)[0], "betas", "0.9,0.999"), "param_groups", "param group 0 holds a str as 'betas', which HybridDeviceOptimizer reads as a sequence of 2 values"),
     ("dist_bf16", "groups at step -1", lambda s: [g.update(step=-1) for g in groups(s)], "step", "its param groups' step is -1, which Megatron's load gives each parameter"),
     ("dist_bf16", "groups at step 1.5", lambda s: [g.update(step=1.5) for g in groups(s)], "step", "its param groups' step is 1.5"),
     ("fp32", "a parameter named by a list", lambda s: put(groups(s)[0], "params", [[0], *groups(s)[0]["params"][1:]]), "param_groups", "param group 0 names a parameter by a list, which torch's load cannot index"),  # type: ignore[index]
@@ -381,6 +383,25 @@ def test_megatron_loads_history_that_shares_a_tensor_and_opttree_refuses_it() ->
 
     ours = fresh_like(stack)
     before = [snapshot(leaf) for leaf in ours.leaves()]
-    with ours.device, pytest.raises(opttree.UnsupportedCheckpoint, match="state entry 0's 'exp_avg(_sq)?' shares memory with state entry 0's 'exp_avg(_sq)?'"):
+    with ours.device, pytest.raises(opttree.UnsupportedCheckpoint, match=r"the 'exp_avg(_sq)?' of state entry 0 at chained\[0\] shares memory with the 'exp_avg(_sq)?' of state entry 0 at chained\[0\]"):
         opttree.load_state_dict(ours.optimizer, state)
     assert all(unchanged(leaf, snap) for leaf, snap in zip(ours.leaves(), before, strict=True))
+
+
+@pytest.mark.skipif("moe" not in testing.available(), reason="the moe recipe needs megatron-core's MoE")
+def test_history_two_members_share_is_refused_before_anything_loads() -> None:
+    """One member's history a view into another's (as ``torch.save`` keeps an aliased
+    state): the members would update one buffer as two histories."""
+    stack = recipe("moe")
+    with stack.device:
+        state = stack.optimizer.state_dict()
+    assert isinstance(state, list)  # a chain of several members saves one state dict each
+    first, second = (member["state"][0] for member in state)
+    rows, columns = second["exp_avg"].shape
+    second["exp_avg"] = first["exp_avg"].reshape(-1)[: rows * columns].view(rows, columns)
+    loaded = fresh_like(stack)
+    before = [snapshot(leaf) for leaf in loaded.leaves()]
+
+    with loaded.device, pytest.raises(opttree.UnsupportedCheckpoint, match=r"the 'exp_avg' of state entry 0 at chained\[1\] shares memory with the 'exp_avg' of state entry 0 at chained\[0\]"):
+        opttree.load_state_dict(loaded.optimizer, state)
+    assert all(unchanged(leaf, snap) for leaf, snap in zip(loaded.leaves(), before, strict=True))

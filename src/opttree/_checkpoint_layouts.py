@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import cast
 
 import torch
+from attrs import define, field
 
 from opttree import _registry
 from opttree._adapter import instance_attribute, mapping_attribute, sequence_attribute
@@ -37,10 +38,21 @@ SHARDING_TYPES = frozenset({"dp_zero_gather_scatter", "fully_reshardable", "dp_r
 (megatron-core 0.16.1 and 0.19.2); it raises for another after loading everything else."""
 
 StateDicts = Iterator[tuple[LeafNode, dict[object, object]]]
-Locate = Callable[[Node, object, bool], StateDicts]
-"""A wrapper kind's layout: from its node, its part of a (sharded) state dict and whether
-it is to be loaded (then checked as the kind's load reads it), each leaf that counts steps
-per parameter with the torch-format state dict Megatron holds for it."""
+
+
+@define
+class Load:
+    """A load's checks of a whole state dict: the memory of the history every leaf's part
+    holds, checked once all of it is read (:func:`check_history_apart`), since one tensor
+    under two leaves' entries, as a saved aliased state holds it, loads as one."""
+
+    history: Extents = field(factory=Extents)
+
+
+Locate = Callable[[Node, object, Load | None], StateDicts]
+"""A wrapper kind's layout: from its node, its part of a (sharded) state dict and, where
+it is to be loaded, the :class:`Load` it is checked in as the kind's load reads it, each
+leaf that counts steps per parameter with the torch-format state dict Megatron holds for it."""
 
 
 def layout_error(node: Node, key: object, message: str) -> Exception:
@@ -73,7 +85,7 @@ def _first_key(node: Node, state: object, keys: tuple[str, ...]) -> tuple[dict[o
     return _dict(node, state, keys[0]), keys[0]
 
 
-def walk(node: Node, state: object, loading: bool) -> StateDicts:
+def walk(node: Node, state: object, loading: Load | None) -> StateDicts:
     if isinstance(node, LeafNode):
         return
     locate = _LAYOUTS.lookup(type(node.optimizer))
@@ -91,20 +103,20 @@ def _counts_per_parameter(node: Node) -> bool:
     return any(map(_counts_per_parameter, node.children))
 
 
-def _torch_format(node: Node, state: object, loading: bool) -> StateDicts:
+def _torch_format(node: Node, state: object, loading: Load | None) -> StateDicts:
     """A wrapper whose state dict is its leaf's, in torch's format (``FP32Optimizer``)."""
     if not node.children:  # a stub on a rank without parameters
         return
     (inner,) = node.children
     if loading:
-        _check_torch_format(node, inner, state)
+        _check_torch_format(node, inner, state, loading)
     if isinstance(inner, LeafNode) and _counts_per_parameter(inner):
         yield inner, _dict(node, state, "state")
     else:
         yield from walk(inner, state, loading)
 
 
-def _check_torch_format(node: Node, inner: Node, state: object) -> None:
+def _check_torch_format(node: Node, inner: Node, state: object, load: Load) -> None:
     """What Megatron's pairing of param groups and torch's ``load_state_dict`` read, and,
     where ``inner`` is a leaf, its entries as its schema says the optimizer builds them."""
     entries = _dict(node, state, "state")["state"]
@@ -125,8 +137,7 @@ def _check_torch_format(node: Node, inner: Node, state: object) -> None:
             message = f"param group {index} names a parameter by {kind_of(unhashable)}, which torch's load cannot index its state by"
             raise layout_error(node, "param_groups", message)
     _check_pairing(node, live, groups)
-    if isinstance(inner, LeafNode):
-        _check_options(node, inner, groups[: len(live)])
+    _check_options(node, inner, groups[: len(live)])
     loaded = {index for saved in groups[: len(live)] for index in saved["params"]}
     for index, entry in entries.items():
         if index == STEP_KEY:
@@ -143,7 +154,7 @@ def _check_torch_format(node: Node, inner: Node, state: object) -> None:
         for index, entry in saved_entries.items():
             _check_entry(node, inner, index, entry, params[index], options[index])
         _check_steps_held(node, inner, saved_entries)
-        _check_history_apart(node, inner, saved_entries)
+        _gather_history(node, inner, saved_entries, load.history)
 
 
 def _option_kind(value: object) -> str:
@@ -157,12 +168,13 @@ def _option_kind(value: object) -> str:
     return kind_of(value)
 
 
-def _check_options(node: Node, leaf: LeafNode, saved: list[dict[object, object]]) -> None:
-    """The options the leaf's optimizer reads (its ``defaults``), as the saved groups hold
-    them: torch's load takes a saved group whole, so ``betas`` saved as a str or ``eps``
-    as a list would load and raise inside the next step. An option the optimizer holds as
-    None takes anything."""
-    defaults: object = getattr(leaf.optimizer, "defaults", None)
+def _check_options(node: Node, inner: Node, saved: list[dict[object, object]]) -> None:
+    """The options the optimizer below ``node`` reads (its ``defaults``: a leaf's, or a
+    HybridDeviceOptimizer's, which gives them to its sub-optimizers), as the saved groups
+    hold them: torch's load takes a saved group whole, so ``betas`` saved as a str or
+    ``eps`` as a list would load and raise inside the next step. An option the optimizer
+    holds as None takes anything."""
+    defaults: object = getattr(inner.optimizer, "defaults", None)
     if not isinstance(defaults, dict):
         return
     for index, group in enumerate(saved):
@@ -171,7 +183,7 @@ def _check_options(node: Node, leaf: LeafNode, saved: list[dict[object, object]]
                 continue
             expected, given = _option_kind(default), _option_kind(group[option])
             if expected != given:
-                cls = type(leaf.optimizer).__qualname__
+                cls = type(inner.optimizer).__qualname__
                 message = f"param group {index} holds {given} as {option!r}, which {cls} reads as {expected}"
                 raise layout_error(node, "param_groups", message)
 
@@ -184,29 +196,32 @@ def _hashable(value: object) -> bool:
     return True
 
 
-def _check_history_apart(node: Node, leaf: LeafNode, entries: dict[object, dict[object, object]]) -> None:
-    """Saved history tensors that share memory (one tensor under two entries or keys, as a
-    state dict of an aliased state holds it): torch's load keeps a tensor of the parameter's
-    dtype and device as it is, so the loaded optimizer would update one tensor as two
-    histories, and opttree's reset would refuse it."""
+def _gather_history(node: Node, leaf: LeafNode, entries: dict[object, dict[object, object]], into: Extents) -> None:
+    """The memory of the history tensors of a leaf's saved entries, by node path, entry and key."""
     schema = _registry.schema_for(type(leaf.optimizer))
     if schema is None:
         return
     history = schema.zero | schema.filled | schema.identity
     cls = type(leaf.optimizer).__qualname__
-    written = Extents()
     for index, entry in entries.items():
         for key, value in entry.items():
             if key in history and isinstance(value, torch.Tensor):
-                written.extend(ranges([value]).owned((repr(index), cls, str(key))))
-    clash = overlap(written, Extents())
+                into.extend(ranges([value]).owned((f"state entry {index!r} at {node.path}", cls, str(key))))
+
+
+def check_history_apart(root: Node, load: Load) -> None:
+    """Saved history tensors that share memory (one tensor under two entries, keys or
+    leaves): torch's load keeps a tensor of its parameter's dtype and device as it is, so
+    the loaded optimizers would update one tensor as two histories, and opttree's reset
+    would refuse it."""
+    clash = overlap(load.history, Extents())
     if clash is not None:
-        (first, _, first_key), (second, _, second_key) = clash
+        (first, cls, first_key), (second, _, second_key) = clash
         message = (
-            f"state entry {first}'s {first_key!r} shares memory with state entry {second}'s {second_key!r}: torch's load "
-            f"keeps them one tensor, which {cls} would then update as two histories"
+            f"the {first_key!r} of {first} shares memory with the {second_key!r} of {second}: torch's load keeps them one "
+            f"tensor, which {cls} would then update as two histories"
         )
-        raise layout_error(node, first_key, message)
+        raise layout_error(root, first_key, message)
 
 
 def _check_common_step(node: Node, inner: Node, value: object) -> None:
@@ -370,7 +385,7 @@ def _check_masters(node: Node, state: dict[object, object]) -> None:
                 raise layout_error(node, key, f"group {index} holds a master weight {what} where the optimizer's is of shape {tuple(getattr(live_param, 'shape', ()))}")
 
 
-def _float16(node: Node, state: object, loading: bool) -> StateDicts:
+def _float16(node: Node, state: object, loading: Load | None) -> StateDicts:
     """``Float16OptimizerWithFloat16Params``: its leaf's state dict under ``"optimizer"``
     (or ``"optimizer_state_dict"``, which Megatron's load still reads)."""
     if not node.children:
@@ -384,7 +399,7 @@ def _float16(node: Node, state: object, loading: bool) -> StateDicts:
     yield from _torch_format(node, checked[key], loading)
 
 
-def _steps_in_groups(node: Node, state: object, loading: bool) -> StateDicts:
+def _steps_in_groups(node: Node, state: object, loading: Load | None) -> StateDicts:
     """``DistributedOptimizer`` writes its step into the param groups, even a step of 0,
     and its load reads one step from them where its torch optimizer counts per parameter."""
     if not loading or getattr(getattr(node.optimizer, "ddp_config", None), "use_megatron_fsdp", False):
@@ -393,7 +408,10 @@ def _steps_in_groups(node: Node, state: object, loading: bool) -> StateDicts:
     groups = _dict(node, checked["optimizer"], "param_groups")["param_groups"]
     if not isinstance(groups, list) or not all(isinstance(group, dict) for group in groups):
         raise layout_error(node, "param_groups", "is not a list of param groups, each a dict")
-    _check_pairing(node, _groups(node), groups)
+    live = _groups(node)
+    _check_pairing(node, live, groups)
+    if node.children:
+        _check_options(node, node.children[0], groups[: len(live)])
     if node.children and isinstance(node.children[0], LeafNode) and _counts_per_parameter(node.children[0]):
         values = [group.get("step") for group in groups]
         steps = {step_number(value) for value in values}
@@ -413,7 +431,7 @@ def _steps_in_groups(node: Node, state: object, loading: bool) -> StateDicts:
     yield from ()
 
 
-def _chained(node: Node, state: object, loading: bool) -> StateDicts:
+def _chained(node: Node, state: object, loading: Load | None) -> StateDicts:
     """``ChainedOptimizer``: a single member's state dict as it is, else one per index (a
     dict by index sharded, a list in memory), one for each member."""
     members = node.children
@@ -427,7 +445,7 @@ def _chained(node: Node, state: object, loading: bool) -> StateDicts:
         yield from walk(member, _part(node, state, index), loading)
 
 
-def _layer_wise(node: Node, state: object, loading: bool) -> StateDicts:
+def _layer_wise(node: Node, state: object, loading: Load | None) -> StateDicts:
     """``LayerWiseDistributedOptimizer``: a chain whose load first turns each member's
     master weights, which a sharded load gives back by index in a dict, into the list
     ``Float16OptimizerWithFloat16Params`` loads; they are checked as that list."""
@@ -448,7 +466,7 @@ def _masters_listed(member: object) -> object:
     return {**member, "fp32_from_fp16_params": [by_index[index] for index in sorted(by_index)]}
 
 
-def _mimo(node: Node, state: object, loading: bool) -> StateDicts:
+def _mimo(node: Node, state: object, loading: Load | None) -> StateDicts:
     """``MimoOptimizer``: one state dict per active module, by module name."""
     infos = mapping_attribute(node.optimizer, "module_infos", node.path)
     held = [name for name, info in infos.items() if instance_attribute(info, "optimizer", node.path) is not None]

@@ -40,7 +40,7 @@ import torch
 
 from opttree import _registry
 from opttree._trees import tree
-from opttree._checkpoint_layouts import STEP_KEY, layout_error, walk
+from opttree._checkpoint_layouts import STEP_KEY, Load, check_history_apart, layout_error, walk
 from opttree._nodes import LeafNode, Node
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import StepType
@@ -112,7 +112,7 @@ def sharded_state_dict(
     )
     if is_loading:
         return state
-    for leaf, leaf_state in walk(root, state, loading=False):
+    for leaf, leaf_state in walk(root, state, loading=None):
         entries = leaf_state["state"]
         steps = _leaf_steps(leaf)
         if isinstance(entries, dict) and STEP_KEY not in entries and steps and all(map(_is_zero, steps)):
@@ -136,7 +136,10 @@ def load_state_dict(
     the stack and ``state_dict`` unchanged. An error Megatron's own load raises past those
     checks is given back as one too, saying that what it loaded before stays loaded."""
     root = _megatron_root(optimizer)
-    for leaf, leaf_state in list(walk(root, state_dict, loading=True)):  # every check before any write
+    load = Load()
+    leaf_states = list(walk(root, state_dict, loading=load))  # every check before any write
+    check_history_apart(root, load)
+    for leaf, leaf_state in leaf_states:
         entries = leaf_state["state"]
         if isinstance(entries, dict):
             _give_steps(leaf, entries)
