@@ -378,3 +378,31 @@ def test_a_state_dict_of_only_empty_entries_loads_as_megatron_loads_it() -> None
     megatrons.train(K, K)
     ours.train(K, K)
     assert all(torch.equal(a, b) for a, b in zip(ours.main_params(), megatrons.main_params(), strict=True))
+
+
+def test_a_tensor_step_where_the_optimizer_counts_in_an_int_is_refused_before_it_loads() -> None:
+    """LaProp counts its steps in Python ints, as its ``state_dict()`` saves them: a tensor
+    step loads as it is, and its bias correction then computes in float32, so it trains
+    unlike the LaProp that saved it."""
+    if "laprop" not in testing.available():
+        pytest.skip("no laprop recipe in this lane")
+    stack = testing.build("laprop")
+    stack.train(0, K)
+    with stack.device:
+        state = copy.deepcopy(stack.optimizer.state_dict())
+    assert isinstance(state, list)
+    laprop_entries = state[0]["state"]
+    assert all(isinstance(entry["step"], int) for entry in laprop_entries.values())  # as Megatron saves it
+    for entry in laprop_entries.values():
+        entry["step"] = torch.tensor(float(entry["step"]))
+
+    megatrons = fresh_like(stack)
+    with megatrons.device:
+        megatrons.optimizer.load_state_dict(copy.deepcopy(state))
+    megatrons.train(K, K)
+    stack.train(K, K)
+    assert not all(torch.equal(a, b) for a, b in zip(megatrons.main_params(), stack.main_params(), strict=True))
+
+    ours = fresh_like(stack)
+    with ours.device, pytest.raises(opttree.UnsupportedCheckpoint, match="its 'step' is a float32 tensor, where LaProp counts steps from 0 in a Python int"):
+        opttree.load_state_dict(ours.optimizer, state)

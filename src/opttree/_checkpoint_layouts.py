@@ -28,7 +28,7 @@ from opttree._nodes import LeafNode, Node
 from opttree._numbers import real_number
 from opttree._preflight import Extents, overlap, ranges, torch_name
 from opttree._problems import Problem, ProblemKind
-from opttree._schema import StepLocation
+from opttree._schema import StepLocation, StepType
 
 STEP_KEY = "common_step"
 """Where Megatron's ``sharded_state_dict`` puts the step its parameters share."""
@@ -224,12 +224,21 @@ def check_history_apart(root: Node, load: Load) -> None:
         raise layout_error(root, first_key, message)
 
 
+def _counting(cls: type) -> tuple[StepType, str]:
+    """How optimizers of ``cls`` count steps (their schema's ``step_type``), and in words."""
+    schema = _registry.schema_for(cls)
+    if schema is not None and schema.step_type is StepType.INT:
+        return StepType.INT, "a Python int"
+    return StepType.TENSOR, "one whole number"
+
+
 def _check_common_step(node: Node, inner: Node, value: object) -> None:
     """The step Megatron's load writes into every saved entry of the leaf below."""
-    fault = _step_fault(value)
+    step_type, unit = _counting(type(inner.optimizer))
+    fault = _step_fault(value, step_type)
     if fault is not None:
         cls = type(inner.optimizer).__qualname__
-        message = f"is {fault}, which Megatron's load writes as the step of every entry, where {cls} counts steps from 0 in one whole number"
+        message = f"is {fault}, which Megatron's load writes as the step of every entry, where {cls} counts steps from 0 in {unit}"
         raise layout_error(node, STEP_KEY, message)
 
 
@@ -250,10 +259,13 @@ _COUNTING_DTYPES = frozenset({torch.float32, torch.float64, torch.int32, torch.i
 256, and bias correction then computes at its precision, unlike a fresh optimizer's)."""
 
 
-def _step_fault(value: object) -> str | None:
+def _step_fault(value: object, step_type: StepType) -> str | None:
     """What a saved per-parameter step is, where it is not one whole count from 0 (a
-    Python, NumPy or one-element tensor number of a dtype that counts exactly): None where
-    it is one."""
+    Python, NumPy or one-element tensor number of a dtype that counts exactly, and no tensor
+    where the optimizer counts in an int, whose bias correction a tensor changes): None
+    where it is one."""
+    if isinstance(value, torch.Tensor) and step_type is StepType.INT:
+        return f"{article(torch_name(value.dtype))} tensor"
     if isinstance(value, torch.Tensor) and (value.numel() != 1 or value.dtype not in _COUNTING_DTYPES):
         return f"{article(torch_name(value.dtype))} tensor of {value.numel()} value{'s' if value.numel() != 1 else ''}"
     number = real_number(value)
@@ -288,9 +300,10 @@ def _check_entry(
     for key, value in entry.items():
         where = f"state entry {index!r}, of a parameter of shape {tuple(param.shape)}: its {key!r}"
         if key == "step" and schema.step is StepLocation.PER_PARAMETER:
-            fault = _step_fault(value)
+            step_type, unit = _counting(type(leaf.optimizer))
+            fault = _step_fault(value, step_type)
             if fault is not None:
-                raise layout_error(node, key, f"{where} is {fault}, where {cls} counts steps from 0 in one whole number")
+                raise layout_error(node, key, f"{where} is {fault}, where {cls} counts steps from 0 in {unit}")
             continue
         if not isinstance(key, str) or key not in schema.actions:
             raise layout_error(node, key, f"{where} is not a key {cls} keeps (its schema has {', '.join(sorted(schema.actions))})")
@@ -418,7 +431,7 @@ def _steps_in_groups(node: Node, state: object, loading: Load | None) -> StateDi
         if len(steps) != 1 or not all(step is not None and math.isfinite(step) for step in steps):
             message = "its param groups do not hold one step (Megatron's load reads each parameter's step from them)"
             raise layout_error(node, "step", message)
-        fault = _step_fault(values[0]) if values else None
+        fault = _step_fault(values[0], StepType.TENSOR) if values else None  # the group step, a number whatever the leaf counts in
         if fault is not None:
             cls = type(node.children[0].optimizer).__qualname__
             message = f"its param groups' step is {fault}, which Megatron's load gives each parameter, where {cls} counts steps from 0 in one whole number"
