@@ -322,6 +322,32 @@ def test_a_walk_by_accept_of_a_hand_built_tree_deeper_than_python_recurses_repor
     assert [(p.kind, p.message) for p in walker.problems] == [(opttree.ProblemKind.OPTIMIZER_CYCLE, "the stack is nested deeper than 64")]
 
 
+def test_a_hand_built_tree_deeper_than_python_recurses_is_refused_by_a_users_traverser_and_described() -> None:
+    """A user's ``TraverserVisitor`` raises the error a build raises at that depth, and a
+    ``DescribeVisitor`` accepted directly cuts the tree there, as ``render`` does."""
+    _, optimizer = trained_adam()
+    deep: opttree.Node = opttree.LeafNode("x", optimizer)
+    for _ in range(3000):
+        deep = opttree.WrapperNode("w", object(), (deep,))
+
+    class Counting(opttree.TraverserVisitor):
+        leaves = 0
+
+        def visit_leaf(self, node: opttree.LeafNode) -> None:
+            self.leaves += 1
+
+    with pytest.raises(opttree.OptimizerCycle, match="object at w: the stack is nested deeper than 64"):
+        deep.accept(Counting())
+    summary = deep.accept(opttree.DescribeVisitor())
+    for _ in range(64):
+        (summary,) = summary.children
+    assert summary.text == "object (refused: the stack is nested deeper than 64)" and summary.children == ()
+    shallow = opttree.WrapperNode("w", object(), (opttree.LeafNode("x", optimizer),))
+    counting = Counting()
+    shallow.accept(counting)
+    assert counting.leaves == 1
+
+
 def test_a_visitor_checks_afresh_each_time_it_is_used() -> None:
     """A visitor used twice reports what the second tree holds: nothing of the first walk
     (its optimizers counted as met before, its plan) carries over."""

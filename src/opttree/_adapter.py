@@ -24,13 +24,9 @@ from opttree._dispatch import LazyDispatch, is_megatron_class
 from opttree._errors import OptTreeError
 from opttree._identity import by_identity, identity_key
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
-from opttree._problems import Problem, ProblemKind
+from opttree._problems import MAX_DEPTH, Problem, ProblemKind, too_deep
 from opttree._visitor import NodeVisitor
 from opttree._fields import article, kind_of
-
-MAX_DEPTH = 64
-"""Deeper stacks are refused: no real optimizer nests this far, and a clear error beats
-a ``RecursionError`` from a pathological one."""
 
 _CHILDREN = operator.attrgetter("children")
 
@@ -41,11 +37,6 @@ ChildrenFn = Callable[[object], Iterable[tuple[str, object]]]
 def refusal(kind: ProblemKind, obj: object, path: str, message: str) -> OptTreeError:
     """The error for an object the adapter cannot build a node for."""
     return Problem(kind, path, type(obj).__qualname__, message).to_error()
-
-
-def too_deep(obj: object, path: str) -> Problem:
-    """The problem of a wrapper nested :data:`MAX_DEPTH` deep that holds more."""
-    return Problem(ProblemKind.OPTIMIZER_CYCLE, path, type(obj).__qualname__, f"the stack is nested deeper than {MAX_DEPTH}")
 
 
 def too_deep_in(root: Node) -> list[Problem]:

@@ -26,7 +26,7 @@ from opttree._fields import article, kind_of
 from opttree._inspect import step_number
 from opttree._nodes import LeafNode, Node
 from opttree._numbers import real_number
-from opttree._preflight import Extents, overlap, ranges, torch_name
+from opttree._preflight import Extents, overlap, plain_reads, ranges, torch_name
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import StepLocation, StepType
 
@@ -163,8 +163,10 @@ def _option_kind(value: object) -> str:
         return "True or False"
     if real_number(value) is not None:
         return "a real number"
-    if isinstance(value, (tuple, list)):
-        return f"a sequence of {len(value)} values"
+    if isinstance(value, tuple):  # read by the built-in class: a subclass's own __len__ may raise
+        return f"a sequence of {tuple.__len__(value)} values"
+    if isinstance(value, list):
+        return f"a sequence of {list.__len__(value)} values"
     return kind_of(value)
 
 
@@ -264,10 +266,13 @@ def _step_fault(value: object, step_type: StepType) -> str | None:
     Python, NumPy or one-element tensor number of a dtype that counts exactly, and no tensor
     where the optimizer counts in an int, whose bias correction a tensor changes): None
     where it is one."""
-    if isinstance(value, torch.Tensor) and step_type is StepType.INT:
-        return f"{article(torch_name(value.dtype))} tensor"
-    if isinstance(value, torch.Tensor) and (value.numel() != 1 or value.dtype not in _COUNTING_DTYPES):
-        return f"{article(torch_name(value.dtype))} tensor of {value.numel()} value{'s' if value.numel() != 1 else ''}"
+    if isinstance(value, torch.Tensor):
+        with plain_reads():  # a subclass's own code does not run
+            dtype, count = value.dtype, value.numel()
+        if step_type is StepType.INT:
+            return f"{article(torch_name(dtype))} tensor"
+        if count != 1 or dtype not in _COUNTING_DTYPES:
+            return f"{article(torch_name(dtype))} tensor of {count} value{'s' if count != 1 else ''}"
     number = real_number(value)
     if number is None:
         return kind_of(value)
@@ -297,30 +302,31 @@ def _check_entry(
             on = "" if option is None else f" where {option!r} is on, as its saved param group has it"
             message = f"{where} lacks {needed!r}, which {cls}{when} reads at every step{on}"
             raise layout_error(node, needed, message)
-    for key, value in entry.items():
-        where = f"state entry {index!r}, of a parameter of shape {tuple(param.shape)}: its {key!r}"
-        if key == "step" and schema.step is StepLocation.PER_PARAMETER:
-            step_type, unit = _counting(type(leaf.optimizer))
-            fault = _step_fault(value, step_type)
-            if fault is not None:
-                raise layout_error(node, key, f"{where} is {fault}, where {cls} counts steps from 0 in {unit}")
-            continue
-        if not isinstance(key, str) or key not in schema.actions:
-            raise layout_error(node, key, f"{where} is not a key {cls} keeps (its schema has {', '.join(sorted(schema.actions))})")
-        if key not in history:
-            continue
-        if not isinstance(value, torch.Tensor):
-            hint = " (a sharded state dict is loaded by dist_checkpointing.load first)" if "Sharded" in type(value).__name__ else ""
-            raise layout_error(node, key, f"{where} is {kind_of(value)}, where {cls} keeps a tensor{hint}")
-        if key in schema.one_value and value.numel() != 1:
-            raise layout_error(node, key, f"{where} holds {value.numel()} values, where {cls} keeps one")
-        if key in schema.built_like_param:
-            try:
-                expected = schema.built_shape(key, tuple(param.shape))
-            except Exception as error:  # noqa: BLE001  # a registered shape_of may raise anything
-                raise layout_error(node, key, f"{where}: its schema's shape_of raised {type(error).__name__}: {error}") from error
-            if value.shape != expected:
-                raise layout_error(node, key, f"{where} has shape {tuple(value.shape)}, where {cls} builds it in shape {tuple(expected)}")
+    with plain_reads():  # a tensor subclass's own code does not run
+        for key, value in entry.items():
+            where = f"state entry {index!r}, of a parameter of shape {tuple(param.shape)}: its {key!r}"
+            if key == "step" and schema.step is StepLocation.PER_PARAMETER:
+                step_type, unit = _counting(type(leaf.optimizer))
+                fault = _step_fault(value, step_type)
+                if fault is not None:
+                    raise layout_error(node, key, f"{where} is {fault}, where {cls} counts steps from 0 in {unit}")
+                continue
+            if not isinstance(key, str) or key not in schema.actions:
+                raise layout_error(node, key, f"{where} is not a key {cls} keeps (its schema has {', '.join(sorted(schema.actions))})")
+            if key not in history:
+                continue
+            if not isinstance(value, torch.Tensor):
+                hint = " (a sharded state dict is loaded by dist_checkpointing.load first)" if "Sharded" in type(value).__name__ else ""
+                raise layout_error(node, key, f"{where} is {kind_of(value)}, where {cls} keeps a tensor{hint}")
+            if key in schema.one_value and value.numel() != 1:
+                raise layout_error(node, key, f"{where} holds {value.numel()} values, where {cls} keeps one")
+            if key in schema.built_like_param:
+                try:
+                    expected = schema.built_shape(key, tuple(param.shape))
+                except Exception as error:  # noqa: BLE001  # a registered shape_of may raise anything
+                    raise layout_error(node, key, f"{where}: its schema's shape_of raised {type(error).__name__}: {error}") from error
+                if value.shape != expected:
+                    raise layout_error(node, key, f"{where} has shape {tuple(value.shape)}, where {cls} builds it in shape {tuple(expected)}")
 
 
 def _groups(node: Node) -> list[dict[str, list[object]]]:

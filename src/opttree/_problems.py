@@ -166,3 +166,13 @@ class Problem:
         error.problem = self
         error.problems = (self, *others)
         return error
+
+
+MAX_DEPTH = 64
+"""Deeper stacks are refused: no real optimizer nests this far, and a clear error beats
+a ``RecursionError`` from a pathological one."""
+
+
+def too_deep(obj: object, path: str) -> Problem:
+    """The problem of a wrapper nested :data:`MAX_DEPTH` deep that holds more."""
+    return Problem(ProblemKind.OPTIMIZER_CYCLE, path, type(obj).__qualname__, f"the stack is nested deeper than {MAX_DEPTH}")

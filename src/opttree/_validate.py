@@ -15,12 +15,12 @@ from opttree._dispatch import is_megatron_class
 from opttree._errors import OptTreeError
 from opttree._held import Held, held_optimizers
 from opttree._identity import identity_key, identity_keys
-from opttree._adapter import MAX_DEPTH, TreeBuilder, too_deep
+from opttree._adapter import TreeBuilder
 from opttree._inspect import GRADIENTS, LeafInspector, step_number
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._plan import ResetPlan, StateEntry
 from opttree._preflight import Owner, duplicates, overlap, plain_torch, ranges, unique_ranges
-from opttree._problems import Problem, ProblemKind, Severity
+from opttree._problems import MAX_DEPTH, Problem, ProblemKind, Severity, too_deep
 from opttree._scalers import loss_scaler, plan_scaler
 from opttree._trees import lenient_tree
 from opttree._schema import StateSchema, StepLocation

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from typing import Generic, TypeVar
 
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
+from opttree._problems import MAX_DEPTH, too_deep
 
 T = TypeVar("T")
 
@@ -33,10 +34,20 @@ class NodeVisitor(ABC, Generic[T]):
 class TraverserVisitor(NodeVisitor[None]):
     """Walks every node depth-first; subclasses override the kinds they care about."""
 
+    _depth = 0
+    """How many nodes above the one visited: a tree built by hand nested deeper than a
+    built one may is refused, not walked into a ``RecursionError``."""
+
     def visit_children(self, node: Node) -> None:
         """Visit each child of ``node`` in order."""
-        for child in node.children:
-            child.accept(self)
+        if self._depth >= MAX_DEPTH and node.children:
+            raise too_deep(node.optimizer, node.path).to_error()
+        self._depth += 1
+        try:
+            for child in node.children:
+                child.accept(self)
+        finally:
+            self._depth -= 1
 
     def visit_chained(self, node: ChainedNode) -> None:
         """Visit the members in order."""
