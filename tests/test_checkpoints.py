@@ -406,3 +406,43 @@ def test_a_tensor_step_where_the_optimizer_counts_in_an_int_is_refused_before_it
     ours = fresh_like(stack)
     with ours.device, pytest.raises(opttree.UnsupportedCheckpoint, match="its 'step' is a float32 tensor, where LaProp counts steps from 0 in a Python int"):
         opttree.load_state_dict(ours.optimizer, state)
+
+
+DP_RESHARDABLE = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _megatron_release() -> tuple[int, ...]:
+    from importlib.metadata import version
+
+    return tuple(int(part) for part in version("megatron-core").split(".")[:2] if part.isdigit())
+
+
+@pytest.mark.skipif("dist_bf16" not in testing.available(), reason="no dist_bf16 recipe in this lane")
+@pytest.mark.skipif(_megatron_release() < (0, 16), reason="megatron-core before 0.16 has no dp_reshardable format")
+@pytest.mark.parametrize("with_opttree", [False, True], ids=["megatron", "opttree"])
+def test_a_dp_reshardable_load_gives_every_parameter_the_saved_step(with_opttree: bool, tmp_path: Path) -> None:
+    """Megatron's side: a ``DistributedOptimizer``'s ``dp_reshardable`` load, into a stack
+    whose state Megatron's dummy-state init built (one step), leaves every parameter on one
+    step tensor holding that 1 where 2 was saved, and training goes on unlike the optimizer
+    that saved it. opttree's side: each parameter gets a tensor of its own holding the saved
+    step, and training goes on bitwise as it would have."""
+    stack = testing.build("dist_bf16")
+    stack.train(0, K)
+    with stack.device:
+        dist_checkpointing.save(stack.optimizer.sharded_state_dict(model_state(stack), metadata=DP_RESHARDABLE), str(tmp_path))
+    loaded = fresh_like(stack)
+    with loaded.device:
+        getattr(loaded.optimizer, "chained_optimizers", [loaded.optimizer])[0]._init_optimizer_states_with_dummy_values()
+        wanted = loaded.optimizer.sharded_state_dict(model_state(loaded), is_loading=True, metadata=DP_RESHARDABLE)
+        state = dist_checkpointing.load(wanted, str(tmp_path))
+        if with_opttree:
+            opttree.load_state_dict(loaded.optimizer, state)
+        else:
+            loaded.optimizer.load_state_dict(state)
+
+    steps = _steps(loaded)
+    assert [float(step) for step in steps] == [float(K if with_opttree else 1)] * len(steps)
+    assert len({id(step) for step in steps}) == (len(steps) if with_opttree else 1)
+    loaded.train(K, K)
+    stack.train(K, K)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.main_params(), stack.main_params(), strict=True)) is with_opttree

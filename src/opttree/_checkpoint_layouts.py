@@ -47,6 +47,9 @@ class Load:
     under two leaves' entries, as a saved aliased state holds it, loads as one."""
 
     history: Extents = field(factory=Extents)
+    group_steps: dict[int, float] = field(factory=dict)
+    """The step a ``DistributedOptimizer``'s saved param groups hold, by the ``id`` of the
+    (live) wrapper: the step Megatron saved for every one of its parameters."""
 
 
 Locate = Callable[[Node, object, Load | None], StateDicts]
@@ -442,6 +445,9 @@ def _steps_in_groups(node: Node, state: object, loading: Load | None) -> StateDi
             cls = type(node.children[0].optimizer).__qualname__
             message = f"its param groups' step is {fault}, which Megatron's load gives each parameter, where {cls} counts steps from 0 in one whole number"
             raise layout_error(node, "step", message)
+        saved_step = steps.pop()
+        if saved_step is not None:  # checked above: one finite step
+            loading.group_steps[id(node.optimizer)] = saved_step
     _check_scaler(node, checked)
     if "param_state" in checked:
         sharding = _dict(node, checked, "param_state_sharding_type")["param_state_sharding_type"]

@@ -136,16 +136,37 @@ def load_state_dict(
     the stack and ``state_dict`` unchanged. An error Megatron's own load raises past those
     checks is given back as one too, saying that what it loaded before stays loaded."""
     root = _megatron_root(optimizer)
-    load = Load()
-    leaf_states = list(walk(root, state_dict, loading=load))  # every check before any write
-    check_history_apart(root, load)
+    checked = Load()
+    leaf_states = list(walk(root, state_dict, loading=checked))  # every check before any write
+    check_history_apart(root, checked)
     for leaf, leaf_state in leaf_states:
         entries = leaf_state["state"]
         if isinstance(entries, dict):
             _give_steps(leaf, entries)
     load = getattr(root.optimizer, "load_state_dict")
     _megatrons(root, "load_state_dict", lambda: load(state_dict))
-    _unshare_steps(tree(root.optimizer))  # built again: a HybridDeviceOptimizer's load builds new sub-optimizers
+    loaded = tree(root.optimizer)  # built again: a HybridDeviceOptimizer's load builds new sub-optimizers
+    _restore_group_steps(loaded, checked.group_steps)
+    _unshare_steps(loaded)
+
+
+def _restore_group_steps(root: Node, group_steps: dict[int, float]) -> None:
+    """Give each state entry under a ``DistributedOptimizer`` a step tensor of its own
+    holding the step its saved param groups hold: Megatron's load puts every parameter on
+    one tensor, and its ``dp_reshardable`` load leaves in it the loading optimizer's own
+    step (the 1 of its dummy-state init where 2 was saved, measured on 0.19.2)."""
+    pending = [root]
+    while pending:
+        node = pending.pop()
+        pending.extend(node.children)
+        saved = group_steps.get(id(node.optimizer))
+        if saved is None:
+            continue
+        for optimizer in tree_leaves(node):
+            for entry in optimizer.state.values():
+                step = entry.get("step") if isinstance(entry, dict) else None
+                if isinstance(step, torch.Tensor):
+                    entry["step"] = torch.tensor(saved, dtype=step.dtype, device=step.device)
 
 
 def _give_steps(leaf: LeafNode, entries: dict[object, object]) -> None:
