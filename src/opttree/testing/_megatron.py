@@ -11,6 +11,7 @@ filled by hand.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import importlib
@@ -160,9 +161,18 @@ def ensure_process_group() -> None:
         # An explicit address, not MASTER_PORT in os.environ: a subprocess would inherit
         # the port this process's store listens on, and fail to start its own.
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        atexit.register(_destroy_process_group)
     if not parallel_state.model_parallel_is_initialized():
         with cuda_on_cpu():
             parallel_state.initialize_model_parallel()
+
+
+def _destroy_process_group() -> None:
+    """At exit, the group :func:`ensure_process_group` made: gloo's threads, left running
+    while the interpreter shuts down, now and then abort the process ("terminate called
+    without an active exception") after all its work is done."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _module(name: str) -> ModuleType | None:
