@@ -864,3 +864,51 @@ def test_a_class_made_by_exec_is_not_taken_for_one_of_pythons_own() -> None:
     opttree.register_wrapper(made, children=lambda wrapper: [("inner", wrapper.inner)])
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
     assert opttree.tree(made(optimizer)).children[0].optimizer is optimizer
+
+
+def test_a_class_registered_again_through_a_path_that_re_exports_it_is_refused() -> None:
+    """Registered once as a class, a second registration by the path a package re-exports
+    it under would wait for ever and never apply: refused as registered already."""
+    import sys
+    import types
+
+    package, impl = types.ModuleType("opttree_twice_pkg"), types.ModuleType("opttree_twice_pkg._impl")
+    twice = type("Twice", (torch.optim.SGD,), {"__module__": impl.__name__})
+    setattr(impl, "Twice", twice)
+    setattr(package, "Twice", twice)
+    sys.modules[package.__name__], sys.modules[impl.__name__] = package, impl
+    try:
+        opttree.register_schema(twice, opttree.StateSchema(drop={"momentum_buffer"}))
+        with pytest.raises(opttree.RegistrationError, match="a schema for opttree_twice_pkg.Twice is registered already"):
+            opttree.register_schema("opttree_twice_pkg.Twice", opttree.StateSchema(drop={"momentum_buffer"}))
+    finally:
+        del sys.modules[package.__name__], sys.modules[impl.__name__]
+
+
+def test_a_lazily_loaded_module_is_not_imported_by_a_lookup() -> None:
+    """A module ``importlib.util.LazyLoader`` put in ``sys.modules`` runs its import when
+    read: a lookup while a dotted path waits leaves it unread (its import may fail, and
+    validate never raises)."""
+    import importlib.util
+    import sys
+    import types
+
+    class FailingLoader(importlib.abc.Loader):
+        def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+            return None
+
+        def exec_module(self, module: types.ModuleType) -> None:
+            raise RuntimeError("this package fails to import")
+
+    spec = importlib.util.spec_from_loader("opttree_lazy_pkg", importlib.util.LazyLoader(FailingLoader()))
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    sys.modules["opttree_lazy_pkg"] = module
+    try:
+        opttree.register_schema("opttree_lazy_pkg.Opt", opttree.StateSchema(drop={"momentum_buffer"}))
+        param = torch.nn.Parameter(torch.ones(2))
+        assert opttree.validate(torch.optim.Adam([param])) == ()
+    finally:
+        del sys.modules["opttree_lazy_pkg"]

@@ -22,7 +22,8 @@ import functools
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from typing import Generic, TypeVar
+from types import ModuleType
+from typing import Generic, TypeVar, cast
 
 V = TypeVar("V")
 
@@ -47,18 +48,25 @@ def is_megatron_class(cls: type) -> bool:
         return found
 
 
+_CLASS_NAMESPACE = cast(Callable[[type], Mapping[str, object]], type.__dict__["__dict__"].__get__)
+"""A class's own namespace, read without running a metaclass's ``__getattribute__``."""
+
+
 def imported_class(dotted: str) -> type | None:
     """The class a dotted path names where its module is imported already, read from the
-    modules' and classes' own namespaces (no import, no module ``__getattr__`` runs):
-    ``torch.optim.AdamW`` names ``torch.optim.adamw.AdamW``. None where it names none."""
+    module's and classes' own namespaces, running no code: ``torch.optim.AdamW`` names
+    ``torch.optim.adamw.AdamW``. None where it names none, or where the module is not a
+    plain module (one ``importlib.util.LazyLoader`` made runs its import when read)."""
     parts = dotted.split(".")
     for split in range(len(parts) - 1, 0, -1):
-        found: object = sys.modules.get(".".join(parts[:split]))
-        if found is None:
+        module = sys.modules.get(".".join(parts[:split]))
+        if module is None:
             continue
-        for name in parts[split:]:
-            namespace = getattr(found, "__dict__", None)
-            found = namespace.get(name) if isinstance(namespace, Mapping) else None
+        if type(module) is not ModuleType:
+            return None
+        found = module.__dict__.get(parts[split])
+        for name in parts[split + 1 :]:
+            found = _CLASS_NAMESPACE(found).get(name) if isinstance(found, type) else None
         return found if isinstance(found, type) else None
     return None
 
@@ -78,8 +86,7 @@ class LazyDispatch(Generic[V]):
         self._owners = functools.singledispatch(_unregistered)
         self._values: dict[type, V] = {}
         self._lazy: dict[str, V] = {}
-        self._found: dict[type, tuple[type, V] | None] = {}
-        self._ambiguous: dict[type, str] = {}
+        self._found: dict[type, tuple[type, V] | str | None] = {}
         self._token = self._cache_token()
         self._lock = threading.Lock()
 
@@ -100,15 +107,23 @@ class LazyDispatch(Generic[V]):
 
     def _forget(self) -> None:
         self._found.clear()
-        self._ambiguous.clear()
 
     def is_registered(self, cls_or_dotted: type | str) -> bool:
+        """Whether a value is registered for this class or path: under its own path, or,
+        where its module is imported, under a path re-exporting it (or the class it names)."""
         with self._lock:
             if isinstance(cls_or_dotted, str):
-                return cls_or_dotted in self._lazy or any(
-                    dotted_name(cls) == cls_or_dotted for cls in self._values
+                named = imported_class(cls_or_dotted)
+                return (
+                    cls_or_dotted in self._lazy
+                    or any(dotted_name(cls) == cls_or_dotted for cls in self._values)
+                    or (named is not None and self._holds(named))
                 )
-            return cls_or_dotted in self._values or dotted_name(cls_or_dotted) in self._lazy
+            return self._holds(cls_or_dotted)
+
+    def _holds(self, cls: type) -> bool:
+        """Under the lock: whether ``cls`` has a value, or a waiting path names it."""
+        return cls in self._values or dotted_name(cls) in self._lazy or any(imported_class(dotted) is cls for dotted in self._lazy)
 
     def lookup(self, cls: type) -> V | None:
         found = self.lookup_owner(cls)
@@ -117,6 +132,13 @@ class LazyDispatch(Generic[V]):
     def lookup_owner(self, cls: type) -> tuple[type, V] | None:
         """The registered class whose value applies to ``cls`` (itself or its nearest
         registered ancestor), and that value."""
+        found = self.resolved(cls)
+        return None if isinstance(found, str) else found
+
+    def resolved(self, cls: type) -> tuple[type, V] | str | None:
+        """:meth:`lookup_owner`'s answer, or, where registrations apply to ``cls``
+        ambiguously, why (see :meth:`ambiguity`): one answer, read at once, which another
+        thread's registration or import cannot split."""
         token = self._cache_token()
         if token != self._token:  # a class registered under an ABC, or a module imported, may now have a value
             with self._lock:
@@ -132,14 +154,14 @@ class LazyDispatch(Generic[V]):
         """Why ``cls`` has no value though registrations apply to it: two registered
         classes it derives from (abstract ones, through ``register`` or a subclass hook),
         neither a subclass of the other, so that no one value is its own. None otherwise."""
-        self.lookup(cls)
-        return self._ambiguous.get(cls)
+        found = self.resolved(cls)
+        return found if isinstance(found, str) else None
 
     def _add(self, cls: type, value: V) -> None:
         self._values[cls] = value
         self._owners.register(cls, _owner_of(cls))
 
-    def _resolve(self, cls: type) -> tuple[type, V] | None:
+    def _resolve(self, cls: type) -> tuple[type, V] | str | None:
         """Under the lock. A class resolved here needs no emptying of ``_found``: a class
         found earlier that has it in its MRO would have resolved it then."""
         for klass in cls.__mro__:
@@ -156,7 +178,10 @@ class LazyDispatch(Generic[V]):
             applying = [registered for registered in self._values if issubclass(cls, registered)]
             nearest = [a for a in applying if not any(b is not a and issubclass(b, a) for b in applying)]
             names = " and ".join(sorted(map(dotted_name, nearest)))
-            self._ambiguous[cls] = f"{dotted_name(cls)} is registered through both {names}, neither a subclass of the other: register {cls.__qualname__} itself"
-            owner = None
-        found = self._found[cls] = None if owner is None else (owner, self._values[owner])
+            found: tuple[type, V] | str | None = (
+                f"{dotted_name(cls)} is registered through both {names}, neither a subclass of the other: register {cls.__qualname__} itself"
+            )
+        else:
+            found = None if owner is None else (owner, self._values[owner])
+        self._found[cls] = found
         return found

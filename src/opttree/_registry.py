@@ -99,9 +99,9 @@ def _applying(cls: type) -> tuple[StateSchema | None, tuple[type, str] | None]:
     builds its state with methods of its own (see :data:`STATE_BUILDERS`), the class of
     that schema and the method, in its place. A user's registration wins; one that applies
     ambiguously leaves no schema."""
-    schema = _user_schemas.lookup(cls)
-    if schema is not None or _user_schemas.ambiguity(cls) is not None:
-        return schema, None
+    users = _user_schemas.resolved(cls)
+    if users is not None:
+        return (None, None) if isinstance(users, str) else (users[1], None)
     found = _builtin_schemas.lookup_owner(cls)
     if found is None:
         return None, None
@@ -133,7 +133,7 @@ def instance_builder(optimizer: object) -> str | None:
     if not isinstance(own, dict) or INSTANCE_BUILDERS.isdisjoint(own):
         return None
     cls = type(optimizer)
-    if _user_schemas.lookup(cls) is not None or _user_schemas.ambiguity(cls) is not None:
+    if _user_schemas.resolved(cls) is not None:
         return None
     return next(
         (name for name in STATE_BUILDERS if name in own and _unwrapped(own[name]) is not _unwrapped(getattr(cls, name, None))),
@@ -181,10 +181,10 @@ def step_location(cls: type) -> StepLocation | None:
 def kind_for(cls: type) -> Expander | None:
     """A class's wrapper kind (or leaf kind): a user's registration wins over a built-in
     one; none where users' registrations apply to it ambiguously."""
-    expand = _user_kinds.lookup(cls)
-    if expand is None and _user_kinds.ambiguity(cls) is None:
+    users = _user_kinds.resolved(cls)
+    if users is None:
         return _builtin_kinds.lookup(cls)
-    return expand
+    return None if isinstance(users, str) else users[1]
 
 
 def _is_dotted(path: str) -> bool:
