@@ -408,6 +408,26 @@ def test_a_walk_after_a_passed_check_is_not_carried_out() -> None:
     assert torch.equal(checked.state[checked_param]["exp_avg"], moments)
 
 
+def test_a_walk_by_visit_children_after_a_passed_check_is_not_carried_out() -> None:
+    """``visit_children``, called on its own over a wrapper of alike leaves (planned in one
+    pooled pass), adds to the plan as ``accept`` does: that plan is not carried out."""
+    from tests.test_registered_outputs import registered_holder
+
+    _, checked = trained_adam()
+    first_param, first = trained_adam()
+    _, second = trained_adam()
+    first.state[first_param]["exp_avg"] = first_param.data  # zeroing it would zero the weight
+    weight = first_param.detach().clone()
+    visitor = opttree.ResetVisitor()
+
+    assert visitor.refusal(opttree.tree(checked)) is None
+    visitor.visit_children(opttree.tree(registered_holder(lambda w: [("a", w.optimizer), ("b", second)])(first)))
+
+    with pytest.raises(opttree.OptTreeError, match=r"carry_out carries out the plan of a tree that refusal\(\) has just checked whole"):
+        visitor.carry_out()
+    assert torch.equal(first_param.detach(), weight)
+
+
 @pytest.mark.parametrize("visitor", [opttree.ResetVisitor, opttree.ValidateVisitor])
 def test_a_visitor_flag_that_is_not_a_bool_is_refused(visitor: type[opttree.ValidateVisitor]) -> None:
     with pytest.raises(opttree.OptTreeError, match="keep_loss_scale must be True or False, got a str"):

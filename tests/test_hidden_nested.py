@@ -192,3 +192,19 @@ def test_an_optimizer_held_in_a_slot_is_reported_and_refused(slot: str, label: s
     assert [p.kind for p in problems] == [opttree.ProblemKind.HIDDEN_OPTIMIZER]
     assert f"in {label}[0] that" in problems[0].message
     assert unchanged(leaf, before[0]) and unchanged(hidden, before[1])
+
+
+def test_a_slot_descriptor_borrowed_from_another_class_is_passed_over() -> None:
+    """A class attribute that is another class's slot descriptor reads as a TypeError on
+    this class's instances: no optimizer is there, and the search goes on without raising."""
+
+    class Other:
+        __slots__ = ("x",)
+
+    leaf = stepped(0)
+    wrapper = fp32(leaf)
+    borrowing = type("Borrowing", (FP32Optimizer,), {"alias": Other.__dict__["x"]})
+    wrapper.__class__ = borrowing
+
+    assert opttree.validate(wrapper) == ()
+    assert opttree.reset(wrapper).leaves == 1

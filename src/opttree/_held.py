@@ -141,7 +141,7 @@ def _instance_attributes(instance: object) -> list[tuple[str, object]]:
             if isinstance(descriptor, types.MemberDescriptorType) and name not in ("__weakref__", "__dict__"):
                 try:
                     found.append((name, descriptor.__get__(instance, cls)))
-                except AttributeError:
+                except (AttributeError, TypeError):  # never set; another class's slot set on this one
                     continue
     return found
 

@@ -287,6 +287,7 @@ class ValidateVisitor(TraverserVisitor):
     def visit_children(self, node: Node) -> None:
         """Record the children and the optimizers ``node`` holds, check the wrapper's own
         state, then visit runs of siblings."""
+        self._passed = False  # called on its own, a walk after refusal() adds to a plan it did not check
         self._check_own_state(node)
         self._contained.extend(map(_OPTIMIZER, node.children))
         self._held.extend((node, held) for held in held_optimizers(node.optimizer, self._counts_as_optimizer))
