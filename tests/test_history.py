@@ -459,3 +459,20 @@ def test_a_prune_that_runs_out_of_memory_is_refused_having_changed_nothing() -> 
 
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["PartialResetRefused", "unchanged"]
+
+
+@pytest.mark.skipif("soap" not in testing.available(), reason="no soap recipe in this lane")
+def test_prune_without_keys_over_an_identity_names_the_keys_it_could_take() -> None:
+    """SOAP's eigenbases start as identities, which pruning toward zero would not give:
+    ``prune(optimizer, 0.99)`` is refused, naming the history that starts at zero, and
+    pruning those keys goes through."""
+    stack = testing.build("soap")
+    stack.train(0, 2)
+    (soap, *_) = stack.leaves()
+    bases = [entry["Q_L"].clone() for entry in soap.state.values()]
+
+    with pytest.raises(opttree.PartialResetRefused, match=r"'Q_L' is not zero at the start .*: name the keys to change \(keys=\['L', 'R', 'exp_avg', 'exp_avg_sq'\] start at zero here\)"):
+        opttree.prune(stack.optimizer, 0.99)
+    assert all(torch.equal(entry["Q_L"], base) for entry, base in zip(soap.state.values(), bases, strict=True))
+    report = opttree.prune(stack.optimizer, 0.99, keys=["L", "R", "exp_avg", "exp_avg_sq"])
+    assert report.action == "prune" and "Q_L" in report.kept_keys
