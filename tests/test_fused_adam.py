@@ -9,7 +9,7 @@ import torch
 
 import opttree
 from tests import megatron_parts
-from tests.helpers import clone_model, model, snapshot, train, unchanged, weights_equal
+from tests.helpers import clone_model, model, refused_in_place, snapshot, train, unchanged, weights_equal
 from tests.standins import ApexFusedAdam, TEFusedAdam
 
 Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -181,3 +181,17 @@ def test_one_group_step_tensor_held_by_two_groups_is_unshared() -> None:
     train(net, optimizer, 3, 3)
     train(twin, fresh, 3, 3)
     assert weights_equal(net, twin)
+
+
+@pytest.mark.parametrize("name", ["te", "apex"])
+def test_an_entry_lacking_a_moment_is_refused_where_the_next_step_would_raise(name: str) -> None:
+    """TE's and apex's FusedAdam build both moments where an entry is empty and read both
+    at every step: an entry holding one is refused in place, where the next step raises."""
+    net = model()
+    optimizer = CASES[name](list(net.parameters()))
+    train(net, optimizer, 0, 2)
+    del next(iter(optimizer.state.values()))["exp_avg_sq"]
+
+    refused_in_place(optimizer, "exp_avg_sq", "key 'exp_avg_sq': 1 of its 4 state entries lack it")
+    with pytest.raises(KeyError):
+        train(net, optimizer, 2, 1)

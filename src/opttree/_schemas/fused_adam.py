@@ -27,14 +27,17 @@ def te_scale_of(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str)
     return scale if isinstance(scale, torch.Tensor) else None
 
 
+# Both build a parameter's moments together where its entry is empty (``len(state) == 0``)
+# and read both at every step: an entry lacking one fails the next step (``always_built``).
 TE_FUSED_ADAM = StateSchema(
     zero={"exp_avg", "exp_avg_sq"},
     keep={MASTER_PARAM},
     step=StepLocation.PER_GROUP,
     scale_of=te_scale_of,
+    always_built={"exp_avg", "exp_avg_sq"},
 )
 # apex keeps its fp16 master copies in ``optimizer.master_params``, outside ``state``.
-APEX_FUSED_ADAM = StateSchema(zero={"exp_avg", "exp_avg_sq"}, step=StepLocation.PER_GROUP)
+APEX_FUSED_ADAM = StateSchema(zero={"exp_avg", "exp_avg_sq"}, step=StepLocation.PER_GROUP, always_built={"exp_avg", "exp_avg_sq"})
 
 LAZY: dict[str, StateSchema] = {
     "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam": TE_FUSED_ADAM,
