@@ -25,8 +25,9 @@ build whole, as a fresh optimizer does.
 leaves that count steps per group (TE and apex ``FusedAdam``) keep them in the param
 groups too: neither needs anything. Its ``load_state_dict`` (megatron-core 0.16.1 and
 0.19.2 measured) gives every parameter's state one step tensor, which torch's Adam then
-advances once per parameter and step: :func:`load_state_dict` gives each entry a step
-tensor of its own, as the optimizer that saved it held.
+advances once per parameter and step, and its ``dp_reshardable`` sharded load leaves in it
+the loading optimizer's own step: :func:`load_state_dict` gives each entry a step tensor
+of its own holding the step the saved param groups hold, as the optimizer that saved it held.
 """
 
 from __future__ import annotations
