@@ -22,6 +22,7 @@ from attrs import evolve
 from opttree import _paths
 from opttree._dispatch import LazyDispatch, is_megatron_class
 from opttree._errors import OptTreeError
+from opttree._held import instance_attributes
 from opttree._identity import by_identity, identity_key
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._problems import MAX_DEPTH, Problem, ProblemKind, too_deep
@@ -108,31 +109,25 @@ class Truncated(NodeVisitor[Node]):
     """A copy of a tree built by hand in which each node nested :data:`MAX_DEPTH` deep
     stands without children, as a lenient :class:`TreeBuilder` leaves a wrapper it refuses."""
 
-    def __init__(self) -> None:
-        self._depth = 0
-
-    def _below(self, nodes: tuple[Node, ...]) -> tuple[Node, ...]:
-        self._depth += 1
-        try:
+    def _copies(self, nodes: tuple[Node, ...]) -> tuple[Node, ...]:
+        with self._below():
             return tuple(node.accept(self) for node in nodes)
-        finally:
-            self._depth -= 1
 
     def _cut(self, node: Node) -> WrapperNode | None:
-        return WrapperNode(node.path, node.optimizer, ()) if self._depth == MAX_DEPTH and node.children else None
+        return None if self._too_deep(node) is None else WrapperNode(node.path, node.optimizer, ())
 
     def visit_chained(self, node: ChainedNode) -> Node:
-        return self._cut(node) or evolve(node, members=self._below(node.members))
+        return self._cut(node) or evolve(node, members=self._copies(node.members))
 
     def visit_hybrid(self, node: HybridNode) -> Node:
         cut = self._cut(node)
         if cut is not None:
             return cut
-        below = self._below(node.children)
+        below = self._copies(node.children)
         return evolve(node, cpu=below[: len(node.cpu)], gpu=None if node.gpu is None else below[-1])
 
     def visit_wrapper(self, node: WrapperNode) -> Node:
-        return self._cut(node) or evolve(node, inner=self._below(node.inner))
+        return self._cut(node) or evolve(node, inner=self._copies(node.inner))
 
     def visit_leaf(self, node: LeafNode) -> Node:
         return node
@@ -373,13 +368,7 @@ def _kept_iterator(wrapper: object, given: object) -> bool:
     not held)."""
     if not isinstance(given, Iterator):
         return False
-    attributes = getattr(wrapper, "__dict__", None)
-    held = list(attributes.values()) if isinstance(attributes, dict) else []
-    for klass in type(wrapper).__mro__:
-        slots = vars(klass).get("__slots__", ())
-        for name in [slots] if isinstance(slots, str) else slots:
-            held.append(getattr(wrapper, name, None))
-    return any(value is given for value in held)
+    return any(value is given for _, value in instance_attributes(wrapper))
 
 
 def children_expander(children: ChildrenFn) -> Expander:

@@ -28,7 +28,7 @@ from opttree._nodes import LeafNode, Node
 from opttree._numbers import real_number
 from opttree._preflight import Extents, overlap, plain_reads, ranges, torch_name
 from opttree._problems import Problem, ProblemKind
-from opttree._schema import StepLocation, StepType
+from opttree._schema import StateSchema, StepLocation, StepType
 
 STEP_KEY = "common_step"
 """Where Megatron's ``sharded_state_dict`` puts the step its parameters share."""
@@ -229,9 +229,8 @@ def check_history_apart(root: Node, load: Load) -> None:
         raise layout_error(root, first_key, message)
 
 
-def _counting(cls: type) -> tuple[StepType, str]:
-    """How optimizers of ``cls`` count steps (their schema's ``step_type``), and in words."""
-    schema = _registry.schema_for(cls)
+def _counting(schema: StateSchema | None) -> tuple[StepType, str]:
+    """How an optimizer of ``schema`` counts steps (its ``step_type``), and in words."""
     if schema is not None and schema.step_type is StepType.INT:
         return StepType.INT, "a Python int"
     return StepType.TENSOR, "one whole number"
@@ -239,7 +238,7 @@ def _counting(cls: type) -> tuple[StepType, str]:
 
 def _check_common_step(node: Node, inner: Node, value: object) -> None:
     """The step Megatron's load writes into every saved entry of the leaf below."""
-    step_type, unit = _counting(type(inner.optimizer))
+    step_type, unit = _counting(_registry.schema_for(type(inner.optimizer)))
     fault = _step_fault(value, step_type)
     if fault is not None:
         cls = type(inner.optimizer).__qualname__
@@ -305,11 +304,11 @@ def _check_entry(
             on = "" if option is None else f" where {option!r} is on, as its saved param group has it"
             message = f"{where} lacks {needed!r}, which {cls}{when} reads at every step{on}"
             raise layout_error(node, needed, message)
+    step_type, unit = _counting(schema)
     with plain_reads():  # a tensor subclass's own code does not run
         for key, value in entry.items():
             where = f"state entry {index!r}, of a parameter of shape {tuple(param.shape)}: its {key!r}"
             if key == "step" and schema.step is StepLocation.PER_PARAMETER:
-                step_type, unit = _counting(type(leaf.optimizer))
                 fault = _step_fault(value, step_type)
                 if fault is not None:
                     raise layout_error(node, key, f"{where} is {fault}, where {cls} counts steps from 0 in {unit}")

@@ -92,6 +92,18 @@ def _writes_as_dict(cls: type) -> bool:
     return issubclass(cls, dict) and getattr(cls, "__setitem__") in _DICT_SETITEMS and getattr(cls, "__delitem__") in _DICT_DELITEMS
 
 
+def builds_missing_entries(state: object) -> bool:
+    """Whether reading a deleted entry of ``state`` gives a new empty dict, as torch's
+    ``defaultdict(dict)`` does: a subclass's own ``__missing__`` or ``__getitem__`` may not."""
+    cls = type(state)
+    return (
+        isinstance(state, defaultdict)
+        and state.default_factory is dict
+        and getattr(cls, "__missing__") is defaultdict.__missing__
+        and getattr(cls, "__getitem__") is defaultdict.__getitem__
+    )
+
+
 def own_writes(containers: Sequence[object]) -> type | None:
     """The first class among ``containers`` that sets or deletes keys by code of its own,
     or None. A reset deletes keys and sets step counters after it has zeroed history, so

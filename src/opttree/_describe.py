@@ -25,7 +25,7 @@ from opttree._preflight import plain_reads, plain_torch, ranges, torch_name
 from opttree._report import format_bytes
 from opttree._scalers import scaler_text
 from opttree._runs import alike_runs, sibling_groups
-from opttree._problems import MAX_DEPTH, Problem, ProblemKind, too_deep
+from opttree._problems import Problem, ProblemKind
 from opttree._trees import lenient_tree
 from opttree._visitor import NodeVisitor
 
@@ -143,18 +143,15 @@ class DescribeVisitor(NodeVisitor[Summary]):
 
     def __init__(self, refused: Mapping[str, str] | None = None) -> None:
         self.refused: Mapping[str, str] = refused or {}
-        self._depth = 0
 
     def summarise(self, node: Node, text: str) -> Summary:
         """``node``'s line, ``text``, over its children's summaries; a node of a tree built
         by hand nested deeper than a built one may stands refused, as :meth:`render` cuts it."""
-        if self._depth >= MAX_DEPTH and node.children:
-            return Summary(f"{type(node.optimizer).__qualname__} (refused: {too_deep(node.optimizer, node.path).message})", (), node.path)
-        self._depth += 1
-        try:
+        problem = self._too_deep(node)
+        if problem is not None:
+            return Summary(f"{type(node.optimizer).__qualname__} (refused: {problem.message})", (), node.path)
+        with self._below():
             children = tuple(summary for siblings in sibling_groups(node) for summary in self.siblings(siblings))
-        finally:
-            self._depth -= 1
         return Summary(text, children, node.path)
 
     def siblings(self, nodes: Sequence[Node]) -> tuple[Summary, ...]:

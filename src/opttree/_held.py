@@ -127,10 +127,10 @@ def _level_below(level: list[object], classes: set[type], kinds: set[type], limi
 
 def held_optimizers(wrapper: object, is_optimizer: IsOptimizer, *, depth: int = DEPTH) -> Iterator[Held]:
     """The optimizers in ``wrapper``'s instance attributes, by attribute path."""
-    yield from _Search(is_optimizer).search(_instance_attributes(wrapper), depth)
+    yield from _Search(is_optimizer).search(instance_attributes(wrapper), depth)
 
 
-def _instance_attributes(instance: object) -> list[tuple[str, object]]:
+def instance_attributes(instance: object) -> list[tuple[str, object]]:
     """An instance's attributes: those of its ``__dict__`` and those its classes' ``__slots__``
     hold, each slot read through its own descriptor (no property of a subclass runs);
     a slot never set is passed over."""

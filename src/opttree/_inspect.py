@@ -10,7 +10,7 @@ error changes nothing.
 from __future__ import annotations
 
 import operator
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from itertools import chain, compress, repeat
 from typing import TypeVar, cast
@@ -20,6 +20,7 @@ import torch
 from opttree._errors import OptTreeError
 from opttree._nodes import LeafNode, Node
 from opttree._containers import (
+    builds_missing_entries,
     malformed_outline,
     malformed_state,
     own_writes,
@@ -609,9 +610,9 @@ class LeafInspector:
         lacking = sum(
             key not in entry and not built.isdisjoint(entry) and id(param) in needing for param, entry in zip(held, entries, strict=True)
         )
-        when = "" if option is None else f" where {option!r} is on, as it now is in their group"
         if not lacking:
             return
+        when = "" if option is None else f" where {option!r} is on, as it now is in their group"
         advice = "reset with release=True for its optimizer to build them again" if schema.rebuilds_missing else "rebuild the optimizer"
         message = (
             f"{lacking} of its {len(entries)} state entries lack it, which its optimizer builds with an entry and reads at "
@@ -737,7 +738,7 @@ class LeafInspector:
             message = f"its state is {kind_of(state)}, which has no entries to delete: {advice}"
             self.problem(node, ProblemKind.UNRELEASABLE_STATE, message)
             return
-        if not _builds_missing_entries(state):
+        if not builds_missing_entries(state):
             message = (
                 f"its state is {kind_of(state)}, not torch's defaultdict(dict): its next step may not "
                 f"build a deleted entry again as an empty dict; {advice}"
@@ -925,15 +926,3 @@ class LeafInspector:
             return
         into.scales.extend(scales)
         into.written.extend(checked.owned((*owner, f"{key} scale")))
-
-
-def _builds_missing_entries(state: object) -> bool:
-    """Whether reading a deleted entry of ``state`` gives a new empty dict, as torch's
-    ``defaultdict(dict)`` does: a subclass's own ``__missing__`` or ``__getitem__`` may not."""
-    cls = type(state)
-    return (
-        isinstance(state, defaultdict)
-        and state.default_factory is dict
-        and getattr(cls, "__missing__") is defaultdict.__missing__
-        and getattr(cls, "__getitem__") is defaultdict.__getitem__
-    )

@@ -248,7 +248,7 @@ class StateSchema:
     def _shape_by_key(self) -> dict[str, ShapeOf]:
         return dict(self.shape_of)
 
-    @property
+    @functools.cached_property
     def typed(self) -> frozenset[str]:
         """The keys :attr:`dtype_of` names."""
         return frozenset(self._dtype_by_key)

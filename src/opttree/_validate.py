@@ -20,7 +20,7 @@ from opttree._inspect import GRADIENTS, LeafInspector, step_number
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._plan import ResetPlan, StateEntry
 from opttree._preflight import Owner, duplicates, overlap, plain_torch, ranges, unique_ranges
-from opttree._problems import MAX_DEPTH, Problem, ProblemKind, Severity, too_deep
+from opttree._problems import Problem, ProblemKind, Severity
 from opttree._scalers import loss_scaler, plan_scaler
 from opttree._trees import lenient_tree
 from opttree._schema import StateSchema, StepLocation
@@ -93,8 +93,6 @@ class ValidateVisitor(TraverserVisitor):
         self._megatron_above: list[str] = []
         """The classes of the Megatron wrappers above the node visited."""
         self._scalers_seen: list[object] = []
-        self._depth = 0
-        """How many wrappers above the node visited."""
 
     def _forget_plan(self) -> None:
         """Drop the plan, and the inspectors that add to it, with every tensor they hold."""
@@ -279,9 +277,10 @@ class ValidateVisitor(TraverserVisitor):
         than a built one may (a problem, and no recursion into it). A walk after
         :meth:`refusal` adds to a plan it did not check: that plan is no longer carried out."""
         self._passed = False
-        if self._depth < MAX_DEPTH or not node.children:
+        problem = self._too_deep(node)
+        if problem is None:
             return True
-        self.problems.append(too_deep(node.optimizer, node.path))
+        self.problems.append(problem)
         return False
 
     def visit_children(self, node: Node) -> None:
@@ -294,12 +293,11 @@ class ValidateVisitor(TraverserVisitor):
         megatron = is_megatron_class(type(node.optimizer))
         if megatron:
             self._megatron_above.append(type(node.optimizer).__qualname__)
-        self._depth += 1
         try:
-            for siblings in sibling_groups(node):
-                self._visit_siblings(siblings)
+            with self._below():
+                for siblings in sibling_groups(node):
+                    self._visit_siblings(siblings)
         finally:
-            self._depth -= 1
             if megatron:
                 self._megatron_above.pop()
 

@@ -3,16 +3,35 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Generic, TypeVar
 
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
-from opttree._problems import MAX_DEPTH, too_deep
+from opttree._problems import MAX_DEPTH, Problem, too_deep
 
 T = TypeVar("T")
 
 
 class NodeVisitor(ABC, Generic[T]):
     """One ``visit_*`` method per node kind; ``T`` is what a visit returns."""
+
+    _depth = 0
+    """How many nodes above the one visited, where a walk goes :meth:`_below` them."""
+
+    def _too_deep(self, node: Node) -> Problem | None:
+        """The problem of ``node`` where a tree built by hand nests it deeper than a built
+        one may, with more below: a walk stops there, not in a ``RecursionError``."""
+        return too_deep(node.optimizer, node.path) if self._depth >= MAX_DEPTH and node.children else None
+
+    @contextmanager
+    def _below(self) -> Iterator[None]:
+        """Visit the children of the node visited, one level deeper."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
 
     @abstractmethod
     def visit_chained(self, node: ChainedNode) -> T:
@@ -34,20 +53,14 @@ class NodeVisitor(ABC, Generic[T]):
 class TraverserVisitor(NodeVisitor[None]):
     """Walks every node depth-first; subclasses override the kinds they care about."""
 
-    _depth = 0
-    """How many nodes above the one visited: a tree built by hand nested deeper than a
-    built one may is refused, not walked into a ``RecursionError``."""
-
     def visit_children(self, node: Node) -> None:
-        """Visit each child of ``node`` in order."""
-        if self._depth >= MAX_DEPTH and node.children:
-            raise too_deep(node.optimizer, node.path).to_error()
-        self._depth += 1
-        try:
+        """Visit each child of ``node`` in order; a tree nested too deep is refused."""
+        problem = self._too_deep(node)
+        if problem is not None:
+            raise problem.to_error()
+        with self._below():
             for child in node.children:
                 child.accept(self)
-        finally:
-            self._depth -= 1
 
     def visit_chained(self, node: ChainedNode) -> None:
         """Visit the members in order."""
