@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import cast
+
+import attrs
 import pytest
 import torch
 
@@ -174,3 +177,28 @@ def test_a_hybrid_nodes_children_compare_by_where_they_are_held() -> None:
 
     assert opttree.HybridNode("h", hybrid, (leaf,), None) != opttree.HybridNode("h", hybrid, (), leaf)
     assert opttree.HybridNode("h", hybrid, (leaf,), None) == opttree.HybridNode("h", hybrid, (leaf,), None)
+
+
+def test_leaves_built_in_bulk_are_the_leaves_one_by_one() -> None:
+    """A chain of fresh leaves is built in one batch: each leaf holds what LeafNode(...)
+    gives, field for field, and the batch runs the fields' checks, naming a bad one."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    from opttree._nodes import leaves_in_bulk
+
+    members = [torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]) for _ in range(5)]
+    chain = ChainedOptimizer(members)
+    root = opttree.tree(chain)
+    by_hand = tuple(opttree.LeafNode(f"chained[{i}]", member, under=(root.path, chain)) for i, member in enumerate(members))
+
+    assert [type(leaf) for leaf in root.children] == [opttree.LeafNode] * 5
+    assert [attrs.astuple(leaf, recurse=False) for leaf in root.children] == [attrs.astuple(leaf, recurse=False) for leaf in by_hand]
+    assert root == opttree.ChainedNode(root.path, chain, by_hand)
+
+    with pytest.raises(opttree.OptTreeError, match=r"LeafNode.optimizer must be a torch.optim.Optimizer, got an int"):
+        leaves_in_bulk(["a", "b"], [members[0], cast(torch.optim.Optimizer, 3)], None)
+    with pytest.raises(opttree.OptTreeError, match=r"LeafNode.path must be a str, got an int"):
+        leaves_in_bulk(["a", cast(str, 1)], members[:2], None)
+    with pytest.raises(opttree.OptTreeError, match=r"LeafNode.under must be None or the \(path, Megatron wrapper\) pair"):
+        leaves_in_bulk(["a", "b"], members[:2], ("a", 3))
+    assert leaves_in_bulk([], [], None) == []

@@ -10,9 +10,8 @@ Attributes are read from the instance ``__dict__``, never through properties:
 
 from __future__ import annotations
 
-import functools
 import operator
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import chain
 from typing import TypeGuard, cast
 
@@ -24,7 +23,7 @@ from opttree._dispatch import LazyDispatch, is_megatron_class
 from opttree._errors import OptTreeError
 from opttree._held import instance_attributes
 from opttree._identity import by_identity, identity_key
-from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
+from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode, leaves_in_bulk
 from opttree._problems import MAX_DEPTH, Problem, ProblemKind, too_deep
 from opttree._visitor import NodeVisitor
 from opttree._fields import article, kind_of
@@ -193,17 +192,17 @@ class TreeBuilder:
             self._under = outer
         return node if outer is None else evolve(node, under=outer)
 
-    def members(self, parent: str, name: str, objects: list[object]) -> list[Node]:
+    def members(self, parent: str, name: str, objects: list[object]) -> Sequence[Node]:
         """The nodes of a sequence attribute's members.
 
         Members that are all leaves met for the first time, such as HybridDeviceOptimizer's
-        one optimizer per parameter, are built in one batch, at C speed but for the nodes.
+        one optimizer per parameter, are built in one batch, at C speed.
         """
         paths = _paths.items(_paths.child(parent, name), len(objects))
         if self.fresh_leaves(objects):
             leaves = cast(list[torch.optim.Optimizer], objects)
             self._leaves.update(zip(leaves, paths, strict=True))
-            return list(map(functools.partial(LeafNode, under=self._under), paths, leaves))
+            return leaves_in_bulk(paths, leaves, self._under)
         return [self.build(obj, path) for obj, path in zip(objects, paths, strict=True)]
 
     def fresh_leaves(self, objects: list[object]) -> bool:
