@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from itertools import chain, compress, repeat
 from typing import TypeVar, cast
 
@@ -58,8 +58,11 @@ _DIFFERENTIABLE = (
 )
 
 
-def _differentiable(optimizer: torch.optim.Optimizer) -> bool:
-    return any(group.get("differentiable") for group in optimizer.param_groups)
+_DIFFERENTIABLE_OPTION = operator.methodcaller("get", "differentiable")
+
+
+def _differentiable(groups: Iterable[Mapping[str, object]]) -> bool:
+    return any(map(_DIFFERENTIABLE_OPTION, groups))
 
 
 def _carries_history(state: Mapping[torch.Tensor, StateEntry], actions: Mapping[str, KeyAction]) -> bool:
@@ -275,7 +278,7 @@ class LeafInspector:
             return
         if self.schema.indivisible and self.takes_part(node, in_groups, state):
             return
-        if not self.selection.release and _differentiable(optimizer) and _carries_history(state, self.actions):
+        if not self.selection.release and _differentiable(optimizer.param_groups) and _carries_history(state, self.actions):
             self.problem(node, ProblemKind.UNWRITABLE_STATE, _DIFFERENTIABLE)
             return
         plan.leaves += self.selection.reaches(in_groups)
@@ -321,7 +324,7 @@ class LeafInspector:
         groups, params, states, held, entries = found
         if any(map(operator.contains, groups, repeat("step"))) and any(group.get("step") is not None for group in groups):
             return None
-        if any(group.get("differentiable") for group in groups):
+        if _differentiable(groups):
             return None  # its state may carry autograd history: looked at leaf by leaf
         with plain_reads():
             if len(set(map(_DTYPE_AND_DEVICE, params))) > 1:
