@@ -396,8 +396,10 @@ class LeafInspector:
             self.problem(node, ProblemKind.MALFORMED_STATE, reason)
             return
         for index, group in enumerate(optimizer.param_groups):
+            if "step" not in group:
+                continue
             stepped = [copies.get(id(param), param) for param in group["params"]]  # what a selection names
-            if "step" in group and self.takes_group(node, index, stepped):
+            if self.takes_group(node, index, stepped):
                 if self.written_by_own_code(node, [group], f"param group {index}", "step"):
                     return
                 self.plan.state.drop.append((group, "step"))
