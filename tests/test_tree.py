@@ -10,7 +10,7 @@ import torch
 
 import opttree
 from tests.helpers import model, train
-from tests.megatron_parts import chained, config, fp32
+from tests.megatron_parts import chained, config, fp32, hybrid
 
 pytestmark = pytest.mark.usefixtures("process_group")
 
@@ -180,20 +180,20 @@ def test_a_hybrid_nodes_children_compare_by_where_they_are_held() -> None:
 
 
 def test_leaves_built_in_bulk_are_the_leaves_one_by_one() -> None:
-    """A chain of fresh leaves is built in one batch: each leaf holds what LeafNode(...)
-    gives, field for field, and the batch runs the fields' checks, naming a bad one."""
-    from megatron.core.optimizer import ChainedOptimizer
-
+    """A HybridDeviceOptimizer's CPU sub-optimizers, all fresh leaves, are built in one
+    batch: each leaf holds what LeafNode(...) gives, field for field, and the batch runs
+    the fields' checks, naming a bad one."""
     from opttree._nodes import leaves_in_bulk
 
-    members = [torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]) for _ in range(5)]
-    chain = ChainedOptimizer(members)
-    root = opttree.tree(chain)
-    by_hand = tuple(opttree.LeafNode(f"chained[{i}]", member, under=(root.path, chain)) for i, member in enumerate(members))
+    optimizer, _, _ = hybrid([2, 3, 4, 5])
+    root = opttree.tree(optimizer)
+    members = optimizer.cpu_optimizers
+    by_hand = tuple(opttree.LeafNode(f"sub_optimizers[{i}]", member, under=(root.path, optimizer)) for i, member in enumerate(members))
 
-    assert [type(leaf) for leaf in root.children] == [opttree.LeafNode] * 5
-    assert [attrs.astuple(leaf, recurse=False) for leaf in root.children] == [attrs.astuple(leaf, recurse=False) for leaf in by_hand]
-    assert root == opttree.ChainedNode(root.path, chain, by_hand)
+    assert isinstance(root, opttree.HybridNode) and len(root.cpu) == 4
+    assert [type(leaf) for leaf in root.cpu] == [opttree.LeafNode] * 4
+    assert [attrs.astuple(leaf, recurse=False) for leaf in root.cpu] == [attrs.astuple(leaf, recurse=False) for leaf in by_hand]
+    assert root == opttree.HybridNode(root.path, optimizer, by_hand, None)
 
     with pytest.raises(opttree.OptTreeError, match=r"LeafNode.optimizer must be a torch.optim.Optimizer, got an int"):
         leaves_in_bulk(["a", "b"], [members[0], cast(torch.optim.Optimizer, 3)], None)
