@@ -183,6 +183,9 @@ def _which(bad: int, count: int, verb: str) -> str:
 _NOT_COUNTS = frozenset({torch.bool, torch.complex32, torch.complex64, torch.complex128})
 
 
+_ITEMSIZE = operator.attrgetter("itemsize")
+
+
 def not_one_real_value(found: Extents) -> tuple[int, str] | None:
     """How many of the tensors ``found`` describes (from :func:`writable_ranges`) do not
     hold one real value, as a step counter or a schema's ``one_value`` key does, and what
@@ -190,7 +193,7 @@ def not_one_real_value(found: Extents) -> tuple[int, str] | None:
     longer counts, two counters where the optimizer reads one)."""
     dtypes = found.dtypes
     spans = list(map(operator.sub, found.ends, found.starts))
-    if spans == [dtype.itemsize for dtype in dtypes] and _NOT_COUNTS.isdisjoint(dtypes):
+    if spans == list(map(_ITEMSIZE, dtypes)) and _NOT_COUNTS.isdisjoint(dtypes):
         return None
     odd = [(span, dtype) for span, dtype in zip(spans, dtypes, strict=True) if span != dtype.itemsize or dtype in _NOT_COUNTS]
     span, dtype = odd[0]

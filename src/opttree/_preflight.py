@@ -20,7 +20,7 @@ import math
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from itertools import accumulate, compress, count, repeat
+from itertools import accumulate, compress, count, islice, repeat
 from typing import cast
 
 import torch
@@ -399,7 +399,7 @@ def _disjoint(starts: list[int], ends: list[int]) -> bool:
     with starts and ends sorted apart, the k-th end must come no later than the next
     start, or two ranges are open at once."""
     starts, ends = sorted(starts), sorted(ends)
-    return all(map(operator.le, ends[:-1], starts[1:]))
+    return all(map(operator.le, ends, islice(starts, 1, None)))
 
 
 def overlap(written: Extents, kept: Extents) -> tuple[Owner, Owner] | None:
