@@ -417,16 +417,18 @@ def _megatron_release() -> tuple[int, ...]:
     return tuple(int(part) for part in version("megatron-core").split(".")[:2] if part.isdigit())
 
 
-@pytest.mark.skipif("dist_bf16" not in testing.available(), reason="no dist_bf16 recipe in this lane")
 @pytest.mark.skipif(_megatron_release() < (0, 16), reason="megatron-core before 0.16 has no dp_reshardable format")
+@pytest.mark.parametrize("name", [n for n in ("dist_bf16", "offload_0.75") if n in testing.available()])
 @pytest.mark.parametrize("with_opttree", [False, True], ids=["megatron", "opttree"])
-def test_a_dp_reshardable_load_gives_every_parameter_the_saved_step(with_opttree: bool, tmp_path: Path) -> None:
+def test_a_dp_reshardable_load_gives_every_parameter_the_saved_step(name: str, with_opttree: bool, tmp_path: Path) -> None:
     """Megatron's side: a ``DistributedOptimizer``'s ``dp_reshardable`` load, into a stack
     whose state Megatron's dummy-state init built (one step), leaves every parameter on one
     step tensor holding that 1 where 2 was saved, and training goes on unlike the optimizer
     that saved it. opttree's side: each parameter gets a tensor of its own holding the saved
-    step, and training goes on bitwise as it would have."""
-    stack = testing.build("dist_bf16")
+    step, and training goes on bitwise as it would have; over a HybridDeviceOptimizer too,
+    whose sub-optimizers count the steps. The dummy-state init steps the model's weights,
+    which a whole checkpoint's load gives back; here they are copied back."""
+    stack = testing.build(name)
     stack.train(0, K)
     with stack.device:
         dist_checkpointing.save(stack.optimizer.sharded_state_dict(model_state(stack), metadata=DP_RESHARDABLE), str(tmp_path))
@@ -439,6 +441,9 @@ def test_a_dp_reshardable_load_gives_every_parameter_the_saved_step(with_opttree
             opttree.load_state_dict(loaded.optimizer, state)
         else:
             loaded.optimizer.load_state_dict(state)
+        with torch.no_grad():
+            for mine, saved in zip(loaded.model.parameters(), stack.model.parameters(), strict=True):
+                mine.copy_(saved)
 
     steps = _steps(loaded)
     assert [float(step) for step in steps] == [float(K if with_opttree else 1)] * len(steps)

@@ -101,9 +101,15 @@ def walk(node: Node, state: object, loading: Load | None) -> StateDicts:
 
 
 def _counts_per_parameter(node: Node) -> bool:
+    return _counting_per_parameter(node) is not None
+
+
+def _counting_per_parameter(node: Node) -> type | None:
+    """The class of the first leaf at or under ``node`` that counts its steps per parameter."""
     if isinstance(node, LeafNode):
-        return _registry.step_location(type(node.optimizer)) is StepLocation.PER_PARAMETER
-    return any(map(_counts_per_parameter, node.children))
+        cls = type(node.optimizer)
+        return cls if _registry.step_location(cls) is StepLocation.PER_PARAMETER else None
+    return next(filter(None, map(_counting_per_parameter, node.children)), None)
 
 
 def _torch_format(node: Node, state: object, loading: Load | None) -> StateDicts:
@@ -433,7 +439,8 @@ def _steps_in_groups(node: Node, state: object, loading: Load | None) -> StateDi
     _check_pairing(node, live, groups)
     if node.children:
         _check_options(node, node.children[0], groups[: len(live)])
-    if node.children and isinstance(node.children[0], LeafNode) and _counts_per_parameter(node.children[0]):
+    counting = _counting_per_parameter(node.children[0]) if node.children else None
+    if counting is not None:
         values = [group.get("step") for group in groups]
         steps = {step_number(value) for value in values}
         if len(steps) != 1 or not all(step is not None and math.isfinite(step) for step in steps):
@@ -441,8 +448,7 @@ def _steps_in_groups(node: Node, state: object, loading: Load | None) -> StateDi
             raise layout_error(node, "step", message)
         fault = _step_fault(values[0], StepType.TENSOR) if values else None  # the group step, a number whatever the leaf counts in
         if fault is not None:
-            cls = type(node.children[0].optimizer).__qualname__
-            message = f"its param groups' step is {fault}, which Megatron's load gives each parameter, where {cls} counts steps from 0 in one whole number"
+            message = f"its param groups' step is {fault}, which Megatron's load gives each parameter, where {counting.__qualname__} counts steps from 0 in one whole number"
             raise layout_error(node, "step", message)
         saved_step = steps.pop()
         if saved_step is not None:  # checked above: one finite step
