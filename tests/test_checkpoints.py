@@ -417,19 +417,12 @@ def _megatron_release() -> tuple[int, ...]:
     return tuple(int(part) for part in version("megatron-core").split(".")[:2] if part.isdigit())
 
 
-@pytest.mark.skipif(_megatron_release() < (0, 16), reason="megatron-core before 0.16 has no dp_reshardable format")
-@pytest.mark.parametrize("name", [n for n in ("dist_bf16", "offload_0.75") if n in testing.available()])
-@pytest.mark.parametrize("with_opttree", [False, True], ids=["megatron", "opttree"])
-def test_a_dp_reshardable_load_gives_every_parameter_the_saved_step(name: str, with_opttree: bool, tmp_path: Path) -> None:
-    """Megatron's side: a ``DistributedOptimizer``'s ``dp_reshardable`` load, into a stack
-    whose state Megatron's dummy-state init built (one step), leaves every parameter on one
-    step tensor holding that 1 where 2 was saved, and training goes on unlike the optimizer
-    that saved it. opttree's side: each parameter gets a tensor of its own holding the saved
-    step, and training goes on bitwise as it would have; over a HybridDeviceOptimizer too,
-    whose sub-optimizers count the steps. The dummy-state init steps the model's weights,
+def _dp_reshardable_round_trip(stack: testing.MegatronStack, tmp_path: Path, *, with_opttree: bool) -> testing.MegatronStack:
+    """``stack``'s checkpoint in the ``dp_reshardable`` format loaded into a fresh stack
+    whose state Megatron's dummy-state init built, as Megatron's training does, by
+    Megatron's own load or opttree's. The dummy-state init steps the model's weights too,
     which a whole checkpoint's load gives back; here they are copied back."""
-    stack = testing.build(name)
-    stack.train(0, K)
+    tmp_path.mkdir(exist_ok=True)
     with stack.device:
         dist_checkpointing.save(stack.optimizer.sharded_state_dict(model_state(stack), metadata=DP_RESHARDABLE), str(tmp_path))
     loaded = fresh_like(stack)
@@ -444,6 +437,22 @@ def test_a_dp_reshardable_load_gives_every_parameter_the_saved_step(name: str, w
         with torch.no_grad():
             for mine, saved in zip(loaded.model.parameters(), stack.model.parameters(), strict=True):
                 mine.copy_(saved)
+    return loaded
+
+
+@pytest.mark.skipif(_megatron_release() < (0, 16), reason="megatron-core before 0.16 has no dp_reshardable format")
+@pytest.mark.parametrize("name", [n for n in ("dist_bf16", "offload_0.75") if n in testing.available()])
+@pytest.mark.parametrize("with_opttree", [False, True], ids=["megatron", "opttree"])
+def test_a_dp_reshardable_load_gives_every_parameter_the_saved_step(name: str, with_opttree: bool, tmp_path: Path) -> None:
+    """Megatron's side: a ``DistributedOptimizer``'s ``dp_reshardable`` load, into a stack
+    whose state Megatron's dummy-state init built (one step), leaves every parameter on one
+    step tensor holding that 1 where 2 was saved, and training goes on unlike the optimizer
+    that saved it. opttree's side: each parameter gets a tensor of its own holding the saved
+    step, and training goes on bitwise as it would have; over a HybridDeviceOptimizer too,
+    whose sub-optimizers count the steps."""
+    stack = testing.build(name)
+    stack.train(0, K)
+    loaded = _dp_reshardable_round_trip(stack, tmp_path, with_opttree=with_opttree)
 
     steps = _steps(loaded)
     assert [float(step) for step in steps] == [float(K if with_opttree else 1)] * len(steps)
@@ -451,3 +460,26 @@ def test_a_dp_reshardable_load_gives_every_parameter_the_saved_step(name: str, w
     loaded.train(K, K)
     stack.train(K, K)
     assert all(torch.equal(a, b) for a, b in zip(loaded.main_params(), stack.main_params(), strict=True)) is with_opttree
+
+
+@pytest.mark.skipif(_megatron_release() < (0, 16), reason="megatron-core before 0.16 has no dp_reshardable format")
+@pytest.mark.skipif("dist_fp32" not in testing.available(), reason="no dist_fp32 recipe in this lane")
+@pytest.mark.parametrize("reset_first", [False, True], ids=["trained", "reset"])
+def test_a_dp_reshardable_load_of_fp32_weights_runs_outside_autograd(reset_first: bool, tmp_path: Path) -> None:
+    """Megatron's side: with fp32 weights the main parameters a ``dp_reshardable`` load
+    copies the checkpoint into are views of the model's leaves, and its
+    ``_set_main_param_and_optimizer_states`` copies outside ``torch.no_grad()`` (its other
+    loads run inside): torch raises, part of the checkpoint loaded. opttree's side: its load
+    runs Megatron's inside ``torch.no_grad()``, and training goes on bitwise as the saver's."""
+    stack = testing.build("dist_fp32")
+    stack.train(0, K)
+    if reset_first:
+        opttree.reset(stack.optimizer)
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad is being used in an in-place operation"):
+        _dp_reshardable_round_trip(stack, tmp_path / "megatron", with_opttree=False)
+
+    loaded = _dp_reshardable_round_trip(stack, tmp_path / "opttree", with_opttree=True)
+    assert [float(step) for step in _steps(loaded)] == [float(step) for step in _steps(stack)]
+    loaded.train(K, K)
+    stack.train(K, K)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.main_params(), stack.main_params(), strict=True))

@@ -28,6 +28,12 @@ groups too: neither needs anything. Its ``load_state_dict`` (megatron-core 0.16.
 advances once per parameter and step, and its ``dp_reshardable`` sharded load leaves in it
 the loading optimizer's own step: :func:`load_state_dict` gives each entry a step tensor
 of its own holding the step the saved param groups hold, as the optimizer that saved it held.
+
+That ``dp_reshardable`` load copies the checkpoint into the main parameters outside
+``torch.no_grad()`` (``_set_main_param_and_optimizer_states``; its other loads run
+inside), and with fp32 weights those are views of the model's leaves, which require grad:
+torch raises half-way. :func:`load_state_dict` runs Megatron's load inside
+``torch.no_grad()``, as nothing in a load is for autograd.
 """
 
 from __future__ import annotations
@@ -145,7 +151,8 @@ def load_state_dict(
         if isinstance(entries, dict):
             _give_steps(leaf, entries)
     load = getattr(root.optimizer, "load_state_dict")
-    _megatrons(root, "load_state_dict", lambda: load(state_dict))
+    with torch.no_grad():  # see the module doc: a DistributedOptimizer's dp_reshardable load of fp32 weights
+        _megatrons(root, "load_state_dict", lambda: load(state_dict))
     loaded = tree(root.optimizer)  # built again: a HybridDeviceOptimizer's load builds new sub-optimizers
     _restore_group_steps(loaded, checked.group_steps)
     _unshare_steps(loaded)
