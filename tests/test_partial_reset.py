@@ -227,13 +227,14 @@ def test_keys_named_before_any_state_is_built_change_nothing_without_refusal() -
     assert opttree.reset(optimizer, keys=["exp_avg"]).tensors_zeroed == 0
 
 
-@pytest.mark.parametrize("name", [n for n in ("bf16", "dist_bf16") if n in testing.available()])
+@pytest.mark.parametrize("name", [n for n in ("bf16", "dist_bf16", "fp16", "dist_fp16") if n in testing.available()])
 def test_a_subtree_under_a_megatron_wrapper_is_checked_against_the_wrapper_it_is_checkpointed_with(name: str) -> None:
     """The leaf below a Megatron wrapper, taken from the built tree: a release, or a reset
     of some of the steps the wrapper saves as one, would leave a state Megatron cannot
     checkpoint, which the leaf alone cannot see. Refused with nothing changed; the whole
-    leaf, which holds every parameter of its step unit, is reset, and trains as a fresh
-    stack does."""
+    leaf, which holds every parameter of its step unit, is reset, with the fp16 wrapper's
+    loss scale above it (a warmed-up scale kept would not train as a fresh stack), and
+    trains as a fresh stack does."""
     stack = testing.build(name)
     stack.train(0, K)
     root = opttree.tree(stack.optimizer)
@@ -250,7 +251,9 @@ def test_a_subtree_under_a_megatron_wrapper_is_checked_against_the_wrapper_it_is
     assert unchanged(leaf.optimizer, before)
     assert opttree.validate(leaf) == ()
 
-    assert opttree.reset(leaf).steps > 0
+    report = opttree.reset(leaf)
+    assert report.steps > 0
+    assert report.loss_scales_reset == (1 if "fp16" in name else 0)
     fresh = testing.build(name)
     fresh.copy_weights_from(stack)
     stack.train(K, K)

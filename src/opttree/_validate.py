@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set as AbstractSet
 from itertools import chain
 from typing import Self, cast
 
@@ -397,19 +397,19 @@ class ValidateVisitor(TraverserVisitor):
             return
         self._check_step_unit(node)
         self._check_release(node)
-        self._check_loss_scale(node)
+        self._check_loss_scale(node, self._selection.tensors)
         self._keep_stepped_params(node)
         self.visit_children(node)
 
-    def _check_loss_scale(self, node: WrapperNode) -> None:
+    def _check_loss_scale(self, node: WrapperNode, chosen: AbstractSet[int] | None) -> None:
         """An fp16 wrapper's loss scaler is reset with its steps: all of them, as the step
-        unit check requires, so with none of its parameters selected it is left alone. A
-        scaler met again (a wrapper twice in a chain) counts once."""
+        unit check requires, so with none of its parameters ``chosen`` (by ``id``; None
+        for all) it is left alone. A scaler met again (a wrapper twice in a chain, or above
+        a subtree and again inside it) counts once."""
         scaler = loss_scaler(node.optimizer)
         if scaler is None or not self._selection.steps or any(scaler is seen for seen in self._scalers_seen):
             return
         self._scalers_seen.append(scaler)
-        chosen = self._selection.tensors
         if chosen is not None and not any(id(p) in chosen for p in tree_params(node)):
             return
         if self._keep_loss_scale:
@@ -439,8 +439,9 @@ class ValidateVisitor(TraverserVisitor):
     def _check_under(self, root: Node) -> None:
         """A subtree that :func:`opttree.tree` built under a Megatron wrapper, which
         checkpoints its state whole: a release is refused, as under the whole stack, and a
-        reset of steps is checked against every step unit of that wrapper's tree, as a
-        reset of the stack that selected the subtree's parameters would be."""
+        reset of steps is checked against every step unit of that wrapper's tree, and
+        resets the loss scalers of the fp16 wrappers whose steps it takes (those above the
+        subtree too), as a reset of the stack that selected the subtree's parameters would."""
         if root.under is None:
             return
         selection = self._selection
@@ -462,6 +463,8 @@ class ValidateVisitor(TraverserVisitor):
         while pending:
             node = pending.pop()
             pending.extend(node.children)
+            if isinstance(node, WrapperNode):
+                self._check_loss_scale(node, chosen)
             split = _split_step_unit(node, chosen)
             if split is not None:
                 taken, total = split
