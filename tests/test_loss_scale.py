@@ -131,3 +131,41 @@ def test_a_wrapper_twice_in_a_chain_resets_its_scaler_once() -> None:
 
     assert report.loss_scales_reset == 1 and "1 loss scale reset" in str(report)
     assert float(scaler.scale) == 2.0**20
+
+
+def with_min_loss_scale(stack: testing.MegatronStack, min_loss_scale: float) -> testing.MegatronStack:
+    """``stack`` with the scaler Megatron's factory builds from ``min_loss_scale`` (its
+    config's other values as they are), and that value in the config."""
+    (wrapper,) = getattr(stack.optimizer, "chained_optimizers")
+    config = wrapper.config
+    config.min_loss_scale = min_loss_scale
+    with stack.device:
+        wrapper.grad_scaler = DynamicGradScaler(
+            initial_scale=config.initial_loss_scale,
+            min_scale=config.min_loss_scale,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=config.loss_scale_window,
+            hysteresis=config.hysteresis,
+        )
+    return stack
+
+
+def test_a_min_loss_scale_that_float32_rounds_is_the_configs() -> None:
+    """``DynamicGradScaler`` keeps ``min_scale`` in a float32 tensor, where 1e-4 is
+    9.99999975e-05: the scaler is still the config's, reset, and trains as a fresh one."""
+    stack = with_min_loss_scale(testing.build("fp16"), 1e-4)
+    stack.train(0, K)
+    (wrapper,) = getattr(stack.optimizer, "chained_optimizers")
+    assert float(wrapper.grad_scaler.min_scale) != 1e-4
+
+    assert opttree.reset(stack.optimizer).loss_scales_reset == 1
+
+    fresh = with_min_loss_scale(fresh_like(stack), 1e-4)
+    stack.train(K, 4)
+    fresh.train(K, 4)
+    assert same_weights(stack, fresh)
+
+    wrapper.config.min_loss_scale = 2e-4  # a scaler built from another config is still refused
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"its min_scale is 9.99999974\d*e-05 and the wrapper's config says 0.0002"):
+        opttree.reset(stack.optimizer)

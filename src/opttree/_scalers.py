@@ -13,6 +13,8 @@ from the wrapper's config: otherwise the scale it started from is not known.
 
 from __future__ import annotations
 
+import math
+import struct
 from collections.abc import Callable
 
 import torch
@@ -66,21 +68,35 @@ def _dynamic(scaler: object, config: object) -> Planned:
     pairs = {
         "hysteresis": (mine.get("hysteresis"), theirs.get("hysteresis")),
         "growth_interval": (mine.get("growth_interval"), theirs.get("loss_scale_window")),
-        "min_scale": (
-            float(min_scale) if isinstance(min_scale, torch.Tensor) and min_scale.numel() == 1 else min_scale,
-            theirs.get("min_loss_scale"),
-        ),
+        "min_scale": (min_scale, theirs.get("min_loss_scale")),
     }
     for name, (value, configured) in pairs.items():
-        if value != configured:
+        if not _same(value, configured):
             return (
-                f"its {name} is {value!r} and the wrapper's config says {configured!r}: it was not built "
+                f"its {name} is {_shown(value)!r} and the wrapper's config says {configured!r}: it was not built "
                 "from the config, so the scale it started from is not known"
             )
     hysteresis = mine["hysteresis"]
     if not isinstance(hysteresis, int) or theirs.get("loss_scale"):
         return "the wrapper's config asks for a constant loss scale"
     return ScalerReset(scaler, scale, float(initial), hysteresis)
+
+
+def _same(held: object, configured: object) -> bool:
+    """Whether a scaler's value is its config's: ``DynamicGradScaler`` keeps ``min_scale``
+    in a one-element float32 tensor, which holds 1e-4 as 9.99999975e-05, so a configured
+    float is compared rounded to float32 as it was (by ``struct``: no tensor is made)."""
+    if not isinstance(held, torch.Tensor):
+        return held == configured
+    if held.numel() != 1 or held.is_meta or not isinstance(configured, (int, float)) or isinstance(configured, bool):
+        return False
+    if held.dtype is torch.float32 and math.isfinite(configured) and abs(configured) <= torch.finfo(torch.float32).max:
+        configured = struct.unpack("f", struct.pack("f", configured))[0]
+    return float(held) == configured
+
+
+def _shown(held: object) -> object:
+    return float(held) if isinstance(held, torch.Tensor) and held.numel() == 1 and not held.is_meta else held
 
 
 _SCALERS: LazyDispatch[Callable[[object, object], Planned]] = LazyDispatch()
