@@ -45,7 +45,11 @@ def saved(stack: testing.MegatronStack) -> dict[str, object]:
 def same(a: object, b: object) -> bool:
     """Whether two state dicts hold the same keys, values and tensors."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and a.layout == b.layout and a.device == b.device):
+            return False
+        if a.is_meta:
+            return a.dtype == b.dtype and a.stride() == b.stride()
+        return torch.equal(a.to_dense(), b.to_dense()) if a.is_sparse else a.stride() == b.stride() and torch.equal(a, b)
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(same(a[key], b[key]) for key in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
@@ -98,7 +102,10 @@ MALFORMED: list[tuple[str, str, Edit, str, str]] = [
     ("fp32", "a group short of a parameter", lambda s: groups(s)[0]["params"].pop(), "param_groups", "param group 0 holds"),  # type: ignore[attr-defined]
     ("fp32", "a group missing", lambda s: groups(s).pop(), "param_groups", "holds 1 param groups, and the optimizer has 2"),
     ("fp32", "betas a str", lambda s: put(groups(s)[0], "betas", "0.9,0.999"), "param_groups", "param group 0 holds a str as 'betas', which AdamW reads as a sequence of 2 values"),
-    ("fp32", "eps a list", lambda s: put(groups(s)[1], "eps", [1e-8]), "param_groups", "param group 1 holds a sequence of 1 values as 'eps', which AdamW reads as a real number"),
+    ("fp32", "eps a list", lambda s: put(groups(s)[1], "eps", [1e-8]), "param_groups", r"param group 1 holds a sequence of 1 values \(a real number\) as 'eps', which AdamW reads as a real number"),
+    ("fp32", "betas of strs", lambda s: put(groups(s)[0], "betas", ("0.9", "0.999")), "param_groups", r"param group 0 holds a sequence of 2 values \(a str, a str\) as 'betas', which AdamW reads as a sequence of 2 values \(a real number, a real number\)"),
+    ("fp32", "a group without lr", lambda s: groups(s)[0].pop("lr"), "param_groups", "param group 0 lacks 'lr', which AdamW reads at every step"),
+    ("offload_0.75", "a group without betas", lambda s: groups(s)[0].pop("betas"), "param_groups", "param group 0 lacks 'betas', which HybridDeviceOptimizer reads at every step"),
     ("fp32", "amsgrad a str", lambda s: put(groups(s)[0], "amsgrad", "False"), "param_groups", "param group 0 holds a str as 'amsgrad', which AdamW reads as True or False"),
     ("fp32", "a group of other settings", lambda s: put(groups(s)[0], "wd_mult", 7.0), "param_groups", "Megatron pairs no saved param group"),
     ("bf16", "no torch state", lambda s: s.pop("optimizer"), "optimizer", "has no 'optimizer'"),
@@ -106,6 +113,7 @@ MALFORMED: list[tuple[str, str, Edit, str, str]] = [
     ("bf16", "a master weight short", lambda s: masters(s)[1].pop(), "fp32_from_fp16_params", "Megatron would load only some"),
     ("bf16", "a master group short", lambda s: masters(s).pop(), "fp32_from_fp16_params", "Megatron would load only some"),
     ("bf16", "a master weight of a scalar", lambda s: masters(s)[0].__setitem__(0, torch.ones(1)), "fp32_from_fp16_params", r"of shape \(1,\)"),
+    ("bf16", "a meta master weight", lambda s: masters(s)[0].__setitem__(0, masters(s)[0][0].to("meta")), "fp32_from_fp16_params", "group 0 holds a master weight that is a meta tensor"),
     ("bf16", "an entry a str", lambda s: put(entries(s), 0, "garbage"), "0", "not a dict"),
     ("fp16", "a loss scale missing", lambda s: s["grad_scaler"].pop("scale"), "grad_scaler", "has no 'scale'"),  # type: ignore[attr-defined]
     ("fp16", "a loss scale a float", lambda s: put(s["grad_scaler"], "scale", 2.0), "grad_scaler", "holds a float under 'scale'"),  # type: ignore[arg-type]
@@ -114,6 +122,8 @@ MALFORMED: list[tuple[str, str, Edit, str, str]] = [
     ("fp16", "a tracker of -1", lambda s: put(s["grad_scaler"], "growth_tracker", -1), "grad_scaler", "its 'growth_tracker' is -1, where it counts steps from 0"),  # type: ignore[arg-type]
     ("fp32", "history of another shape", lambda s: put(entry(s), "exp_avg", torch.zeros(3)), "exp_avg", r"its 'exp_avg' has shape \(3,\), where AdamW builds it in shape \(32, 16\)"),
     ("fp32", "history a str", lambda s: put(entry(s), "exp_avg_sq", "s"), "exp_avg_sq", "its 'exp_avg_sq' is a str, where AdamW keeps a tensor"),
+    ("fp32", "sparse history", lambda s: put(entry(s), "exp_avg", torch.zeros(32, 16).to_sparse()), "exp_avg", "its 'exp_avg' is a sparse_coo tensor .*, which AdamW's step updates in place"),
+    ("fp32", "expanded history", lambda s: put(entry(s), "exp_avg", torch.zeros(1).expand(32, 16)), "exp_avg", "its 'exp_avg' is a tensor whose elements share or may share memory"),
     ("fp32", "a step a str", lambda s: put(entry(s), "step", "s"), "step", "its 'step' is a str, where AdamW counts steps from 0 in one whole number"),
     ("fp32", "a fractional step", lambda s: put(entry(s), "step", torch.tensor(1.5)), "step", "its 'step' is 1.5, where AdamW counts"),
     ("fp32", "a bfloat16 step", lambda s: put(entry(s), "step", torch.tensor(2.0, dtype=torch.bfloat16)), "step", "its 'step' is a bfloat16 tensor of 1 value,"),
@@ -180,7 +190,27 @@ def test_a_step_numpy_counts_in_is_loaded() -> None:
 LOADED_THEN_FAILING: list[tuple[str, Edit, type[Exception], str, str]] = [
     ("an entry lacking a moment", lambda s: entry(s).pop("exp_avg_sq"), KeyError, "exp_avg_sq", "lacks 'exp_avg_sq'"),
     ("history of another shape", lambda s: put(entry(s), "exp_avg", torch.zeros(3)), RuntimeError, "must match the size", "its 'exp_avg' has shape"),
+    ("a group without lr", lambda s: groups(s)[0].pop("lr"), KeyError, "lr", "param group 0 lacks 'lr'"),
+    ("betas of strs", lambda s: put(groups(s)[0], "betas", ("0.9", "0.999")), TypeError, "unsupported operand", r"holds a sequence of 2 values \(a str, a str\) as 'betas'"),
+    ("expanded history", lambda s: put(entry(s), "exp_avg", torch.zeros(1).expand(32, 16)), RuntimeError, "more than one element", "elements share or may share memory"),
 ]
+
+
+def test_a_group_without_the_flags_torch_added_later_is_loaded() -> None:
+    """A checkpoint saved before torch's Adam had ``foreach``, ``maximize``, ``capturable``,
+    ``differentiable`` or ``fused`` lacks them in its groups: its ``__setstate__`` fills
+    them in at the load, and training goes on bitwise as the saver's."""
+    stack = recipe("fp32")
+    state = copy.deepcopy(saved(stack))  # torch's load keeps a saved tensor of the right dtype and device as it is
+    for group in groups(state):
+        for flag in ("foreach", "maximize", "capturable", "differentiable", "fused"):
+            group.pop(flag)
+    loaded = fresh_like(stack)
+    with loaded.device:
+        opttree.load_state_dict(loaded.optimizer, state)
+    loaded.train(K, 2)
+    stack.train(K, 2)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.main_params(), stack.main_params(), strict=True))
 
 
 @pytest.mark.parametrize(("edit", "error", "raised", "refusal"), [case[1:] for case in LOADED_THEN_FAILING], ids=[case[0] for case in LOADED_THEN_FAILING])

@@ -26,7 +26,7 @@ from opttree._fields import article, kind_of
 from opttree._inspect import step_number
 from opttree._nodes import LeafNode, Node
 from opttree._numbers import real_number
-from opttree._preflight import Extents, overlap, plain_reads, ranges, torch_name
+from opttree._preflight import Extents, overlap, plain_reads, ranges, torch_name, unreadable_reason, unwritable_reason
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import StateSchema, StepLocation, StepType
 
@@ -166,17 +166,21 @@ def _check_torch_format(node: Node, inner: Node, state: object, load: Load) -> N
         _gather_history(node, inner, saved_entries, load.history)
 
 
-def _option_kind(value: object) -> str:
-    """What a param group option is, as far as an optimizer's step reads it."""
+def _value_kind(value: object) -> str:
     if isinstance(value, bool):
         return "True or False"
     if real_number(value) is not None:
         return "a real number"
-    if isinstance(value, tuple):  # read by the built-in class: a subclass's own __len__ may raise
-        return f"a sequence of {tuple.__len__(value)} values"
-    if isinstance(value, list):
-        return f"a sequence of {list.__len__(value)} values"
     return kind_of(value)
+
+
+def _option_kind(value: object) -> str:
+    """What a param group option is, as far as an optimizer's step reads it: a sequence
+    (``betas``) with the kinds of what it holds."""
+    if isinstance(value, (tuple, list)):  # read by the built-in class: a subclass's own __iter__ may raise
+        items = list(tuple.__iter__(value) if isinstance(value, tuple) else list.__iter__(value))
+        return f"a sequence of {len(items)} values ({', '.join(map(_value_kind, items))})"
+    return _value_kind(value)
 
 
 def _check_options(node: Node, inner: Node, saved: list[dict[object, object]]) -> None:
@@ -184,17 +188,25 @@ def _check_options(node: Node, inner: Node, saved: list[dict[object, object]]) -
     HybridDeviceOptimizer's, which gives them to its sub-optimizers), as the saved groups
     hold them: torch's load takes a saved group whole, so ``betas`` saved as a str or
     ``eps`` as a list would load and raise inside the next step. An option the optimizer
-    holds as None takes anything."""
+    holds as None takes anything. One missing is refused where it is a hyperparameter (a
+    number or a sequence: ``lr``, ``betas``), which the step reads as ``group[option]``;
+    flags (True or False) added to a class after a checkpoint was saved are filled in by
+    its ``__setstate__`` at the load (torch's ``foreach``, ``maximize``, ``capturable``)."""
     defaults: object = getattr(inner.optimizer, "defaults", None)
     if not isinstance(defaults, dict):
         return
+    cls = type(inner.optimizer).__qualname__
     for index, group in enumerate(saved):
         for option, default in defaults.items():
-            if default is None or option not in group or group[option] is None:
+            if default is None or (option not in group and isinstance(default, bool)):
+                continue
+            if option not in group:
+                message = f"param group {index} lacks {option!r}, which {cls} reads at every step"
+                raise layout_error(node, "param_groups", message)
+            if group[option] is None:
                 continue
             expected, given = _option_kind(default), _option_kind(group[option])
             if expected != given:
-                cls = type(inner.optimizer).__qualname__
                 message = f"param group {index} holds {given} as {option!r}, which {cls} reads as {expected}"
                 raise layout_error(node, "param_groups", message)
 
@@ -326,6 +338,9 @@ def _check_entry(
             if not isinstance(value, torch.Tensor):
                 hint = " (a sharded state dict is loaded by dist_checkpointing.load first)" if "Sharded" in type(value).__name__ else ""
                 raise layout_error(node, key, f"{where} is {kind_of(value)}, where {cls} keeps a tensor{hint}")
+            unwritable = unwritable_reason(value)
+            if unwritable is not None:  # torch's load keeps a tensor of the parameter's dtype and device as it is
+                raise layout_error(node, key, f"{where} is {unwritable}, which {cls}'s step updates in place")
             if key in schema.one_value and value.numel() != 1:
                 raise layout_error(node, key, f"{where} holds {value.numel()} values, where {cls} keeps one")
             if key in schema.built_like_param:
@@ -410,6 +425,9 @@ def _check_masters(node: Node, state: dict[object, object]) -> None:
             if not isinstance(saved_param, torch.Tensor) or not isinstance(live_param, torch.Tensor) or saved_param.shape != live_param.shape:
                 what = f"of shape {tuple(saved_param.shape)}" if isinstance(saved_param, torch.Tensor) else f"that is {kind_of(saved_param)}"
                 raise layout_error(node, key, f"group {index} holds a master weight {what} where the optimizer's is of shape {tuple(getattr(live_param, 'shape', ()))}")
+            unreadable = unreadable_reason(saved_param)
+            if unreadable is not None:  # Megatron copies the masters in last, after loading its optimizer's state
+                raise layout_error(node, key, f"group {index} holds a master weight that is {unreadable}")
 
 
 def _float16(node: Node, state: object, loading: Load | None) -> StateDicts:

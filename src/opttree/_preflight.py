@@ -134,6 +134,16 @@ def _unwritable_reason(tensor: torch.Tensor) -> str | None:
         return "an inference tensor (it can only be written inside torch.inference_mode())"
     if _IS_CONJ(tensor) or _IS_NEG(tensor):
         return "a conjugate or negative view (zeroing through it leaves -0 in memory, where a fresh optimizer has +0)"
+    missing = _missing_memory(tensor)
+    if missing is not None:
+        return missing
+    if _overlaps_itself(tensor):
+        return "a tensor whose elements share or may share memory (an expanded or overlapping strided view: an in-place step through it is not a fresh one's)"
+    return None
+
+
+def _missing_memory(tensor: torch.Tensor) -> str | None:
+    """Why a dense tensor's elements are not in memory it holds, or None."""
     if tensor.numel() and _storage_short(tensor):
         return "a tensor whose storage is freed or smaller than the tensor"
     if tensor.numel() and _DATA_PTR(tensor) == 0:
@@ -141,9 +151,21 @@ def _unwritable_reason(tensor: torch.Tensor) -> str | None:
             "a tensor that shows no memory of its own (a functional tensor, as torch.func.functionalize "
             "makes: opttree cannot tell that zeroing it writes the data it stands for)"
         )
-    if _overlaps_itself(tensor):
-        return "a tensor whose elements share or may share memory (an expanded or overlapping strided view: an in-place step through it is not a fresh one's)"
     return None
+
+
+def unreadable_reason(tensor: torch.Tensor) -> str | None:
+    """Why the values of ``tensor`` cannot be read to copy them elsewhere (a checkpoint's
+    master weight, which Megatron's load copies in after loading everything else), or None."""
+    try:
+        with plain_reads():
+            if not plain_dispatch(type(tensor)) or _LAYOUT(tensor) is not torch.strided or _IS_NESTED(tensor):
+                return None  # its own code reads it, as torch's copy does
+            if _IS_META(tensor):
+                return "a meta tensor (it has no data)"
+            return _missing_memory(tensor)
+    except Exception as error:  # noqa: BLE001  # a wrapper tensor's own C++ code may raise anything
+        return f"a tensor whose memory cannot be read ({type(error).__name__}: {error})"
 
 
 def unfillable_reason(value: float, dtype: torch.dtype) -> str | None:
