@@ -10,6 +10,7 @@ import copy
 import importlib.util
 from collections.abc import Callable
 
+import attrs
 import pytest
 import torch
 
@@ -162,3 +163,80 @@ def test_a_copy_keeps_the_check() -> None:
     del next(iter(copied.state.values()))["exp_avg"]
     assert [p.key for p in opttree.validate(copied)] == ["exp_avg"]
     assert opttree.validate(optimizer) == ()
+
+
+def _megatron_group(net: torch.nn.Module) -> dict[str, object]:
+    """A param group with the settings Megatron pairs saved groups by (megatron-core 0.16)."""
+    return {"params": list(net.parameters()), "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
+
+
+@pytest.mark.parametrize("key", ["row_var", "col_var", "variance"])
+def test_an_adafactor_entry_lacking_a_key_built_for_its_parameters_shape_is_refused(key: str) -> None:
+    """Adafactor builds ``row_var`` and ``col_var`` with the entry of a parameter of two or
+    more dimensions and ``variance`` with one of fewer (``StateSchema.built_for``): an entry
+    that lacks the one its parameter needs is refused, in place and at a load, where torch's
+    next step raises; what no entry of that shape holds is not asked for."""
+    from tests.megatron_parts import fp32
+
+    net = model()
+    optimizer = torch.optim.Adafactor([_megatron_group(net)], lr=0.01)
+    train(net, optimizer, 0, 2)
+    assert opttree.validate(optimizer) == ()
+    held = next(entry for entry in optimizer.state.values() if key in entry)
+    saved = copy.deepcopy(optimizer.state_dict())
+    del held[key]
+
+    problem = refused_in_place(optimizer, key, rf"Adafactor at <root>: key '{key}'")
+    assert "1 of its 4 state entries lack it, which its optimizer builds with an entry and reads at every step for a parameter of its shape:" in problem.message
+    with pytest.raises(AssertionError, match="should be defined when grad is"):  # what the refusal spares: torch's own next step
+        train(net, optimizer, 2, 1)
+
+    index = next(i for i, entry in saved["state"].items() if key in entry)
+    del saved["state"][index][key]
+    fresh = torch.optim.Adafactor([_megatron_group(model())], lr=0.01)
+    with pytest.raises(opttree.UnsupportedCheckpoint, match=rf"state entry {index}, of a parameter of shape .* lacks '{key}', which Adafactor builds with the entry of such a parameter"):
+        opttree.load_state_dict(fp32(fresh), saved)
+    assert fresh.state == {}
+
+
+def test_adafactor_names_the_keys_it_builds_for_each_shape() -> None:
+    """The keys of a fresh Adafactor's entries, for a matrix and for a vector, are those its
+    schema's ``built_for`` accepts for their shapes."""
+    net = model()
+    optimizer = torch.optim.Adafactor(net.parameters(), lr=0.01)
+    train(net, optimizer, 0, 1)
+    schema = schema_for(torch.optim.Adafactor)
+    assert schema is not None and not schema.always_built
+    shapes = {len(param.shape) for param in optimizer.state}
+    assert shapes == {1, 2}
+    for param, entry in optimizer.state.items():
+        assert set(entry) - {"step"} == {key for key, applies in schema.built_for if applies(tuple(param.shape))}
+
+
+def test_built_for_names_history_apart_from_the_other_built_keys() -> None:
+    def matrices(shape: tuple[int, ...]) -> bool:
+        return len(shape) > 1
+
+    with pytest.raises(opttree.RegistrationError, match=r"built_for names \['master_param'\], which are neither zeroed, filled nor identity"):
+        opttree.StateSchema(zero={"exp_avg"}, keep={"master_param"}, built_for={"master_param": matrices})
+    with pytest.raises(opttree.RegistrationError, match=r"state keys \['exp_avg'\] are named in both always_built and built_for"):
+        opttree.StateSchema(zero={"exp_avg"}, always_built={"exp_avg"}, built_for={"exp_avg": matrices})
+    with pytest.raises(opttree.RegistrationError, match=r"the built_for of 'exp_avg' is an int: expected \(param shape\) -> bool"):
+        opttree.StateSchema(zero={"exp_avg"}, built_for={"exp_avg": 3})  # type: ignore[dict-item]
+
+
+def test_a_built_for_function_that_raises_is_the_keys_problem() -> None:
+    """A registered ``built_for`` that raises is reported for its key, not raised."""
+
+    class Factored(torch.optim.Adafactor):
+        pass
+
+    def broken(shape: tuple[int, ...]) -> bool:
+        raise ValueError("no shapes today")
+
+    opttree.register_schema(Factored, attrs.evolve(schema_for(torch.optim.Adafactor) or opttree.StateSchema(), built_for={"row_var": broken, "col_var": broken, "variance": broken}))
+    net = model()
+    optimizer = Factored(net.parameters(), lr=0.01)
+    train(net, optimizer, 0, 1)
+    problems = opttree.validate(optimizer)
+    assert any(p.key in ("row_var", "col_var", "variance") and "its schema's built_for raised ValueError: no shapes today" in p.message for p in problems)

@@ -322,6 +322,15 @@ def _check_entry(
             on = "" if option is None else f" where {option!r} is on, as its saved param group has it"
             message = f"{where} lacks {needed!r}, which {cls}{when} reads at every step{on}"
             raise layout_error(node, needed, message)
+        for needed, applies in schema.built_for:
+            if needed in entry:
+                continue
+            try:
+                needs = applies(tuple(param.shape))
+            except Exception as error:  # noqa: BLE001  # a registered function may raise anything
+                raise layout_error(node, needed, f"{where}: its schema's built_for raised {type(error).__name__}: {error}") from error
+            if needs:
+                raise layout_error(node, needed, f"{where} lacks {needed!r}, which {cls} builds with the entry of such a parameter and reads at every step")
     step_type, unit = _counting(schema)
     with plain_reads():  # a tensor subclass's own code does not run
         for key, value in entry.items():

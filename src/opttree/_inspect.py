@@ -33,7 +33,7 @@ from opttree._containers import (
 from opttree._plan import ResetPlan, StateEntry, StatePlan
 from opttree._preflight import _DTYPE, _SHAPE, Extents, identities, plain_reads, ranges, torch_name, unfillable_reason, writable_ranges
 from opttree._problems import Problem, ProblemKind
-from opttree._schema import KeyAction, ScaleLookup, StateSchema, StepLocation, StepType
+from opttree._schema import BuiltFor, KeyAction, ScaleLookup, StateSchema, StepLocation, StepType
 from opttree._selection import EVERYTHING, Selection
 from opttree._fields import article, kind_of
 
@@ -500,6 +500,9 @@ class LeafInspector:
         for key, option in self.schema.built_with_entry:
             if counts[key] < len(entries) and (option is None or any(map(operator.methodcaller("get", option), groups))):
                 self.unbuilt_entries(node, key, option, held, entries, groups)
+        for key, applies in self.schema.built_for:
+            if counts[key] < len(entries):
+                self.unbuilt_entries(node, key, None, held, entries, groups, applies)
         for key, count in counts.items():
             action = self.actions.get(key)
             if action is None:
@@ -605,27 +608,35 @@ class LeafInspector:
         held: list[torch.Tensor],
         entries: list[StateEntry],
         groups: Sequence[Mapping[str, object]],
+        applies: BuiltFor | None = None,
     ) -> None:
         """Built entries that lack ``key``, which the optimizer builds with every entry, or
-        where their group's ``option`` is now on (see ``StateSchema.built_with_entry``): it
+        where their group's ``option`` is now on (see ``StateSchema.built_with_entry``), or
+        for a parameter of a shape that ``applies`` accepts (``StateSchema.built_for``): it
         reads it at every step, and builds it only with the entry, so the next step would
         raise where a fresh one's builds it."""
         schema = self.schema
         built = schema.zero | schema.filled | schema.identity | {"step"}
-        needing = {
-            id(param) for group in groups if option is None or group.get(option) for param in cast(list[torch.Tensor], group["params"])
-        }  # an entry of a tensor in no group is an orphan, reported as such
+        params = [param for group in groups if option is None or group.get(option) for param in cast(list[torch.Tensor], group["params"])]
+        if applies is not None:
+            try:
+                with plain_reads():
+                    params = [param for param in params if applies(tuple(_SHAPE(param)))]
+            except Exception as error:  # noqa: BLE001  # a registered function may raise anything
+                self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"its schema's built_for raised {type(error).__name__}: {error}", key)
+                return
+        needing = set(map(id, params))  # an entry of a tensor in no group is an orphan, reported as such
         lacking = sum(
             key not in entry and not built.isdisjoint(entry) and id(param) in needing for param, entry in zip(held, entries, strict=True)
         )
         if not lacking:
             return
-        when = "" if option is None else f" where {option!r} is on, as it now is in their group"
+        when = f" where {option!r} is on, as it now is in their group" if option is not None else " for a parameter of its shape" if applies is not None else ""
         advice = "reset with release=True for its optimizer to build them again" if schema.rebuilds_missing else "rebuild the optimizer"
         message = (
             f"{lacking} of its {len(entries)} state entries lack it, which its optimizer builds with an entry and reads at "
             f"every step{when}: whatever is done to their history in place, "
-            f"its next step would raise (KeyError in torch) where a fresh optimizer builds it; {advice}"
+            f"its next step would raise where a fresh optimizer builds it; {advice}"
         )
         self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
 

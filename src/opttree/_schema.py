@@ -70,6 +70,10 @@ DtypeOf = Callable[[torch.dtype], torch.dtype]
 """``param dtype -> dtype``: the dtype an optimizer builds a history tensor in, where it is
 not its parameter's (SOAP keeps its moments in float32 whatever the parameter's)."""
 
+BuiltFor = Callable[[tuple[int, ...]], bool]
+"""``param shape -> bool``: whether an optimizer builds a history key with the entry of a
+parameter of that shape (Adafactor's ``row_var`` for two dimensions or more)."""
+
 _Value = TypeVar("_Value")
 
 
@@ -109,6 +113,10 @@ def _shapes(value: Mapping[str, ShapeOf] | tuple[tuple[str, ShapeOf], ...]) -> t
 
 def _dtypes(value: Mapping[str, DtypeOf] | tuple[tuple[str, DtypeOf], ...]) -> tuple[tuple[str, DtypeOf], ...]:
     return _keyed(value, "dtype_of", "functions (param dtype) -> dtype")
+
+
+def _shape_tests(value: Mapping[str, BuiltFor] | tuple[tuple[str, BuiltFor], ...]) -> tuple[tuple[str, BuiltFor], ...]:
+    return _keyed(value, "built_for", "functions (param shape) -> bool")
 
 
 def _options(value: Mapping[str, str] | tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
@@ -185,6 +193,12 @@ class StateSchema:
     a schema that leaves it out checks nothing of this kind (an optimizer that builds each
     missing key on its own, as Muon does, needs nothing).
 
+    ``built_for``: zeroed, filled or identity keys the optimizer builds with the entry of
+    each parameter whose shape a function of theirs accepts, and reads at every step for it
+    (Adafactor's ``row_var`` and ``col_var`` for a parameter of two or more dimensions, its
+    ``variance`` for one of fewer): checked as ``always_built`` keys are, for those
+    parameters.
+
     ``starts_at_first_step``: the optimizer builds a parameter's entry at its first step,
     filled from its group's values then (Rprop's ``step_size`` from the lr), so a fill in
     place would freeze today's lr where a scheduler moves it before the next step: a reset
@@ -221,6 +235,7 @@ class StateSchema:
     dtype_of: tuple[tuple[str, DtypeOf], ...] = field(converter=_dtypes, factory=tuple, kw_only=True)
     built_if: tuple[tuple[str, str], ...] = field(converter=_options, factory=tuple, kw_only=True)
     always_built: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
+    built_for: tuple[tuple[str, BuiltFor], ...] = field(converter=_shape_tests, factory=tuple, kw_only=True)
 
     @functools.cached_property
     def built_with_entry(self) -> tuple[tuple[str, str | None], ...]:
@@ -300,7 +315,11 @@ class StateSchema:
             if number is None or math.isnan(number):
                 msg = f"the fill of {key!r} is {_what(value)}: expected a real number a float holds, or (group, defaults) -> number"
                 raise RegistrationError(msg)
-        for name, functions, meaning in (("shape_of", self.shape_of, "(param shape) -> shape"), ("dtype_of", self.dtype_of, "(param dtype) -> dtype")):
+        for name, functions, meaning in (
+            ("shape_of", self.shape_of, "(param shape) -> shape"),
+            ("dtype_of", self.dtype_of, "(param dtype) -> dtype"),
+            ("built_for", self.built_for, "(param shape) -> bool"),
+        ):
             for key, function in functions:
                 if not callable(cast(object, function)):
                     msg = f"the {name} of {key!r} is {kind_of(function)}: expected {meaning}"
@@ -320,15 +339,21 @@ class StateSchema:
                 if first_keys & second_keys:
                     msg = f"state keys {sorted(first_keys & second_keys)} are named in both {first} and {second}"
                     raise RegistrationError(msg)
-        optional = frozenset(key for key, _ in self.built_if)
         history = self.zero | self.filled | self.identity
-        for name, named in (("built_if", optional), ("always_built", self.always_built)):
+        built = {
+            "built_if": frozenset(key for key, _ in self.built_if),
+            "always_built": self.always_built,
+            "built_for": frozenset(key for key, _ in self.built_for),
+        }
+        for name, named in built.items():
             if not named <= history:
                 msg = f"{name} names {sorted(named - history)}, which are neither zeroed, filled nor identity"
                 raise RegistrationError(msg)
-        if optional & self.always_built:
-            msg = f"state keys {sorted(optional & self.always_built)} are named in both built_if and always_built"
-            raise RegistrationError(msg)
+        for i, (first, first_keys) in enumerate(built.items()):
+            for second, second_keys in list(built.items())[i + 1 :]:
+                if first_keys & second_keys:
+                    msg = f"state keys {sorted(first_keys & second_keys)} are named in both {first} and {second}"
+                    raise RegistrationError(msg)
         if "step" in self.zero | self.drop | self.keep | self.filled | self.identity:
             msg = "'step' is described by StateSchema.step, not by a key set"
             raise RegistrationError(msg)

@@ -12,8 +12,9 @@ parameter of two or more dimensions into ``row_var`` and ``col_var``, reduced al
 and its next-to-last dimension, and keeps a ``variance`` like any other's. Adam's
 ``max_exp_avg_sq`` is built only where its group has ``amsgrad``, RMSprop's
 ``momentum_buffer`` and ``grad_avg`` only where it has ``momentum`` and ``centered``
-(``built_if``); every other key is built with every entry (``always_built``), but for
-Adafactor's, which depend on its parameter's dimensions. Every class but
+(``built_if``), Adafactor's ``row_var`` and ``col_var`` only for a parameter of two or more
+dimensions and its ``variance`` for one of fewer (``built_for``); every other key is built
+with every entry (``always_built``). Every class but
 Adagrad builds a missing entry again on its next step, so its state can be released
 (Adagrad builds its state in ``__init__``; torch 2.13 and 2.14 also build a missing entry on
 a step, which opttree, supporting torch from 2.4, does not rely on).
@@ -25,7 +26,7 @@ from collections.abc import Mapping
 
 import torch
 
-from opttree._schema import Fill, ShapeOf, StateSchema, StepLocation, StepType
+from opttree._schema import BuiltFor, Fill, ShapeOf, StateSchema, StepLocation, StepType
 from opttree._schemas._keys import MASTER_PARAM
 
 
@@ -47,6 +48,15 @@ def _columns(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (*shape[:-2], 1, *shape[-1:])
 
 
+def _factored(shape: tuple[int, ...]) -> bool:
+    """Adafactor factors the history of a parameter of two or more dimensions."""
+    return len(shape) > 1
+
+
+def _unfactored(shape: tuple[int, ...]) -> bool:
+    return len(shape) <= 1
+
+
 def _per_step(
     *zero: str,
     fill: Mapping[str, Fill] | None = None,
@@ -56,13 +66,13 @@ def _per_step(
     shape_of: Mapping[str, ShapeOf] | None = None,
     one_value: frozenset[str] = frozenset(),
     built_if: Mapping[str, str] | None = None,
-    keys_by_shape: bool = False,
+    built_for: Mapping[str, BuiltFor] | None = None,
 ) -> StateSchema:
     """A schema whose history is built ``*_like`` its parameter but for the keys of
     ``shape_of`` (Adafactor's factored ones, typed as the parameter in a shape derived from
     its) and ``one_value`` (NAdam's ``mu_product`` and ASGD's ``eta`` and ``mu``, scalars).
     Every entry is built whole (``if len(state) == 0``) with each of its keys but those of
-    ``built_if``, unless ``keys_by_shape`` (Adafactor's depend on its parameter's dimensions)."""
+    ``built_if`` and ``built_for`` (Adafactor's, which depend on its parameter's dimensions)."""
     shapes = dict(shape_of or {})
     fills = dict(fill or {})
     optional = dict(built_if or {})
@@ -78,7 +88,8 @@ def _per_step(
         one_value=one_value,
         shape_of=shapes,
         built_if=optional,
-        always_built=set() if keys_by_shape else (set(zero) | set(fills)) - set(optional),
+        built_for=dict(built_for or {}),
+        always_built=(set(zero) | set(fills)) - set(optional) - set(built_for or {}),
     )
 
 
@@ -105,7 +116,11 @@ SCHEMAS: dict[str, StateSchema] = {
     "LBFGS": LBFGS,
     "SparseAdam": _per_step("exp_avg", "exp_avg_sq", step_type=StepType.INT),  # state["step"] = 0
     "Adafactor": _per_step(
-        "row_var", "col_var", "variance", shape_of={"row_var": _rows, "col_var": _columns}, keys_by_shape=True
+        "row_var",
+        "col_var",
+        "variance",
+        shape_of={"row_var": _rows, "col_var": _columns},
+        built_for={"row_var": _factored, "col_var": _factored, "variance": _unfactored},
     ),
     "Muon": StateSchema(zero={"momentum_buffer"}, keep={MASTER_PARAM}, rebuilds_missing=True, like_param={"momentum_buffer"}),
 }
