@@ -126,6 +126,7 @@ MALFORMED: list[tuple[str, str, Edit, str, str]] = [
     ("fp32", "expanded history", lambda s: put(entry(s), "exp_avg", torch.zeros(1).expand(32, 16)), "exp_avg", "its 'exp_avg' is a tensor whose elements share or may share memory"),
     ("fp32", "a step a str", lambda s: put(entry(s), "step", "s"), "step", "its 'step' is a str, where AdamW counts steps from 0 in one whole number"),
     ("fp32", "a fractional step", lambda s: put(entry(s), "step", torch.tensor(1.5)), "step", "its 'step' is 1.5, where AdamW counts"),
+    ("fp32", "an int64 step tensor", lambda s: put(entry(s), "step", torch.tensor(2, dtype=torch.int64)), "step", "its 'step' is an int64 tensor of 1 value, where AdamW counts steps from 0 in one whole number: a float32 or float64 tensor"),
     ("fp32", "a bfloat16 step", lambda s: put(entry(s), "step", torch.tensor(2.0, dtype=torch.bfloat16)), "step", "its 'step' is a bfloat16 tensor of 1 value,"),
     ("fp32", "a common step of -1", lambda s: put(entries(s), "common_step", torch.tensor(-1.0)), "common_step", "is -1, which Megatron's load writes as the step of every entry"),
     ("fp32", "a common step a str", lambda s: put(entries(s), "common_step", "2"), "common_step", "is a str, which Megatron's load writes"),

@@ -23,7 +23,7 @@ from opttree import _registry
 from opttree._adapter import instance_attribute, mapping_attribute, sequence_attribute
 from opttree._dispatch import LazyDispatch
 from opttree._fields import article, kind_of
-from opttree._inspect import step_number
+from opttree._inspect import STEP_DTYPES, step_number
 from opttree._nodes import LeafNode, Node
 from opttree._numbers import real_number
 from opttree._preflight import Extents, overlap, plain_reads, ranges, torch_name, unreadable_reason, unwritable_reason
@@ -251,7 +251,7 @@ def _counting(schema: StateSchema | None) -> tuple[StepType, str]:
     """How an optimizer of ``schema`` counts steps (its ``step_type``), and in words."""
     if schema is not None and schema.step_type is StepType.INT:
         return StepType.INT, "a Python int"
-    return StepType.TENSOR, "one whole number"
+    return StepType.TENSOR, "one whole number: a float32 or float64 tensor, or a number its load makes one"
 
 
 def _check_common_step(node: Node, inner: Node, value: object) -> None:
@@ -276,11 +276,6 @@ def _check_steps_held(node: Node, leaf: LeafNode, entries: dict[object, dict[obj
         raise layout_error(node, "step", message)
 
 
-_COUNTING_DTYPES = frozenset({torch.float32, torch.float64, torch.int32, torch.int64})
-"""Tensor dtypes that count steps exactly as far as training goes (a bfloat16 step stops at
-256, and bias correction then computes at its precision, unlike a fresh optimizer's)."""
-
-
 def _step_fault(value: object, step_type: StepType) -> str | None:
     """What a saved per-parameter step is, where it is not one whole count from 0 (a
     Python, NumPy or one-element tensor number of a dtype that counts exactly, and no tensor
@@ -291,7 +286,7 @@ def _step_fault(value: object, step_type: StepType) -> str | None:
             dtype, count = value.dtype, value.numel()
         if step_type is StepType.INT:
             return f"{article(torch_name(dtype))} tensor"
-        if count != 1 or dtype not in _COUNTING_DTYPES:
+        if count != 1 or dtype not in STEP_DTYPES:
             return f"{article(torch_name(dtype))} tensor of {count} value{'s' if count != 1 else ''}"
     number = real_number(value)
     if number is None:

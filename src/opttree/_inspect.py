@@ -201,9 +201,11 @@ def not_one_real_value(found: Extents) -> tuple[int, str] | None:
     return len(odd), what
 
 
-_STEP_DTYPES = frozenset({torch.float32, torch.float64})
+STEP_DTYPES = frozenset({torch.float32, torch.float64})
 """What torch's optimizers count a tensor step in (``_get_scalar_dtype``: float64 where it
-is the default dtype; float32 for fused and capturable ones), and Megatron's loads too."""
+is the default dtype; float32 for fused and capturable ones), and Megatron's loads too. Their
+foreach and fused steps raise for any other (an int64 step tensor, which the single-tensor
+step takes); a bfloat16 one stops counting at 256."""
 
 
 def scalar_dtype() -> torch.dtype:
@@ -880,7 +882,7 @@ class LeafInspector:
             if odd is not None:
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"step counter: {_which(odd[0], len(tensors), 'are')} {odd[1]}{_ONE_COUNT}", key)
                 return
-            wrong = outside_dtypes(checked, _STEP_DTYPES)
+            wrong = outside_dtypes(checked, STEP_DTYPES)
             if wrong is not None:
                 message = (
                     f"step counter: {_which(wrong[0], len(tensors), 'are')} {torch_name(wrong[1])}, where a fresh optimizer "
