@@ -119,6 +119,9 @@ MALFORMED: list[tuple[str, str, Edit, str, str]] = [
     ("fp16", "a loss scale a float", lambda s: put(s["grad_scaler"], "scale", 2.0), "grad_scaler", "holds a float under 'scale'"),  # type: ignore[arg-type]
     ("fp16", "an infinite loss scale", lambda s: put(s["grad_scaler"], "scale", torch.tensor(float("inf"))), "grad_scaler", "its 'scale' is inf, where the loss scale is one positive finite number"),  # type: ignore[arg-type]
     ("fp16", "a loss scale of 0", lambda s: put(s["grad_scaler"], "scale", torch.tensor(0.0)), "grad_scaler", "its 'scale' is 0, where"),  # type: ignore[arg-type]
+    ("fp16", "an int64 loss scale", lambda s: put(s["grad_scaler"], "scale", torch.tensor([2.0**21], dtype=torch.int64)), "grad_scaler", "holds an int64 tensor under 'scale', where DynamicGradScaler holds a float32 tensor"),  # type: ignore[arg-type]
+    ("fp16", "a group step a str", lambda s: put(groups(s)[0], "step", "2"), "step", "param group 0's step is a str, where a step counts from 0 in one whole number"),
+    ("fp32", "a group step of 2.5", lambda s: put(groups(s)[0], "step", 2.5), "step", "param group 0's step is 2.5, where a step counts from 0 in one whole number"),
     ("fp16", "a tracker of -1", lambda s: put(s["grad_scaler"], "growth_tracker", -1), "grad_scaler", "its 'growth_tracker' is -1, where it counts steps from 0"),  # type: ignore[arg-type]
     ("fp32", "history of another shape", lambda s: put(entry(s), "exp_avg", torch.zeros(3)), "exp_avg", r"its 'exp_avg' has shape \(3,\), where AdamW builds it in shape \(32, 16\)"),
     ("fp32", "history a str", lambda s: put(entry(s), "exp_avg_sq", "s"), "exp_avg_sq", "its 'exp_avg_sq' is a str, where AdamW keeps a tensor"),

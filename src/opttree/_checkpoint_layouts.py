@@ -147,6 +147,7 @@ def _check_torch_format(node: Node, inner: Node, state: object, load: Load) -> N
             raise layout_error(node, "param_groups", message)
     _check_pairing(node, live, groups)
     _check_options(node, inner, groups[: len(live)])
+    _check_group_steps(node, groups[: len(live)])
     loaded = {index for saved in groups[: len(live)] for index in saved["params"]}
     for index, entry in entries.items():
         if index == STEP_KEY:
@@ -209,6 +210,19 @@ def _check_options(node: Node, inner: Node, saved: list[dict[object, object]]) -
             if expected != given:
                 message = f"param group {index} holds {given} as {option!r}, which {cls} reads as {expected}"
                 raise layout_error(node, "param_groups", message)
+
+
+def _check_group_steps(node: Node, saved: list[dict[object, object]]) -> None:
+    """A step a saved param group holds (TE's ``FusedAdam`` counts there, in an int or an
+    int tensor), which torch's load keeps: one whole count from 0, as ``reset`` takes one."""
+    for index, group in enumerate(saved):
+        if "step" not in group:
+            continue
+        value = group["step"]
+        number = step_number(value)
+        if number is None or not (math.isfinite(number) and number >= 0 and number.is_integer()):
+            what = kind_of(value) if number is None else f"{number:g}"
+            raise layout_error(node, "step", f"param group {index}'s step is {what}, where a step counts from 0 in one whole number")
 
 
 def _hashable(value: object) -> bool:
@@ -391,8 +405,13 @@ def _check_scaler(node: Node, state: dict[object, object]) -> None:
     for key, value in expected.items():
         if key not in saved:
             raise layout_error(node, "grad_scaler", f"has no {key!r}, which {type(scaler).__qualname__} loads")
-        if isinstance(value, torch.Tensor) != isinstance(saved[key], torch.Tensor):
-            message = f"holds {kind_of(saved[key])} under {key!r}, where {type(scaler).__qualname__} holds {kind_of(value)}"
+        given = saved[key]
+        if isinstance(value, torch.Tensor) != isinstance(given, torch.Tensor) or (
+            isinstance(value, torch.Tensor) and isinstance(given, torch.Tensor) and value.is_floating_point() != given.is_floating_point()
+        ):
+            what = f"{article(torch_name(given.dtype))} tensor" if isinstance(given, torch.Tensor) else kind_of(given)
+            held = f"{article(torch_name(value.dtype))} tensor" if isinstance(value, torch.Tensor) else kind_of(value)
+            message = f"holds {what} under {key!r}, where {type(scaler).__qualname__} holds {held}"
             raise layout_error(node, "grad_scaler", message)
         fault = _scaler_fault(key, saved[key])
         if fault is not None:
