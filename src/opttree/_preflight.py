@@ -149,7 +149,7 @@ def _missing_memory(tensor: torch.Tensor) -> str | None:
     if tensor.numel() and _DATA_PTR(tensor) == 0:
         return (
             "a tensor that shows no memory of its own (a functional tensor, as torch.func.functionalize "
-            "makes: opttree cannot tell that zeroing it writes the data it stands for)"
+            "makes: opttree cannot tell that writing or reading it reaches the data it stands for)"
         )
     return None
 
