@@ -94,6 +94,11 @@ def put(container: dict[object, object] | dict[str, object], key: object, value:
     container[key] = value  # type: ignore[index]
 
 
+def _inference_zeros(*shape: int) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.zeros(*shape)
+
+
 MALFORMED: list[tuple[str, str, Edit, str, str]] = [
     ("fp32", "no param groups", lambda s: s.pop("param_groups"), "param_groups", "has no 'param_groups'"),
     ("fp32", "state a list", lambda s: put(s, "state", [1, 2]), "state", "is a list"),
@@ -104,8 +109,6 @@ MALFORMED: list[tuple[str, str, Edit, str, str]] = [
     ("fp32", "betas a str", lambda s: put(groups(s)[0], "betas", "0.9,0.999"), "param_groups", "param group 0 holds a str as 'betas', which AdamW reads as a sequence of 2 values"),
     ("fp32", "eps a list", lambda s: put(groups(s)[1], "eps", [1e-8]), "param_groups", r"param group 1 holds a sequence of 1 values \(a real number\) as 'eps', which AdamW reads as a real number"),
     ("fp32", "betas of strs", lambda s: put(groups(s)[0], "betas", ("0.9", "0.999")), "param_groups", r"param group 0 holds a sequence of 2 values \(a str, a str\) as 'betas', which AdamW reads as a sequence of 2 values \(a real number, a real number\)"),
-    ("fp32", "a group without lr", lambda s: groups(s)[0].pop("lr"), "param_groups", "param group 0 lacks 'lr', which AdamW reads at every step"),
-    ("offload_0.75", "a group without betas", lambda s: groups(s)[0].pop("betas"), "param_groups", "param group 0 lacks 'betas', which HybridDeviceOptimizer reads at every step"),
     ("fp32", "amsgrad a str", lambda s: put(groups(s)[0], "amsgrad", "False"), "param_groups", "param group 0 holds a str as 'amsgrad', which AdamW reads as True or False"),
     ("fp32", "a group of other settings", lambda s: put(groups(s)[0], "wd_mult", 7.0), "param_groups", "Megatron pairs no saved param group"),
     ("bf16", "no torch state", lambda s: s.pop("optimizer"), "optimizer", "has no 'optimizer'"),
@@ -127,6 +130,7 @@ MALFORMED: list[tuple[str, str, Edit, str, str]] = [
     ("fp32", "history a str", lambda s: put(entry(s), "exp_avg_sq", "s"), "exp_avg_sq", "its 'exp_avg_sq' is a str, where AdamW keeps a tensor"),
     ("fp32", "sparse history", lambda s: put(entry(s), "exp_avg", torch.zeros(32, 16).to_sparse()), "exp_avg", "its 'exp_avg' is a sparse_coo tensor .*, which AdamW's step updates in place"),
     ("fp32", "expanded history", lambda s: put(entry(s), "exp_avg", torch.zeros(1).expand(32, 16)), "exp_avg", "its 'exp_avg' is a tensor whose elements share or may share memory"),
+    ("fp32", "inference history", lambda s: put(entry(s), "exp_avg", _inference_zeros(32, 16)), "exp_avg", "its 'exp_avg' is an inference tensor"),
     ("fp32", "a step a str", lambda s: put(entry(s), "step", "s"), "step", "its 'step' is a str, where AdamW counts steps from 0 in one whole number"),
     ("fp32", "a fractional step", lambda s: put(entry(s), "step", torch.tensor(1.5)), "step", "its 'step' is 1.5, where AdamW counts"),
     ("fp32", "an int64 step tensor", lambda s: put(entry(s), "step", torch.tensor(2, dtype=torch.int64)), "step", "its 'step' is an int64 tensor of 1 value, where AdamW counts steps from 0 in one whole number: a float32 or float64 tensor"),
@@ -194,10 +198,66 @@ def test_a_step_numpy_counts_in_is_loaded() -> None:
 LOADED_THEN_FAILING: list[tuple[str, Edit, type[Exception], str, str]] = [
     ("an entry lacking a moment", lambda s: entry(s).pop("exp_avg_sq"), KeyError, "exp_avg_sq", "lacks 'exp_avg_sq'"),
     ("history of another shape", lambda s: put(entry(s), "exp_avg", torch.zeros(3)), RuntimeError, "must match the size", "its 'exp_avg' has shape"),
-    ("a group without lr", lambda s: groups(s)[0].pop("lr"), KeyError, "lr", "param group 0 lacks 'lr'"),
     ("betas of strs", lambda s: put(groups(s)[0], "betas", ("0.9", "0.999")), TypeError, "unsupported operand", r"holds a sequence of 2 values \(a str, a str\) as 'betas'"),
     ("expanded history", lambda s: put(entry(s), "exp_avg", torch.zeros(1).expand(32, 16)), RuntimeError, "more than one element", "elements share or may share memory"),
 ]
+
+
+def test_history_torch_copies_at_the_load_is_taken_as_its_copy() -> None:
+    """torch's load casts history to its parameter's dtype, and keeps one of that dtype as
+    it is: float64 history made in inference mode becomes a normal float32 copy, which the
+    next step updates in place; the same history in float32 stays an inference tensor
+    (refused above). Loaded through opttree, it trains as Megatron's own load does."""
+    stack = recipe("fp32")
+    state = copy.deepcopy(saved(stack))
+    with torch.inference_mode():
+        for saved_entry in entries(state).values():
+            assert isinstance(saved_entry, dict)
+            saved_entry["exp_avg"] = saved_entry["exp_avg"].double()
+    megatrons, ours = fresh_like(stack), fresh_like(stack)
+    with megatrons.device:
+        megatrons.optimizer.load_state_dict(copy.deepcopy(state))
+    with ours.device:
+        opttree.load_state_dict(ours.optimizer, state)
+    megatrons.train(K, 2)
+    ours.train(K, 2)
+    assert all(torch.equal(a, b) for a, b in zip(ours.main_params(), megatrons.main_params(), strict=True))
+
+
+def test_options_missing_from_a_saved_group_load_as_torch_loads_them() -> None:
+    """What a step reads cannot be told from an optimizer's ``defaults``: a
+    HybridDeviceOptimizer's hold ``offload_fraction`` and the optimizer classes, which no
+    step reads, so a checkpoint of groups without them (a DistributedOptimizer's of the
+    same model without offloading) loads as Megatron's own load takes it, each entry
+    given the saved step."""
+    stack = recipe("offload_0.75")
+    state = copy.deepcopy(saved(stack))
+    for group in groups(state):
+        for option in ("offload_fraction", "cpu_optimizer_cls", "gpu_optimizer_cls"):
+            assert option in group
+            group.pop(option)
+    loaded = fresh_like(stack)
+    with loaded.device:
+        opttree.load_state_dict(loaded.optimizer, state)
+    steps = [entry["step"] for leaf in loaded.leaves() for entry in leaf.state.values()]
+    assert steps and [float(step) for step in steps] == [float(K)] * len(steps)
+
+
+def test_an_option_the_optimizer_holds_as_none_takes_anything_in_a_sequence_too() -> None:
+    """Adafactor's ``eps`` defaults to ``(None, 1e-3)``: a group that sets it to
+    ``(1e-30, 1e-3)`` loads; one of strs does not."""
+    from tests.megatron_parts import fp32
+
+    params = [torch.nn.Parameter(torch.ones(4, 3))]
+    saver = torch.optim.Adafactor([{"params": params, "eps": (1e-30, 1e-3), "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}])
+    assert saver.defaults["eps"] == (None, 1e-3)
+    state = saver.state_dict()
+    fresh = torch.optim.Adafactor([{"params": [torch.nn.Parameter(torch.ones(4, 3))], "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}])
+    opttree.load_state_dict(fp32(fresh), copy.deepcopy(state))
+    assert fresh.param_groups[0]["eps"] == (1e-30, 1e-3)
+    state["param_groups"][0]["eps"] = ("a", "b")
+    with pytest.raises(opttree.UnsupportedCheckpoint, match=r"holds a sequence of 2 values \(a str, a str\) as 'eps', which Adafactor reads as a sequence of 2 values \(anything, a real number\)"):
+        opttree.load_state_dict(fp32(fresh), state)
 
 
 def test_a_group_without_the_flags_torch_added_later_is_loaded() -> None:
@@ -439,3 +499,26 @@ def test_history_two_members_share_is_refused_before_anything_loads() -> None:
     with loaded.device, pytest.raises(opttree.UnsupportedCheckpoint, match=r"the 'exp_avg' of state entry 0 at chained\[1\] shares memory with the 'exp_avg' of state entry 0 at chained\[0\]"):
         opttree.load_state_dict(loaded.optimizer, state)
     assert all(unchanged(leaf, snap) for leaf, snap in zip(loaded.leaves(), before, strict=True))
+
+
+def test_with_te_or_apex_a_group_without_a_step_over_a_hybrid_optimizer_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where TE or apex is installed (Megatron's ``HAVE_APEX_OR_TE``, set here as it would
+    be), a DistributedOptimizer over a HybridDeviceOptimizer writes no step into its param
+    groups before a CPU sub-optimizer has stepped, and its load reads only the steps they
+    hold: such a state loads, as Megatron's own load takes it. Without them it reads every
+    group's step, and a group without one is refused."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if "offload_0.75" not in testing.available():
+        pytest.skip("no offload_0.75 recipe in this lane")
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+    stack = testing.build("offload_0.75")
+    state = saved(stack)
+    assert all("step" not in group for group in groups(state))
+    loaded = fresh_like(stack)
+    with loaded.device:
+        opttree.load_state_dict(loaded.optimizer, copy.deepcopy(state))
+
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", False)
+    with loaded.device, pytest.raises(opttree.UnsupportedCheckpoint, match="its param groups do not hold one step"):
+        opttree.load_state_dict(loaded.optimizer, state)

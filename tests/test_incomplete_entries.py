@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 from collections.abc import Callable
+from typing import cast
 
 import attrs
 import pytest
@@ -240,3 +241,27 @@ def test_a_built_for_function_that_raises_is_the_keys_problem() -> None:
     train(net, optimizer, 0, 1)
     problems = opttree.validate(optimizer)
     assert any(p.key in ("row_var", "col_var", "variance") and "its schema's built_for raised ValueError: no shapes today" in p.message for p in problems)
+
+    class Undecided:
+        def __bool__(self) -> bool:
+            raise ValueError("neither")
+
+    class Unsure(torch.optim.Adafactor):
+        pass
+
+    def undecided(shape: tuple[int, ...]) -> bool:
+        return cast(bool, Undecided())
+
+    opttree.register_schema(Unsure, attrs.evolve(schema_for(torch.optim.Adafactor) or opttree.StateSchema(), built_for={"row_var": undecided, "col_var": undecided, "variance": undecided}))
+    other = model()
+    unsure = Unsure(other.parameters(), lr=0.01)
+    train(other, unsure, 0, 1)
+    assert any("its schema's built_for raised ValueError: neither" in p.message for p in opttree.validate(unsure))
+    saved = copy.deepcopy(unsure.state_dict())
+    saved["param_groups"][0].update(wd_mult=1.0, lr_mult=1.0, is_expert_parallel=False, is_decoupled_lr=False)
+    del saved["state"][0]["row_var"]
+    from tests.megatron_parts import fp32
+
+    fresh = Unsure([_megatron_group(model())], lr=0.01)
+    with pytest.raises(opttree.UnsupportedCheckpoint, match="its schema's built_for raised ValueError: neither"):
+        opttree.load_state_dict(fp32(fresh), saved)

@@ -169,3 +169,14 @@ def test_a_min_loss_scale_that_float32_rounds_is_the_configs() -> None:
     wrapper.config.min_loss_scale = 2e-4  # a scaler built from another config is still refused
     with pytest.raises(opttree.UnsupportedOptimizerState, match=r"its min_scale is 9.99999974\d*e-05 and the wrapper's config says 0.0002"):
         opttree.reset(stack.optimizer)
+
+
+def test_a_min_loss_scale_beyond_a_float_is_reported_not_raised() -> None:
+    stack = testing.build("fp16")
+    stack.train(0, 2)
+    (wrapper,) = getattr(stack.optimizer, "chained_optimizers")
+    wrapper.config.min_loss_scale = 10**400
+    (problem,) = opttree.validate(stack.optimizer)
+    assert problem.key == "grad_scaler" and "its min_scale is 1.0 and the wrapper's config says 1000" in problem.message
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="its min_scale is 1.0"):
+        opttree.reset(stack.optimizer)

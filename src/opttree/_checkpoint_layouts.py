@@ -13,6 +13,7 @@ and a checkpoint that any would trip on is refused whole.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterator
 from typing import cast
 
@@ -168,6 +169,8 @@ def _check_torch_format(node: Node, inner: Node, state: object, load: Load) -> N
 
 
 def _value_kind(value: object) -> str:
+    if value is None:
+        return "anything"  # what an option held as None takes
     if isinstance(value, bool):
         return "True or False"
     if real_number(value) is not None:
@@ -175,39 +178,55 @@ def _value_kind(value: object) -> str:
     return kind_of(value)
 
 
+def _items(value: object) -> list[object] | None:
+    """The values of a sequence option (``betas``), read by the built-in class (a
+    subclass's own ``__iter__`` may raise); None for any other option."""
+    if isinstance(value, tuple):
+        return list(tuple.__iter__(value))
+    if isinstance(value, list):
+        return list(list.__iter__(value))
+    return None
+
+
 def _option_kind(value: object) -> str:
     """What a param group option is, as far as an optimizer's step reads it: a sequence
     (``betas``) with the kinds of what it holds."""
-    if isinstance(value, (tuple, list)):  # read by the built-in class: a subclass's own __iter__ may raise
-        items = list(tuple.__iter__(value) if isinstance(value, tuple) else list.__iter__(value))
-        return f"a sequence of {len(items)} values ({', '.join(map(_value_kind, items))})"
-    return _value_kind(value)
+    items = _items(value)
+    if items is None:
+        return _value_kind(value)
+    return f"a sequence of {len(items)} values ({', '.join(map(_value_kind, items))})"
+
+
+def _fits(default: object, given: object) -> bool:
+    """Whether a saved option is of the kind of the optimizer's default: anything where
+    the default is None, in a sequence too (Adafactor's ``eps=(None, 1e-3)``)."""
+    if default is None or given is None:
+        return True
+    expected, saved = _items(default), _items(given)
+    if expected is None or saved is None:
+        return expected is None and saved is None and _value_kind(default) == _value_kind(given)
+    return len(expected) == len(saved) and all(
+        item is None or _value_kind(item) == _value_kind(value) for item, value in zip(expected, saved, strict=True)
+    )
 
 
 def _check_options(node: Node, inner: Node, saved: list[dict[object, object]]) -> None:
     """The options the optimizer below ``node`` reads (its ``defaults``: a leaf's, or a
     HybridDeviceOptimizer's, which gives them to its sub-optimizers), as the saved groups
-    hold them: torch's load takes a saved group whole, so ``betas`` saved as a str or
-    ``eps`` as a list would load and raise inside the next step. An option the optimizer
-    holds as None takes anything. One missing is refused where it is a hyperparameter (a
-    number or a sequence: ``lr``, ``betas``), which the step reads as ``group[option]``;
-    flags (True or False) added to a class after a checkpoint was saved are filled in by
-    its ``__setstate__`` at the load (torch's ``foreach``, ``maximize``, ``capturable``)."""
+    hold them: torch's load takes a saved group whole, so ``betas`` saved as a str, or as
+    two strs, or ``eps`` as a list would load and raise inside the next step. An option the
+    optimizer holds as None takes anything, and so does a missing one: what the step reads
+    cannot be told from ``defaults`` (a HybridDeviceOptimizer's hold its
+    ``offload_fraction``, which no step reads), and a class's ``__setstate__`` fills some in
+    at the load (RMSprop's ``momentum``, torch's ``foreach``)."""
     defaults: object = getattr(inner.optimizer, "defaults", None)
     if not isinstance(defaults, dict):
         return
     cls = type(inner.optimizer).__qualname__
     for index, group in enumerate(saved):
         for option, default in defaults.items():
-            if default is None or (option not in group and isinstance(default, bool)):
-                continue
-            if option not in group:
-                message = f"param group {index} lacks {option!r}, which {cls} reads at every step"
-                raise layout_error(node, "param_groups", message)
-            if group[option] is None:
-                continue
-            expected, given = _option_kind(default), _option_kind(group[option])
-            if expected != given:
+            if option in group and not _fits(default, group[option]):
+                expected, given = _option_kind(default), _option_kind(group[option])
                 message = f"param group {index} holds {given} as {option!r}, which {cls} reads as {expected}"
                 raise layout_error(node, "param_groups", message)
 
@@ -308,6 +327,13 @@ def _step_fault(value: object, step_type: StepType) -> str | None:
     return None if math.isfinite(number) and number >= 0 and number.is_integer() else f"{number:g}"
 
 
+def _cast_at_load(value: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether torch's load copies saved history to hold it: it casts it to its parameter's
+    device, and dtype where the parameter is a float, and keeps one already so as it is."""
+    with plain_reads():
+        return value.device != param.device or (param.is_floating_point() and value.dtype != param.dtype)
+
+
 def _check_entry(
     node: Node, leaf: LeafNode, index: object, entry: dict[object, object], param: object, group: dict[object, object]
 ) -> None:
@@ -335,8 +361,8 @@ def _check_entry(
             if needed in entry:
                 continue
             try:
-                needs = applies(tuple(param.shape))
-            except Exception as error:  # noqa: BLE001  # a registered function may raise anything
+                needs = bool(applies(tuple(param.shape)))
+            except Exception as error:  # noqa: BLE001  # a registered function (or what it returns) may raise anything
                 raise layout_error(node, needed, f"{where}: its schema's built_for raised {type(error).__name__}: {error}") from error
             if needs:
                 raise layout_error(node, needed, f"{where} lacks {needed!r}, which {cls} builds with the entry of such a parameter and reads at every step")
@@ -356,8 +382,8 @@ def _check_entry(
             if not isinstance(value, torch.Tensor):
                 hint = " (a sharded state dict is loaded by dist_checkpointing.load first)" if "Sharded" in type(value).__name__ else ""
                 raise layout_error(node, key, f"{where} is {kind_of(value)}, where {cls} keeps a tensor{hint}")
-            unwritable = unwritable_reason(value)
-            if unwritable is not None:  # torch's load keeps a tensor of the parameter's dtype and device as it is
+            unwritable = unwritable_reason(value, copied=_cast_at_load(value, param))
+            if unwritable is not None:
                 raise layout_error(node, key, f"{where} is {unwritable}, which {cls}'s step updates in place")
             if key in schema.one_value and value.numel() != 1:
                 raise layout_error(node, key, f"{where} holds {value.numel()} values, where {cls} keeps one")
@@ -467,6 +493,14 @@ def _float16(node: Node, state: object, loading: Load | None) -> StateDicts:
     yield from _torch_format(node, checked[key], loading)
 
 
+def _reads_every_group_step(node: Node) -> bool:
+    """Whether a ``DistributedOptimizer``'s load reads the step of every saved param group:
+    Megatron's does where neither TE nor apex is installed (its module's ``HAVE_APEX_OR_TE``);
+    with one, only the steps the groups hold, none before a first step (over a
+    HybridDeviceOptimizer). A module without the flag is taken to read them all."""
+    return not getattr(sys.modules.get(type(node.optimizer).__module__), "HAVE_APEX_OR_TE", False)
+
+
 def _steps_in_groups(node: Node, state: object, loading: Load | None) -> StateDicts:
     """``DistributedOptimizer`` writes its step into the param groups, even a step of 0,
     and its load reads one step from them where its torch optimizer counts per parameter."""
@@ -481,7 +515,7 @@ def _steps_in_groups(node: Node, state: object, loading: Load | None) -> StateDi
     if node.children:
         _check_options(node, node.children[0], groups[: len(live)])
     counting = _counting_per_parameter(node.children[0]) if node.children else None
-    if counting is not None:
+    if counting is not None and (_reads_every_group_step(node) or any("step" in group for group in groups)):
         values = [group.get("step") for group in groups]
         steps = {step_number(value) for value in values}
         if len(steps) != 1 or not all(step is not None and math.isfinite(step) for step in steps):

@@ -623,8 +623,8 @@ class LeafInspector:
         if applies is not None:
             try:
                 with plain_reads():
-                    params = [param for param in params if applies(tuple(_SHAPE(param)))]
-            except Exception as error:  # noqa: BLE001  # a registered function may raise anything
+                    params = [param for param in params if bool(applies(tuple(_SHAPE(param))))]
+            except Exception as error:  # noqa: BLE001  # a registered function (or what it returns) may raise anything
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"its schema's built_for raised {type(error).__name__}: {error}", key)
                 return
         needing = set(map(id, params))  # an entry of a tensor in no group is an orphan, reported as such

@@ -107,17 +107,19 @@ def _span(tensor: torch.Tensor) -> int:
     return extent * tensor.element_size()
 
 
-def unwritable_reason(tensor: torch.Tensor) -> str | None:
+def unwritable_reason(tensor: torch.Tensor, *, copied: bool = False) -> str | None:
     """Why ``tensor`` cannot be zeroed in place here, or None: the checks of
     :func:`_surely_writable`, one tensor at a time, to say which. A tensor whose memory
-    torch refuses to show (a functorch wrapper leaked from ``torch.func.grad``) is one."""
+    torch refuses to show (a functorch wrapper leaked from ``torch.func.grad``) is one.
+    ``copied``: what is written is a dense copy of it (torch's load casts history to its
+    parameter's dtype or device), so only what a copy keeps, or cannot read, counts."""
     try:
-        return _unwritable_reason(tensor)
+        return _unwritable_reason(tensor, copied=copied)
     except Exception as error:  # noqa: BLE001  # a wrapper tensor's own C++ code may raise anything
         return f"a tensor whose memory cannot be read ({type(error).__name__}: {error})"
 
 
-def _unwritable_reason(tensor: torch.Tensor) -> str | None:
+def _unwritable_reason(tensor: torch.Tensor, *, copied: bool) -> str | None:
     cls = type(tensor)
     if not plain_dispatch(cls):
         return f"{article(cls.__qualname__)} (a tensor subclass with its own dispatch: opttree cannot tell that zeroing it is exact)"
@@ -130,14 +132,14 @@ def _unwritable_reason(tensor: torch.Tensor) -> str | None:
         return "a quantized tensor (it has no in-place zero)"
     if _IS_META(tensor):
         return "a meta tensor (it has no data to zero)"
-    if _IS_INFERENCE(tensor) and not torch.is_inference_mode_enabled():
+    if not copied and _IS_INFERENCE(tensor) and not torch.is_inference_mode_enabled():
         return "an inference tensor (it can only be written inside torch.inference_mode())"
-    if _IS_CONJ(tensor) or _IS_NEG(tensor):
+    if not copied and (_IS_CONJ(tensor) or _IS_NEG(tensor)):
         return "a conjugate or negative view (zeroing through it leaves -0 in memory, where a fresh optimizer has +0)"
     missing = _missing_memory(tensor)
     if missing is not None:
         return missing
-    if _overlaps_itself(tensor):
+    if not copied and _overlaps_itself(tensor):
         return "a tensor whose elements share or may share memory (an expanded or overlapping strided view: an in-place step through it is not a fresh one's)"
     return None
 

@@ -21,6 +21,7 @@ import torch
 from attrs import frozen
 
 from opttree._dispatch import LazyDispatch
+from opttree._numbers import real_number
 from opttree._preflight import unfillable_reason, writable_ranges
 
 
@@ -88,15 +89,17 @@ def _same(held: object, configured: object) -> bool:
     float is compared rounded to float32 as it was (by ``struct``: no tensor is made)."""
     if not isinstance(held, torch.Tensor):
         return held == configured
-    if held.numel() != 1 or held.is_meta or not isinstance(configured, (int, float)) or isinstance(configured, bool):
+    value, number = real_number(held), real_number(configured)
+    if value is None or number is None:
         return False
-    if held.dtype is torch.float32 and math.isfinite(configured) and abs(configured) <= torch.finfo(torch.float32).max:
-        configured = struct.unpack("f", struct.pack("f", configured))[0]
-    return float(held) == configured
+    if held.dtype is torch.float32 and math.isfinite(number) and abs(number) <= torch.finfo(torch.float32).max:
+        number = struct.unpack("f", struct.pack("f", number))[0]
+    return value == number
 
 
 def _shown(held: object) -> object:
-    return float(held) if isinstance(held, torch.Tensor) and held.numel() == 1 and not held.is_meta else held
+    value = real_number(held) if isinstance(held, torch.Tensor) else None
+    return held if value is None else value
 
 
 _SCALERS: LazyDispatch[Callable[[object, object], Planned]] = LazyDispatch()
