@@ -108,6 +108,8 @@ MALFORMED: list[tuple[str, str, Edit, str, str]] = [
     ("fp32", "a group missing", lambda s: groups(s).pop(), "param_groups", "holds 1 param groups, and the optimizer has 2"),
     ("fp32", "betas a str", lambda s: put(groups(s)[0], "betas", "0.9,0.999"), "param_groups", "param group 0 holds a str as 'betas', which AdamW reads as a sequence of 2 values"),
     ("fp32", "eps a list", lambda s: put(groups(s)[1], "eps", [1e-8]), "param_groups", r"param group 1 holds a sequence of 1 values \(a real number\) as 'eps', which AdamW reads as a real number"),
+    ("fp32", "lr None", lambda s: put(groups(s)[0], "lr", None), "param_groups", "param group 0 holds None as 'lr', which AdamW reads as a real number"),
+    ("fp32", "betas holding None", lambda s: put(groups(s)[0], "betas", (None, 0.999)), "param_groups", r"holds a sequence of 2 values \(None, a real number\) as 'betas'"),
     ("fp32", "betas of strs", lambda s: put(groups(s)[0], "betas", ("0.9", "0.999")), "param_groups", r"param group 0 holds a sequence of 2 values \(a str, a str\) as 'betas', which AdamW reads as a sequence of 2 values \(a real number, a real number\)"),
     ("fp32", "amsgrad a str", lambda s: put(groups(s)[0], "amsgrad", "False"), "param_groups", "param group 0 holds a str as 'amsgrad', which AdamW reads as True or False"),
     ("fp32", "a group of other settings", lambda s: put(groups(s)[0], "wd_mult", 7.0), "param_groups", "Megatron pairs no saved param group"),
@@ -224,6 +226,24 @@ def test_history_torch_copies_at_the_load_is_taken_as_its_copy() -> None:
     assert all(torch.equal(a, b) for a, b in zip(ours.main_params(), megatrons.main_params(), strict=True))
 
 
+def test_a_flag_saved_as_a_number_and_history_torch_copies_apart_load() -> None:
+    """A flag saved as 0 reads as False; float64 history that views one buffer is cast by
+    torch's load into float32 tensors of their own, so it is not one tensor updated twice."""
+    stack = recipe("fp32")
+    state = copy.deepcopy(saved(stack))
+    groups(state)[0]["amsgrad"] = 0
+    shared = torch.zeros(32 * 16, dtype=torch.float64)
+    for saved_entry in list(entries(state).values())[:2]:  # both views start at the buffer's start
+        assert isinstance(saved_entry, dict)
+        shape = saved_entry["exp_avg"].shape
+        saved_entry["exp_avg"] = shared[: shape.numel()].view(shape)
+    loaded = fresh_like(stack)
+    with loaded.device:
+        opttree.load_state_dict(loaded.optimizer, state)
+    loaded.train(K, 1)
+    assert opttree.validate(loaded.optimizer) == ()
+
+
 def test_options_missing_from_a_saved_group_load_as_torch_loads_them() -> None:
     """What a step reads cannot be told from an optimizer's ``defaults``: a
     HybridDeviceOptimizer's hold ``offload_fraction`` and the optimizer classes, which no
@@ -255,8 +275,11 @@ def test_an_option_the_optimizer_holds_as_none_takes_anything_in_a_sequence_too(
     fresh = torch.optim.Adafactor([{"params": [torch.nn.Parameter(torch.ones(4, 3))], "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}])
     opttree.load_state_dict(fp32(fresh), copy.deepcopy(state))
     assert fresh.param_groups[0]["eps"] == (1e-30, 1e-3)
+    default_saver = torch.optim.Adafactor([{"params": params, "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}])
+    opttree.load_state_dict(fp32(fresh), default_saver.state_dict())  # (None, 1e-3), as Adafactor declares, into (1e-30, 1e-3)
+    assert fresh.param_groups[0]["eps"] == (None, 1e-3)
     state["param_groups"][0]["eps"] = ("a", "b")
-    with pytest.raises(opttree.UnsupportedCheckpoint, match=r"holds a sequence of 2 values \(a str, a str\) as 'eps', which Adafactor reads as a sequence of 2 values \(anything, a real number\)"):
+    with pytest.raises(opttree.UnsupportedCheckpoint, match=r"holds a sequence of 2 values \(a str, a str\) as 'eps', which Adafactor reads as a sequence of 2 values \(None, a real number\)"):
         opttree.load_state_dict(fp32(fresh), state)
 
 
@@ -518,6 +541,11 @@ def test_with_te_or_apex_a_group_without_a_step_over_a_hybrid_optimizer_loads(mo
     loaded = fresh_like(stack)
     with loaded.device:
         opttree.load_state_dict(loaded.optimizer, copy.deepcopy(state))
+    subclassed = fresh_like(stack)  # a user's subclass, defined outside Megatron's module, loads with its base's code
+    (member,) = getattr(subclassed.optimizer, "chained_optimizers")
+    member.__class__ = type("MyDistributedOptimizer", (distrib_optimizer.DistributedOptimizer,), {})
+    with subclassed.device:
+        opttree.load_state_dict(subclassed.optimizer, copy.deepcopy(state))
 
     monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", False)
     with loaded.device, pytest.raises(opttree.UnsupportedCheckpoint, match="its param groups do not hold one step"):

@@ -12,9 +12,10 @@ and a checkpoint that any would trip on is refused whole.
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import cast
 
 import torch
@@ -165,12 +166,12 @@ def _check_torch_format(node: Node, inner: Node, state: object, load: Load) -> N
         for index, entry in saved_entries.items():
             _check_entry(node, inner, index, entry, params[index], options[index])
         _check_steps_held(node, inner, saved_entries)
-        _gather_history(node, inner, saved_entries, load.history)
+        _gather_history(node, inner, saved_entries, params, load.history)
 
 
 def _value_kind(value: object) -> str:
     if value is None:
-        return "anything"  # what an option held as None takes
+        return "None"
     if isinstance(value, bool):
         return "True or False"
     if real_number(value) is not None:
@@ -198,16 +199,42 @@ def _option_kind(value: object) -> str:
 
 
 def _fits(default: object, given: object) -> bool:
-    """Whether a saved option is of the kind of the optimizer's default: anything where
-    the default is None, in a sequence too (Adafactor's ``eps=(None, 1e-3)``)."""
-    if default is None or given is None:
-        return True
+    """Whether a saved option is of the kind of ``default``: anything where the default is
+    None, in a sequence too (Adafactor's ``eps=(None, 1e-3)``)."""
     expected, saved = _items(default), _items(given)
     if expected is None or saved is None:
-        return expected is None and saved is None and _value_kind(default) == _value_kind(given)
-    return len(expected) == len(saved) and all(
-        item is None or _value_kind(item) == _value_kind(value) for item, value in zip(expected, saved, strict=True)
-    )
+        return default is None or (expected is None and saved is None and _alike(default, given))
+    return len(expected) == len(saved) and all(map(_alike, expected, saved))
+
+
+def _alike(default: object, given: object) -> bool:
+    """Whether a value is of the kind of ``default``, as a step reads it: a default of None
+    stands for any, and a flag is read as a number (``amsgrad=0``)."""
+    if default is None:
+        return True
+    if given is None:
+        return False
+    kinds = {_value_kind(default), _value_kind(given)}
+    return len(kinds) == 1 or kinds == {"True or False", "a real number"}
+
+
+_UNDECLARED = object()
+
+
+def _fits_declared(cls: type, option: str, given: object) -> bool:
+    declared = _declared(cls, option)
+    return declared is not _UNDECLARED and _fits(declared, given)
+
+
+def _declared(cls: type, option: str) -> object:
+    """The default ``cls``'s constructor declares for ``option`` (Adafactor's
+    ``eps=(None, 1e-3)``, which an instance built with ``eps=(1e-30, 1e-3)`` no longer
+    shows), or :data:`_UNDECLARED`."""
+    try:
+        parameter = inspect.signature(cls).parameters.get(option)
+    except (TypeError, ValueError):  # a class whose signature cannot be read
+        return _UNDECLARED
+    return _UNDECLARED if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
 
 
 def _check_options(node: Node, inner: Node, saved: list[dict[object, object]]) -> None:
@@ -225,7 +252,7 @@ def _check_options(node: Node, inner: Node, saved: list[dict[object, object]]) -
     cls = type(inner.optimizer).__qualname__
     for index, group in enumerate(saved):
         for option, default in defaults.items():
-            if option in group and not _fits(default, group[option]):
+            if option in group and not _fits(default, group[option]) and not _fits_declared(type(inner.optimizer), option, group[option]):
                 expected, given = _option_kind(default), _option_kind(group[option])
                 message = f"param group {index} holds {given} as {option!r}, which {cls} reads as {expected}"
                 raise layout_error(node, "param_groups", message)
@@ -252,16 +279,21 @@ def _hashable(value: object) -> bool:
     return True
 
 
-def _gather_history(node: Node, leaf: LeafNode, entries: dict[object, dict[object, object]], into: Extents) -> None:
-    """The memory of the history tensors of a leaf's saved entries, by node path, entry and key."""
+def _gather_history(
+    node: Node, leaf: LeafNode, entries: dict[object, dict[object, object]], params: Mapping[object, object], into: Extents
+) -> None:
+    """The memory of the history tensors of a leaf's saved entries that torch's load keeps
+    as they are (not those it copies to cast them to their parameter's dtype or device),
+    by node path, entry and key."""
     schema = _registry.schema_for(type(leaf.optimizer))
     if schema is None:
         return
     history = schema.zero | schema.filled | schema.identity
     cls = type(leaf.optimizer).__qualname__
     for index, entry in entries.items():
+        param = params.get(index)
         for key, value in entry.items():
-            if key in history and isinstance(value, torch.Tensor):
+            if key in history and isinstance(value, torch.Tensor) and not (isinstance(param, torch.Tensor) and _cast_at_load(value, param)):
                 into.extend(ranges([value]).owned((f"state entry {index!r} at {node.path}", cls, str(key))))
 
 
@@ -498,7 +530,11 @@ def _reads_every_group_step(node: Node) -> bool:
     Megatron's does where neither TE nor apex is installed (its module's ``HAVE_APEX_OR_TE``);
     with one, only the steps the groups hold, none before a first step (over a
     HybridDeviceOptimizer). A module without the flag is taken to read them all."""
-    return not getattr(sys.modules.get(type(node.optimizer).__module__), "HAVE_APEX_OR_TE", False)
+    for cls in type(node.optimizer).__mro__:  # a subclass's load is its Megatron base's, which reads its own module's
+        module = sys.modules.get(cls.__module__)
+        if hasattr(module, "HAVE_APEX_OR_TE"):
+            return not getattr(module, "HAVE_APEX_OR_TE")
+    return True
 
 
 def _steps_in_groups(node: Node, state: object, loading: Load | None) -> StateDicts:
