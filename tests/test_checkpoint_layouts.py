@@ -550,3 +550,31 @@ def test_with_te_or_apex_a_group_without_a_step_over_a_hybrid_optimizer_loads(mo
     monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", False)
     with loaded.device, pytest.raises(opttree.UnsupportedCheckpoint, match="its param groups do not hold one step"):
         opttree.load_state_dict(loaded.optimizer, state)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.float32], ids=["complex128", "float32"])
+def test_history_of_a_complex_parameter_in_another_dtype_is_refused(dtype: torch.dtype) -> None:
+    """torch's load casts history to a float parameter's dtype, but keeps a complex
+    parameter's as it is: complex128 or real history for complex64 weights loads in
+    Megatron's own load and its next step raises; opttree refuses it, nothing loaded."""
+    from tests.megatron_parts import fp32
+
+    def adam() -> torch.optim.Adam:
+        param = torch.nn.Parameter(torch.ones(4, 3, dtype=torch.complex64))
+        return torch.optim.Adam([{"params": [param], "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}])
+
+    saver = adam()
+    saver.param_groups[0]["params"][0].grad = torch.ones(4, 3, dtype=torch.complex64)
+    saver.step()
+    state = saver.state_dict()
+    state["state"][0]["exp_avg"] = torch.zeros(4, 3, dtype=dtype)
+    megatrons = adam()
+    fp32(megatrons).load_state_dict(copy.deepcopy(state))
+    megatrons.param_groups[0]["params"][0].grad = torch.ones(4, 3, dtype=torch.complex64)
+    with pytest.raises(RuntimeError):
+        megatrons.step()
+
+    ours = adam()
+    with pytest.raises(opttree.UnsupportedCheckpoint, match=rf"its 'exp_avg' would be held as {str(dtype).removeprefix('torch.')}, where Adam builds it in complex64"):
+        opttree.load_state_dict(fp32(ours), state)
+    assert ours.state == {}

@@ -426,6 +426,14 @@ def _check_entry(
                     raise layout_error(node, key, f"{where}: its schema's shape_of raised {type(error).__name__}: {error}") from error
                 if value.shape != expected:
                     raise layout_error(node, key, f"{where} has shape {tuple(value.shape)}, where {cls} builds it in shape {tuple(expected)}")
+                try:
+                    built = schema.built_dtype(key, param.dtype)
+                except Exception as error:  # noqa: BLE001  # a registered dtype_of may raise anything
+                    raise layout_error(node, key, f"{where}: its schema's dtype_of raised {type(error).__name__}: {error}") from error
+                held = param.dtype if param.is_floating_point() else value.dtype  # torch's load casts history to a float parameter's dtype
+                if held != built:
+                    cast = " (torch's load casts history to its parameter's dtype)" if held != value.dtype else ""
+                    raise layout_error(node, key, f"{where} would be held as {torch_name(held)}{cast}, where {cls} builds it in {torch_name(built)}")
 
 
 def _groups(node: Node) -> list[dict[str, list[object]]]:
