@@ -6,7 +6,7 @@ CUDA tensors ``FP32Optimizer.__init__`` creates onto the CPU.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from megatron.core.optimizer import ChainedOptimizer, FP32Optimizer, MegatronOptimizer, OptimizerConfig
@@ -22,6 +22,16 @@ def config() -> OptimizerConfig:
 def fp32(optimizer: torch.optim.Optimizer | None, shared_config: OptimizerConfig | None = None) -> FP32Optimizer:
     with cuda_on_cpu():
         return FP32Optimizer(optimizer, shared_config or config(), None)
+
+
+GROUP_SETTINGS: dict[str, object] = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
+"""The settings Megatron pairs saved param groups with the optimizer's by (megatron-core
+0.16 asks every group for them), for a torch optimizer built by hand under a wrapper."""
+
+
+def megatron_group(params: Iterable[torch.Tensor], **options: object) -> dict[str, object]:
+    """A param group of ``params`` with Megatron's pairing settings and ``options``."""
+    return {"params": list(params), **GROUP_SETTINGS, **options}
 
 
 def chained(members: Sequence[MegatronOptimizer]) -> ChainedOptimizer:

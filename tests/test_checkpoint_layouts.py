@@ -20,6 +20,7 @@ from megatron.core import dist_checkpointing
 import opttree
 from opttree import testing
 from tests.helpers import snapshot, unchanged
+from tests.megatron_parts import fp32, megatron_group
 from tests.test_checkpoints import fresh_like, model_state, reset_and_save
 
 K = 2
@@ -266,16 +267,15 @@ def test_options_missing_from_a_saved_group_load_as_torch_loads_them() -> None:
 def test_an_option_the_optimizer_holds_as_none_takes_anything_in_a_sequence_too() -> None:
     """Adafactor's ``eps`` defaults to ``(None, 1e-3)``: a group that sets it to
     ``(1e-30, 1e-3)`` loads; one of strs does not."""
-    from tests.megatron_parts import fp32
 
     params = [torch.nn.Parameter(torch.ones(4, 3))]
-    saver = torch.optim.Adafactor([{"params": params, "eps": (1e-30, 1e-3), "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}])
+    saver = torch.optim.Adafactor([megatron_group(params, eps=(1e-30, 1e-3))])
     assert saver.defaults["eps"] == (None, 1e-3)
     state = saver.state_dict()
-    fresh = torch.optim.Adafactor([{"params": [torch.nn.Parameter(torch.ones(4, 3))], "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}])
+    fresh = torch.optim.Adafactor([megatron_group([torch.nn.Parameter(torch.ones(4, 3))])])
     opttree.load_state_dict(fp32(fresh), copy.deepcopy(state))
     assert fresh.param_groups[0]["eps"] == (1e-30, 1e-3)
-    default_saver = torch.optim.Adafactor([{"params": params, "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}])
+    default_saver = torch.optim.Adafactor([megatron_group(params)])
     opttree.load_state_dict(fp32(fresh), default_saver.state_dict())  # (None, 1e-3), as Adafactor declares, into (1e-30, 1e-3)
     assert fresh.param_groups[0]["eps"] == (None, 1e-3)
     state["param_groups"][0]["eps"] = ("a", "b")
@@ -557,11 +557,10 @@ def test_history_of_a_complex_parameter_in_another_dtype_is_refused(dtype: torch
     """torch's load casts history to a float parameter's dtype, but keeps a complex
     parameter's as it is: complex128 or real history for complex64 weights loads in
     Megatron's own load and its next step raises; opttree refuses it, nothing loaded."""
-    from tests.megatron_parts import fp32
 
     def adam() -> torch.optim.Adam:
         param = torch.nn.Parameter(torch.ones(4, 3, dtype=torch.complex64))
-        return torch.optim.Adam([{"params": [param], "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}])
+        return torch.optim.Adam([megatron_group([param])])
 
     saver = adam()
     saver.param_groups[0]["params"][0].grad = torch.ones(4, 3, dtype=torch.complex64)

@@ -18,6 +18,7 @@ import torch
 import opttree
 from opttree._registry import schema_for
 from tests.helpers import model, refused_in_place, snapshot, train, trains_as_fresh, unchanged
+from tests.megatron_parts import GROUP_SETTINGS, fp32, megatron_group
 
 TORCH_CASES = [
     pytest.param(cls, key, id=f"{cls.__name__}-{key}")
@@ -166,21 +167,15 @@ def test_a_copy_keeps_the_check() -> None:
     assert opttree.validate(optimizer) == ()
 
 
-def _megatron_group(net: torch.nn.Module) -> dict[str, object]:
-    """A param group with the settings Megatron pairs saved groups by (megatron-core 0.16)."""
-    return {"params": list(net.parameters()), "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
-
-
 @pytest.mark.parametrize("key", ["row_var", "col_var", "variance"])
 def test_an_adafactor_entry_lacking_a_key_built_for_its_parameters_shape_is_refused(key: str) -> None:
     """Adafactor builds ``row_var`` and ``col_var`` with the entry of a parameter of two or
     more dimensions and ``variance`` with one of fewer (``StateSchema.built_for``): an entry
     that lacks the one its parameter needs is refused, in place and at a load, where torch's
     next step raises; what no entry of that shape holds is not asked for."""
-    from tests.megatron_parts import fp32
 
     net = model()
-    optimizer = torch.optim.Adafactor([_megatron_group(net)], lr=0.01)
+    optimizer = torch.optim.Adafactor([megatron_group(net.parameters())], lr=0.01)
     train(net, optimizer, 0, 2)
     assert opttree.validate(optimizer) == ()
     held = next(entry for entry in optimizer.state.values() if key in entry)
@@ -194,7 +189,7 @@ def test_an_adafactor_entry_lacking_a_key_built_for_its_parameters_shape_is_refu
 
     index = next(i for i, entry in saved["state"].items() if key in entry)
     del saved["state"][index][key]
-    fresh = torch.optim.Adafactor([_megatron_group(model())], lr=0.01)
+    fresh = torch.optim.Adafactor([megatron_group(model().parameters())], lr=0.01)
     with pytest.raises(opttree.UnsupportedCheckpoint, match=rf"state entry {index}, of a parameter of shape .* lacks '{key}', which Adafactor builds with the entry of such a parameter"):
         opttree.load_state_dict(fp32(fresh), saved)
     assert fresh.state == {}
@@ -258,10 +253,9 @@ def test_a_built_for_function_that_raises_is_the_keys_problem() -> None:
     train(other, unsure, 0, 1)
     assert any("its schema's built_for raised ValueError: neither" in p.message for p in opttree.validate(unsure))
     saved = copy.deepcopy(unsure.state_dict())
-    saved["param_groups"][0].update(wd_mult=1.0, lr_mult=1.0, is_expert_parallel=False, is_decoupled_lr=False)
+    saved["param_groups"][0].update(GROUP_SETTINGS)
     del saved["state"][0]["row_var"]
-    from tests.megatron_parts import fp32
 
-    fresh = Unsure([_megatron_group(model())], lr=0.01)
+    fresh = Unsure([megatron_group(model().parameters())], lr=0.01)
     with pytest.raises(opttree.UnsupportedCheckpoint, match="its schema's built_for raised ValueError: neither"):
         opttree.load_state_dict(fp32(fresh), saved)

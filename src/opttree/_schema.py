@@ -77,6 +77,16 @@ parameter of that shape (Adafactor's ``row_var`` for two dimensions or more)."""
 _Value = TypeVar("_Value")
 
 
+def _named_apart(fields: Mapping[str, frozenset[str]]) -> None:
+    """Refuse a state key that two of these schema fields (by name) both name."""
+    named = list(fields.items())
+    for i, (first, first_keys) in enumerate(named):
+        for second, second_keys in named[i + 1 :]:
+            if first_keys & second_keys:
+                msg = f"state keys {sorted(first_keys & second_keys)} are named in both {first} and {second}"
+                raise RegistrationError(msg)
+
+
 def _keyed(
     value: Mapping[str, _Value] | tuple[tuple[str, _Value], ...], field_name: str, meaning: str
 ) -> tuple[tuple[str, _Value], ...]:
@@ -334,11 +344,7 @@ class StateSchema:
         if not self.typed <= self.built_like_param:
             msg = f"dtype_of names {sorted(self.typed - self.built_like_param)}, which are neither like_param nor shape_of keys"
             raise RegistrationError(msg)
-        for i, (first, first_keys) in enumerate(layouts.items()):
-            for second, second_keys in list(layouts.items())[i + 1 :]:
-                if first_keys & second_keys:
-                    msg = f"state keys {sorted(first_keys & second_keys)} are named in both {first} and {second}"
-                    raise RegistrationError(msg)
+        _named_apart(layouts)
         history = self.zero | self.filled | self.identity
         built = {
             "built_if": frozenset(key for key, _ in self.built_if),
@@ -349,11 +355,7 @@ class StateSchema:
             if not named <= history:
                 msg = f"{name} names {sorted(named - history)}, which are neither zeroed, filled nor identity"
                 raise RegistrationError(msg)
-        for i, (first, first_keys) in enumerate(built.items()):
-            for second, second_keys in list(built.items())[i + 1 :]:
-                if first_keys & second_keys:
-                    msg = f"state keys {sorted(first_keys & second_keys)} are named in both {first} and {second}"
-                    raise RegistrationError(msg)
+        _named_apart(built)
         if "step" in self.zero | self.drop | self.keep | self.filled | self.identity:
             msg = "'step' is described by StateSchema.step, not by a key set"
             raise RegistrationError(msg)
