@@ -3,6 +3,9 @@ fresh optimizer's, or keeps it on request; scalers it does not know are refused.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+
 import pytest
 import torch
 from megatron.core.optimizer.grad_scaler import DynamicGradScaler
@@ -180,3 +183,33 @@ def test_a_min_loss_scale_beyond_a_float_is_reported_not_raised() -> None:
     assert problem.key == "grad_scaler" and "its min_scale is 1.0 and the wrapper's config says 1000" in problem.message
     with pytest.raises(opttree.UnsupportedOptimizerState, match="its min_scale is 1.0"):
         opttree.reset(stack.optimizer)
+
+
+def _freed_scale() -> torch.Tensor:
+    scale = torch.tensor([65536.0])
+    scale.untyped_storage().resize_(0)  # as an offload that frees storage leaves it
+    return scale
+
+
+@pytest.mark.parametrize(
+    "make",
+    [_freed_scale, lambda: torch.tensor([1 + 2j]), lambda: torch.nested.nested_tensor([torch.tensor([1.0])])],
+    ids=["freed", "complex", "nested"],
+)
+def test_a_scale_that_cannot_be_read_is_shown_as_unknown_and_refused(make: Callable[[], torch.Tensor]) -> None:
+    """``describe`` shows it as ``?`` (it once called ``float()`` on it and raised torch's
+    error); ``validate`` names it, and a reset refuses it with nothing changed."""
+    stack, scaler = trained()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's nested tensors are a prototype
+        scaler._scale = make()
+    before = [v.clone() for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values()]
+
+    assert "loss_scale=? (DynamicGradScaler)" in opttree.describe(stack.optimizer)
+    (problem,) = opttree.validate(stack.optimizer)
+    assert problem.key == "grad_scaler" and problem.severity is opttree.Severity.ERROR
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'grad_scaler'"):
+        opttree.reset(stack.optimizer)
+
+    after = [v for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values()]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))

@@ -135,6 +135,5 @@ def scaler_text(wrapper: object) -> str:
     scaler = loss_scaler(wrapper)
     if scaler is None:
         return ""
-    scale = _attributes(scaler).get("_scale")
-    value = f"{float(scale):.8g}" if isinstance(scale, torch.Tensor) and scale.numel() == 1 and not scale.is_meta else "?"
-    return f" loss_scale={value} ({type(scaler).__name__})"
+    value = real_number(_attributes(scaler).get("_scale"))  # None for a freed, complex or nested scale, as validate reports it
+    return f" loss_scale={'?' if value is None else f'{value:.8g}'} ({type(scaler).__name__})"
