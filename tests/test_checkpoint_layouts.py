@@ -577,3 +577,34 @@ def test_history_of_a_complex_parameter_in_another_dtype_is_refused(dtype: torch
     with pytest.raises(opttree.UnsupportedCheckpoint, match=rf"its 'exp_avg' would be held as {str(dtype).removeprefix('torch.')}, where Adam builds it in complex64"):
         opttree.load_state_dict(fp32(ours), state)
     assert ours.state == {}
+
+
+@pytest.mark.parametrize("with_opttree", [False, True], ids=["megatron", "opttree"])
+def test_any_error_megatrons_load_raises_past_the_checks_comes_back_saying_what_stayed_loaded(with_opttree: bool) -> None:
+    """Megatron's side: ``Float16OptimizerWithFloat16Params.load_state_dict`` loads its torch
+    optimizer, then its loss scaler, which moves the saved scale to the device: an error
+    there (the device out of memory, here raised by the scaler's load) leaves the torch
+    optimizer loaded. opttree's side: whatever the error's type, it comes back as an
+    ``UnsupportedCheckpoint`` saying that what Megatron loaded stays loaded, the error as
+    its cause (a torch ``RuntimeError`` once came back raw)."""
+    source = recipe("fp16")
+    state = saved(source)
+    stack = testing.build("fp16")
+    stack.train(0, 1)
+    (wrapper,) = getattr(stack.optimizer, "chained_optimizers")
+
+    def out_of_memory(state_dict: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+    wrapper.grad_scaler.load_state_dict = out_of_memory
+    (leaf,) = stack.leaves()
+    before = snapshot(leaf)
+    with stack.device:
+        if with_opttree:
+            with pytest.raises(opttree.UnsupportedCheckpoint, match="raised OutOfMemoryError: CUDA out of memory.*stays loaded") as refused:
+                opttree.load_state_dict(stack.optimizer, copy.deepcopy(state))
+            assert isinstance(refused.value.__cause__, torch.OutOfMemoryError)
+        else:
+            with pytest.raises(torch.OutOfMemoryError):
+                stack.optimizer.load_state_dict(copy.deepcopy(state))
+    assert not unchanged(leaf, before)  # the torch optimizer was loaded before the scaler raised

@@ -56,12 +56,6 @@ from opttree._fields import kind_of
 
 _Result = TypeVar("_Result")
 
-MEGATRONS_OWN_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, AssertionError, NotImplementedError)
-"""What Megatron's ``sharded_state_dict`` and ``load_state_dict`` raise for arguments or a
-state dict they cannot use, past opttree's own checks, besides Megatron's own exception
-classes (``CheckpointingException``): given back as :class:`~opttree.UnsupportedCheckpoint`,
-the original as its cause."""
-
 
 def _leaf_steps(leaf: LeafNode) -> list[object]:
     return [entry["step"] for entry in leaf.optimizer.state.values() if isinstance(entry, dict) and "step" in entry]
@@ -211,14 +205,14 @@ def _unshare_steps(root: Node) -> None:
 
 
 def _megatrons(root: Node, method: str, call: Callable[[], _Result]) -> _Result:
-    """``call()``, Megatron's own ``method``; an error it raises for what it was given is
-    an :class:`~opttree.UnsupportedCheckpoint`. Megatron's loads are not all-or-nothing:
-    what it loaded before raising stays loaded, which the message says."""
+    """``call()``, Megatron's own ``method``; any error it raises past opttree's checks (its
+    own ``CheckpointingException``, torch's, an out-of-memory error as it moves state to
+    the device) is an :class:`~opttree.UnsupportedCheckpoint`, the original as its cause.
+    Megatron's loads are not all-or-nothing: what it loaded before raising stays loaded,
+    which the message says, whatever the error."""
     try:
         return call()
     except Exception as error:
-        if not isinstance(error, MEGATRONS_OWN_ERRORS) and not type(error).__module__.startswith("megatron."):
-            raise
         after = "; what it loaded before raising stays loaded: load into a fresh stack" if method == "load_state_dict" else ""
         message = f"Megatron's own {method} raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}{after}"
         raise layout_error(root, method, message) from error
