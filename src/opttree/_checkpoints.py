@@ -150,6 +150,26 @@ def load_state_dict(
     loaded = tree(root.optimizer)  # built again: a HybridDeviceOptimizer's load builds new sub-optimizers
     _restore_group_steps(loaded, checked.group_steps)
     _unshare_steps(loaded)
+    _drop_bucket_flags(loaded)
+
+
+BUCKET_FLAGS = frozenset({"padding"})
+"""Flags of the bucket state a ``DistributedOptimizer`` saves in its ``dp_reshardable``
+format, which megatron-core 0.16's load writes into a ``HybridDeviceOptimizer``'s state
+entries beside the history (0.19's skips values that are not tensors): no step reads
+them, and a reset would refuse the key as one its leaf's schema does not know."""
+
+
+def _drop_bucket_flags(root: Node) -> None:
+    """Delete the :data:`BUCKET_FLAGS` Megatron's load left in state entries, where the
+    leaf's schema does not name the key as its optimizer's own."""
+    for optimizer in tree_leaves(root):
+        schema = _registry.schema_for(type(optimizer))
+        flags = BUCKET_FLAGS - (schema.actions.keys() if schema is not None else set())
+        for entry in optimizer.state.values():
+            for key in flags:
+                if isinstance(entry, dict) and isinstance(entry.get(key), bool):
+                    del entry[key]
 
 
 def _restore_group_steps(root: Node, group_steps: dict[int, float]) -> None:
