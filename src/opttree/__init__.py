@@ -22,6 +22,7 @@ from opttree._errors import (
     UnsupportedCheckpoint,
     UnsupportedOptimizerState,
 )
+from opttree._hooks import register_step_hook
 from opttree._masters import SyncReport
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._problems import Problem, ProblemKind, Severity
@@ -75,6 +76,7 @@ __all__ = [
     "load_state_dict",
     "prune",
     "register_schema",
+    "register_step_hook",
     "register_wrapper",
     "reset",
     "scale",

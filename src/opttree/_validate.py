@@ -14,6 +14,7 @@ from opttree._containers import PLAIN_STATES, malformed, own_writes
 from opttree._dispatch import is_megatron_class
 from opttree._errors import OptTreeError
 from opttree._held import Held, held_optimizers
+from opttree._hooks import unknown_global_step_hook, unknown_step_hook
 from opttree._identity import identity_key, identity_keys
 from opttree._adapter import TreeBuilder
 from opttree._inspect import GRADIENTS, LeafInspector, step_number
@@ -143,6 +144,9 @@ class ValidateVisitor(TraverserVisitor):
         :func:`~opttree._preflight.plain_torch`)."""
         with plain_torch():
             self._check_under(root)
+            global_hook = unknown_global_step_hook()
+            if global_hook is not None:
+                self.problems.append(Problem(ProblemKind.UNSUPPORTED_OPTIMIZER, root.path, type(root.optimizer).__qualname__, global_hook))
             if root.under is not None:  # a subtree: its leaves are under that wrapper as in the whole stack
                 self._megatron_above = [type(root.under[1]).__qualname__]
             self._contained.append(root.optimizer)
@@ -343,7 +347,8 @@ class ValidateVisitor(TraverserVisitor):
                 item.accept(self)
                 continue
             inspector = self._inspector_for(type(item[0].optimizer)) if self._pooling else None
-            pooled = inspector is not None and not any(map(_registry.instance_builder, map(_OPTIMIZER, item)))
+            optimizers = list(map(_OPTIMIZER, item))
+            pooled = inspector is not None and not any(map(_registry.instance_builder, optimizers)) and not any(map(unknown_step_hook, optimizers))
             if pooled and inspector is not None and inspector.inspect_alike(item):
                 self._pooled = True
                 continue
@@ -508,8 +513,8 @@ class ValidateVisitor(TraverserVisitor):
             return
         cls = type(node.optimizer)
         own_method = _registry.instance_builder(node.optimizer)
-        if own_method is not None:
-            reason = _registry.instance_builder_reason(node.optimizer, own_method)
+        reason = _registry.instance_builder_reason(node.optimizer, own_method) if own_method is not None else unknown_step_hook(node.optimizer)
+        if reason is not None:
             self.problems.append(Problem(ProblemKind.UNSUPPORTED_OPTIMIZER, node.path, cls.__qualname__, reason))
             return
         inspector = self._inspector_for(cls)

@@ -1,0 +1,125 @@
+"""Step hooks: code that runs inside an optimizer's ``step()`` besides its class's own.
+
+torch runs an optimizer's own step pre- and post-hooks (``register_step_pre_hook``) and
+its global ones (``register_optimizer_step_pre_hook``) in every ``step()``. A hook may
+build or change state (start a moment from the first gradient where an entry is empty,
+count in a closure of its own), as a subclass's ``step`` may, so a reset is exact only
+where each hook is known to leave optimizer state alone: Megatron's own (a
+HybridDeviceOptimizer copies its sub-optimizers' parameters back after each step), or one a
+user declares with :func:`register_step_hook`. Any other is refused, as an instance's own
+``step`` is.
+
+Hooks are known by their function's module and qualified name, so that the closures a
+wrapper makes anew for each sub-optimizer are one hook.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import cast
+
+from torch.optim import optimizer as torch_optimizer
+
+from opttree._errors import RegistrationError
+from opttree._fields import kind_of
+
+_HYBRID = "HybridDeviceOptimizer._register_param_copy_back_gpu_hook.<locals>."
+_BUILTIN = frozenset(
+    {
+        ("megatron.core.optimizer.cpu_offloading.hybrid_optimizer", _HYBRID + "param_copy_back_gpu_hook_closure.<locals>.param_copy_back_gpu_hook"),
+        ("megatron.core.optimizer.cpu_offloading.hybrid_optimizer", _HYBRID + "fp32_param_copy_back_gpu_hook_closure.<locals>.fp32_param_copy_back_gpu_hook"),
+        ("torch.profiler", "_optimizer_post_hook"),  # counts steps for the Kineto profiler
+    }
+)
+"""Hooks read in their sources and known to leave optimizer state alone, by module and
+qualified name."""
+
+_registered: set[tuple[str, str]] = set()
+_lock = threading.Lock()
+
+_OWN = (("_optimizer_step_pre_hooks", "step pre-hook"), ("_optimizer_step_post_hooks", "step post-hook"))
+_GLOBAL = (("_global_optimizer_pre_hooks", "step pre-hook"), ("_global_optimizer_post_hooks", "step post-hook"))
+
+
+def _function(hook: object) -> object:
+    """The function a hook runs: a bound method's or a ``functools.partial``'s."""
+    for _ in range(8):
+        inner = hook.func if isinstance(hook, functools.partial) else getattr(hook, "__func__", None)
+        if inner is None:
+            return hook
+        hook = inner
+    return hook
+
+
+def _key(hook: object) -> tuple[str, str] | None:
+    """A hook's function's module and qualified name, which it is known by, or None."""
+    try:
+        function = _function(hook)
+        module, qualname = getattr(function, "__module__", None), getattr(function, "__qualname__", None)
+    except Exception:  # noqa: BLE001  # an object's own __getattr__ may raise anything
+        return None
+    return (module, qualname) if isinstance(module, str) and isinstance(qualname, str) else None
+
+
+def hook_name(hook: object) -> str:
+    key = _key(hook)
+    return kind_of(hook) if key is None else ".".join(key)
+
+
+def _known(hook: object) -> bool:
+    key = _key(hook)
+    return key in _BUILTIN or key in _registered
+
+
+def register_step_hook(hook: Callable[..., object]) -> None:
+    """Declare that ``hook``, a step pre- or post-hook, leaves optimizer state alone (it
+    logs, times, casts gradients or copies parameters): optimizers holding it are then
+    reset as any other. It is known by its module and qualified name, so every closure
+    one function makes counts. Only declare hooks that neither build nor change state,
+    nor keep counts of their own that a reset would leave behind: a reset cannot see them."""
+    if not callable(cast(object, hook)):  # untyped callers pass anything
+        msg = f"register_step_hook takes the hook function, got {kind_of(hook)}"
+        raise RegistrationError(msg)
+    key = _key(hook)
+    if key is None:
+        msg = f"{kind_of(hook)} has no module and qualified name to be known by: register the function it calls"
+        raise RegistrationError(msg)
+    with _lock:
+        _registered.add(key)
+
+
+def _unknown(hooks: object, what: str, inside: str) -> str | None:
+    """Why the ``hooks`` torch holds in a dict make a reset unsafe (``what`` names them,
+    ``inside`` the steps they run in), or None: the first not known to leave state alone,
+    or a container other than torch's dict, whose contents nothing can tell."""
+    if hooks is None:
+        return None
+    if not isinstance(hooks, dict):
+        return _reason(f"{what}s, held in {kind_of(hooks)} where torch holds a dict, run inside {inside}")
+    values = cast(dict[object, object], hooks).values()
+    hook = next((hook for hook in values if not _known(hook)), None)
+    return None if hook is None else _reason(f"{what} {hook_name(hook)} runs inside {inside}")
+
+
+def unknown_step_hook(optimizer: object) -> str | None:
+    """Why ``optimizer``'s own step hooks make its reset unsafe, or None."""
+    own = getattr(optimizer, "__dict__", None)
+    if not isinstance(own, dict):
+        return None
+    return next(filter(None, (_unknown(own.get(attribute), f"its {kind}", "its step") for attribute, kind in _OWN)), None)
+
+
+def unknown_global_step_hook() -> str | None:
+    """Why torch's global step hooks, which run in every optimizer's ``step()``, make a
+    reset unsafe, or None."""
+    found = (_unknown(getattr(torch_optimizer, attribute, None), f"torch's global {kind}", "every optimizer's step") for attribute, kind in _GLOBAL)
+    return next(filter(None, found), None)
+
+
+def _reason(what: str) -> str:
+    return (
+        f"{what}: opttree cannot tell that it builds and changes no state, so a reset could not be exact; "
+        "if it leaves optimizer state alone, declare it with opttree.register_step_hook"
+    )

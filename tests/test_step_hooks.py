@@ -1,0 +1,188 @@
+"""Step hooks run inside ``step()``: an optimizer holding one opttree does not know (its
+own or torch's global ones) is refused with nothing changed, as an instance's own ``step``
+is; Megatron's own hooks and those a user declares are reset as any other."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+import opttree
+from opttree import _hooks, testing
+from tests.helpers import snapshot, unchanged
+
+
+@pytest.fixture(autouse=True)
+def no_registered_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_hooks, "_registered", set())
+
+
+def warm_start(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    """Starts Adam's moments from the first gradient where an entry is still empty."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is not None and not optimizer.state[param]:
+                optimizer.state[param].update(
+                    step=torch.tensor(0.0), exp_avg=param.grad.clone(), exp_avg_sq=param.grad.square()
+                )
+
+
+def logged(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    """Touches no state."""
+
+
+def trained(seed: int = 0, *hooks: Callable[[torch.optim.Optimizer, object, object], None]) -> torch.optim.Adam:
+    generator = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(4, 3, generator=generator)) for _ in range(2)]
+    optimizer = torch.optim.Adam(params, lr=0.1)
+    for hook in hooks:
+        optimizer.register_step_pre_hook(hook)
+    train(optimizer, 3)
+    return optimizer
+
+
+def train(optimizer: torch.optim.Optimizer, steps: int) -> None:
+    for step in range(steps):
+        for index, param in enumerate(optimizer.param_groups[0]["params"]):
+            param.grad = torch.full_like(param, 0.1 * (step + 1 + index))
+        optimizer.step()
+
+
+def fresh_like(optimizer: torch.optim.Optimizer, *hooks: Callable[[torch.optim.Optimizer, object, object], None]) -> torch.optim.Adam:
+    params = [torch.nn.Parameter(p.detach().clone()) for p in optimizer.param_groups[0]["params"]]
+    fresh = torch.optim.Adam(params, lr=0.1)
+    for hook in hooks:
+        fresh.register_step_pre_hook(hook)
+    return fresh
+
+
+def same_params(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.param_groups[0]["params"], b.param_groups[0]["params"], strict=True))
+
+
+def test_a_hook_that_builds_state_is_refused_and_a_reset_by_hand_is_not_exact() -> None:
+    optimizer = trained(0, warm_start)
+    before = snapshot(optimizer)
+
+    (problem,) = opttree.validate(optimizer)
+    assert problem.kind is opttree.ProblemKind.UNSUPPORTED_OPTIMIZER and problem.cls == "Adam"
+    assert "its step pre-hook tests.test_step_hooks.warm_start runs inside its step" in problem.message
+    with pytest.raises(opttree.UnsupportedOptimizer, match="register_step_hook"):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before)
+
+    fresh = fresh_like(optimizer, warm_start)
+    for entry in optimizer.state.values():  # what opttree would do, were the hook not there
+        for value in entry.values():
+            value.zero_()
+    train(optimizer, 2)
+    train(fresh, 2)
+    assert not same_params(optimizer, fresh)  # the hook warm-started the fresh one only
+
+
+def test_a_declared_hook_is_reset_as_any_other_and_trains_as_a_fresh_optimizer() -> None:
+    optimizer = trained(0, logged)
+    with pytest.raises(opttree.UnsupportedOptimizer, match="its step pre-hook tests.test_step_hooks.logged"):
+        opttree.reset(optimizer)
+
+    opttree.register_step_hook(logged)
+    assert opttree.validate(optimizer) == ()
+    opttree.reset(optimizer)
+    fresh = fresh_like(optimizer, logged)
+    train(optimizer, 2)
+    train(fresh, 2)
+    assert same_params(optimizer, fresh)
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def count(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        self.steps += 1
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda: Counter().count, "tests.test_step_hooks.Counter.count"),
+        (lambda: functools.partial(Counter.count, Counter()), "tests.test_step_hooks.Counter.count"),
+    ],
+    ids=["bound-method", "partial"],
+)
+def test_post_hooks_bound_methods_and_partials_are_known_by_their_function(
+    make: Callable[[], Callable[[torch.optim.Optimizer, object, object], None]], name: str
+) -> None:
+    optimizer = trained()
+    optimizer.register_step_post_hook(make())
+    with pytest.raises(opttree.UnsupportedOptimizer, match=f"its step post-hook {name} runs"):
+        opttree.reset(optimizer)
+    opttree.register_step_hook(make())  # another instance's: the same function
+    opttree.reset(optimizer)
+
+
+@pytest.fixture
+def global_hooks() -> Iterator[list[torch.utils.hooks.RemovableHandle]]:
+    handles: list[torch.utils.hooks.RemovableHandle] = []
+    yield handles
+    for handle in handles:
+        handle.remove()
+
+
+def test_a_global_hook_refuses_every_optimizer_until_it_is_removed_or_declared(global_hooks: list[torch.utils.hooks.RemovableHandle]) -> None:
+    optimizer = trained()
+    handle = register_optimizer_step_pre_hook(warm_start)
+    global_hooks.append(handle)
+
+    (problem,) = opttree.validate(optimizer)
+    assert "torch's global step pre-hook tests.test_step_hooks.warm_start runs inside every optimizer's step" in problem.message
+    before = snapshot(optimizer)
+    with pytest.raises(opttree.UnsupportedOptimizer):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before)
+
+    handle.remove()
+    assert opttree.validate(optimizer) == ()
+
+
+def test_torchs_profiler_hook_is_known(global_hooks: list[torch.utils.hooks.RemovableHandle]) -> None:
+    """torch.profiler registers it where Kineto's daemon runs: it counts steps for it."""
+    import torch.profiler
+
+    global_hooks.append(register_optimizer_step_post_hook(torch.profiler._optimizer_post_hook))
+    optimizer = trained()
+    assert opttree.validate(optimizer) == ()
+    opttree.reset(optimizer)
+
+
+def test_hooks_torch_cannot_hold_as_it_does_are_refused_and_never_raise() -> None:
+    optimizer = trained()
+    optimizer._optimizer_step_pre_hooks = ["not", "a", "dict"]  # type: ignore[assignment]
+    (problem,) = opttree.validate(optimizer)
+    assert "its step pre-hooks, held in a list where torch holds a dict, run inside its step" in problem.message
+    assert "Adam" in opttree.describe(optimizer)
+
+
+def test_register_step_hook_refuses_what_it_cannot_know() -> None:
+    class Callable_:
+        def __call__(self, optimizer: object, args: object, kwargs: object) -> None: ...
+
+    with pytest.raises(opttree.RegistrationError, match="takes the hook function, got an int"):
+        opttree.register_step_hook(3)  # type: ignore[arg-type]
+    with pytest.raises(opttree.RegistrationError, match="has no module and qualified name"):
+        opttree.register_step_hook(Callable_())
+
+
+@pytest.mark.parametrize("name", [n for n in ("offload_0.75", "offload_1.0") if n in testing.available()])
+def test_megatrons_hybrid_optimizer_hooks_are_known(name: str) -> None:
+    """A HybridDeviceOptimizer registers a post-hook on each sub-optimizer that copies its
+    parameters back: it touches no optimizer state."""
+    stack = testing.build(name)
+    stack.train(0, 2)
+    assert any(leaf._optimizer_step_post_hooks for leaf in stack.leaves())
+    assert not opttree.validate(stack.optimizer)
+    opttree.reset(stack.optimizer)
