@@ -213,3 +213,17 @@ def test_a_scale_that_cannot_be_read_is_shown_as_unknown_and_refused(make: Calla
 
     after = [v for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values()]
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+@pytest.mark.parametrize(("name", "value"), [("growth_factor", 4.0), ("backoff_factor", 0.25)])
+def test_a_scaler_with_other_factors_than_megatrons_factory_is_refused(name: str, value: float) -> None:
+    """Megatron's factory builds every DynamicGradScaler with a growth factor of 2 and a
+    backoff factor of 0.5: one built otherwise was built by hand, and its start is not known."""
+    stack, scaler = trained()
+    setattr(scaler, name, torch.tensor([value]))
+    before = [v.clone() for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values()]
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=rf"its {name} is {value} and Megatron's factory builds it with"):
+        opttree.reset(stack.optimizer)
+    after = [v for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values()]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    assert opttree.reset(stack.optimizer, keep_loss_scale=True).loss_scales_kept == 1

@@ -8,8 +8,10 @@ warmed-up scale would not train as a fresh optimizer does: a reset of the wrappe
 puts the scaler back to that start (``keep_loss_scale=True`` keeps it). Scalers are known
 by class: a ``ConstantGradScaler`` has nothing to reset, and any other class is refused.
 A ``DynamicGradScaler`` is reset only where it was built as Megatron's factory builds it,
-from the wrapper's config: otherwise the scale it started from is not known.
-"""
+from the wrapper's config: otherwise the scale it started from is not known. It keeps no
+record of that scale, so one built by hand with the factory's settings but another
+``initial_scale`` than its wrapper's config cannot be told apart, and is reset to the
+config's: whoever built it so resets with ``keep_loss_scale=True`` and sets the scale."""
 
 from __future__ import annotations
 
@@ -66,16 +68,19 @@ def _dynamic(scaler: object, config: object) -> Planned:
     fault = unfillable_reason(float(initial), scale.dtype)
     if fault is not None:
         return f"its scale tensor cannot hold the initial_loss_scale: {fault}"
+    config, factory = "the wrapper's config says", "Megatron's factory builds it with"
     pairs = {
-        "hysteresis": (mine.get("hysteresis"), theirs.get("hysteresis")),
-        "growth_interval": (mine.get("growth_interval"), theirs.get("loss_scale_window")),
-        "min_scale": (min_scale, theirs.get("min_loss_scale")),
+        "hysteresis": (mine.get("hysteresis"), theirs.get("hysteresis"), config),
+        "growth_interval": (mine.get("growth_interval"), theirs.get("loss_scale_window"), config),
+        "min_scale": (min_scale, theirs.get("min_loss_scale"), config),
+        "growth_factor": (mine.get("growth_factor"), 2.0, factory),
+        "backoff_factor": (mine.get("backoff_factor"), 0.5, factory),
     }
-    for name, (value, configured) in pairs.items():
-        if not _same(value, configured):
+    for name, (value, expected, source) in pairs.items():
+        if not _same(value, expected):
             return (
-                f"its {name} is {_shown(value)!r} and the wrapper's config says {configured!r}: it was not built "
-                "from the config, so the scale it started from is not known"
+                f"its {name} is {_shown(value)!r} and {source} {expected!r}: it was not built from the config "
+                "as Megatron's factory builds it, so the scale it started from is not known"
             )
     hysteresis = mine["hysteresis"]
     if not isinstance(hysteresis, int) or theirs.get("loss_scale"):
