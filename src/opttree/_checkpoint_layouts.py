@@ -421,9 +421,9 @@ def _check_entry(
                 raise layout_error(node, key, f"{where} holds {value.numel()} values, where {cls} keeps one")
             if key in schema.built_like_param:
                 try:
-                    expected = schema.built_shape(key, tuple(param.shape))
-                except Exception as error:  # noqa: BLE001  # a registered shape_of may raise anything
-                    raise layout_error(node, key, f"{where}: its schema's shape_of raised {type(error).__name__}: {error}") from error
+                    expected = schema.built_shape(key, tuple(param.shape), leaf.optimizer)  # the loading optimizer's settings
+                except Exception as error:  # noqa: BLE001  # a registered shape_of or shape_with may raise anything
+                    raise layout_error(node, key, f"{where}: its schema's {schema.shape_field(key)} raised {type(error).__name__}: {error}") from error
                 if value.shape != expected:
                     raise layout_error(node, key, f"{where} has shape {tuple(value.shape)}, where {cls} builds it in shape {tuple(expected)}")
                 try:

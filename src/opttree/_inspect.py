@@ -653,9 +653,10 @@ class LeafInspector:
         count: int,
     ) -> None:
         """History the optimizer builds like its parameter (of its shape, or of the shape
-        ``shape_of`` derives from it, and of its dtype) that is built otherwise, as a
-        problem: the parameter was cast, reshaped or swapped after it was built, and a fresh
-        optimizer would build it as the parameter is now. ``tensors`` and their ``dtypes``
+        ``shape_of`` or ``shape_with`` derives from it, and of its dtype) that is built
+        otherwise, as a problem: the parameter was cast, reshaped or swapped after it was built
+        (or, for ``shape_with``, the optimizer's settings changed), and a fresh optimizer
+        would build it as the parameter is now. ``tensors`` and their ``dtypes``
         are the key's history in entry order; ``layouts`` the shapes and dtypes of the
         parameters of all ``entries``."""
         param_shapes, param_dtypes = layouts
@@ -663,7 +664,11 @@ class LeafInspector:
             having = [key in entry for entry in entries]
             param_shapes, param_dtypes = list(compress(param_shapes, having)), list(compress(param_dtypes, having))
         schema = self.schema
-        built = param_shapes if key in schema.like_param else self.derived(node, key, "shape_of", schema.built_shape, list(map(tuple, param_shapes)))
+        built = (
+            param_shapes
+            if key in schema.like_param
+            else self.derived(node, key, schema.shape_field(key), lambda name, shape: schema.built_shape(name, shape, node.optimizer), list(map(tuple, param_shapes)))
+        )
         built_dtypes = param_dtypes if key not in schema.typed else self.derived(node, key, "dtype_of", schema.built_dtype, param_dtypes)
         if built is None or built_dtypes is None:
             return
@@ -675,10 +680,13 @@ class LeafInspector:
         first = unlike[0]
         derived = built is not param_shapes or built_dtypes is not param_dtypes
         as_built = f"built as {_layout_text(built[first], built_dtypes[first])} for it; " if derived else ""
+        settings = schema.shape_field(key) == "shape_with"
         message = (
             f"history of {_layout_text(shapes[first], dtypes[first])} where its parameter is "
             f"{_layout_text(param_shapes[first], param_dtypes[first])} ({as_built}{len(unlike)} of {count} such): the parameter was "
-            "cast, reshaped or swapped after it was built, and a fresh optimizer would build it as the parameter is now; "
+            "cast, reshaped or swapped after it was built"
+            + (", or its optimizer's settings that shape it changed (a checkpoint of other settings loaded)" if settings else "")
+            + f", and a fresh optimizer would build it as {'they are' if settings else 'the parameter is'} now; "
             + ("reset with release=True for it to build it so, or rebuild the optimizer" if self.schema.rebuilds_missing else "rebuild the optimizer")
         )
         self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
@@ -686,9 +694,9 @@ class LeafInspector:
     def derived(
         self, node: LeafNode, key: str, name: str, build: Callable[[str, _Param], _Built], of_params: list[_Param]
     ) -> list[_Built] | None:
-        """What the schema's ``name`` (``shape_of``, ``dtype_of``) builds ``key`` as, through
-        ``build``, for parameters of ``of_params``; None, with a problem, where the schema's
-        function fails."""
+        """What the schema's ``name`` (``shape_of``, ``shape_with``, ``dtype_of``) builds
+        ``key`` as, through ``build``, for parameters of ``of_params``; None, with a problem,
+        where the schema's function fails."""
         try:
             found = [build(key, param) for param in of_params]
         except Exception as error:  # noqa: BLE001  # a registered function may raise anything

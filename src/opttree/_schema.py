@@ -66,6 +66,11 @@ ShapeOf = Callable[[tuple[int, ...]], Sequence[int]]
 """``param shape -> shape``: the shape an optimizer builds a history tensor in, from its
 parameter's (Adafactor's ``row_var`` keeps the parameter's shape with its last dimension 1)."""
 
+ShapeWith = Callable[[torch.optim.Optimizer, tuple[int, ...]], Sequence[int]]
+"""``(optimizer, param shape) -> shape``: the shape an optimizer builds a history tensor in,
+from its parameter's and its own settings (AdaptiveMuon's ``moment2_buffer``, by its
+``moment2_method``); it raises for settings it knows no shape for."""
+
 DtypeOf = Callable[[torch.dtype], torch.dtype]
 """``param dtype -> dtype``: the dtype an optimizer builds a history tensor in, where it is
 not its parameter's (SOAP keeps its moments in float32 whatever the parameter's)."""
@@ -119,6 +124,10 @@ def _fills(value: Mapping[str, Fill] | tuple[tuple[str, Fill], ...]) -> tuple[tu
 
 def _shapes(value: Mapping[str, ShapeOf] | tuple[tuple[str, ShapeOf], ...]) -> tuple[tuple[str, ShapeOf], ...]:
     return _keyed(value, "shape_of", "functions (param shape) -> shape")
+
+
+def _shapes_with(value: Mapping[str, ShapeWith] | tuple[tuple[str, ShapeWith], ...]) -> tuple[tuple[str, ShapeWith], ...]:
+    return _keyed(value, "shape_with", "functions (optimizer, param shape) -> shape")
 
 
 def _dtypes(value: Mapping[str, DtypeOf] | tuple[tuple[str, DtypeOf], ...]) -> tuple[tuple[str, DtypeOf], ...]:
@@ -180,9 +189,16 @@ class StateSchema:
     parameter, in a shape derived from the parameter's (Adafactor's factored ``row_var`` and
     ``col_var``, SOAP's Kronecker factors), checked as ``like_param`` keys are.
 
-    ``dtype_of``: ``like_param`` or ``shape_of`` keys the optimizer builds in a dtype of
-    their own, derived from (or regardless of) the parameter's (SOAP's moments in float32,
-    its Kronecker factors in torch's default dtype): checked against it instead.
+    ``shape_with``: keys as ``shape_of``'s, in a shape derived from the parameter's and
+    from the optimizer's own settings, read as they are at each check by a function
+    ``(optimizer, param shape) -> shape`` (AdaptiveMuon's ``moment2_buffer``, by its
+    ``moment2_method``): history built under other settings (a checkpoint of another mode,
+    which torch's load takes as it is) is refused, and so are settings the function knows
+    no shape for (it raises): the key's problem, as a ``shape_of`` function's failure is.
+
+    ``dtype_of``: ``like_param``, ``shape_of`` or ``shape_with`` keys the optimizer builds
+    in a dtype of their own, derived from (or regardless of) the parameter's (SOAP's moments
+    in float32, its Kronecker factors in torch's default dtype): checked against it instead.
 
     ``one_value``: zeroed or filled keys that hold one real value whatever their parameter
     (NAdam's ``mu_product``). One that holds several, none, or a bool or complex one would
@@ -242,6 +258,7 @@ class StateSchema:
     like_param: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     one_value: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     shape_of: tuple[tuple[str, ShapeOf], ...] = field(converter=_shapes, factory=tuple, kw_only=True)
+    shape_with: tuple[tuple[str, ShapeWith], ...] = field(converter=_shapes_with, factory=tuple, kw_only=True)
     dtype_of: tuple[tuple[str, DtypeOf], ...] = field(converter=_dtypes, factory=tuple, kw_only=True)
     built_if: tuple[tuple[str, str], ...] = field(converter=_options, factory=tuple, kw_only=True)
     always_built: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
@@ -260,18 +277,22 @@ class StateSchema:
 
     @property
     def shaped(self) -> frozenset[str]:
-        """The keys :attr:`shape_of` names."""
-        return frozenset(key for key, _ in self.shape_of)
+        """The keys :attr:`shape_of` and :attr:`shape_with` name."""
+        return frozenset(self._shape_by_key) | frozenset(self._shape_with_by_key)
 
     @functools.cached_property
     def built_like_param(self) -> frozenset[str]:
         """The keys the optimizer builds typed as their parameter, shaped as it
-        (:attr:`like_param`) or from it (:attr:`shape_of`)."""
+        (:attr:`like_param`) or from it (:attr:`shape_of`, :attr:`shape_with`)."""
         return self.like_param | self.shaped
 
     @functools.cached_property
     def _shape_by_key(self) -> dict[str, ShapeOf]:
         return dict(self.shape_of)
+
+    @functools.cached_property
+    def _shape_with_by_key(self) -> dict[str, ShapeWith]:
+        return dict(self.shape_with)
 
     @functools.cached_property
     def typed(self) -> frozenset[str]:
@@ -294,9 +315,22 @@ class StateSchema:
             raise TypeError(msg)
         return dtype
 
-    def built_shape(self, key: str, param_shape: tuple[int, ...]) -> torch.Size:
-        """The shape the optimizer builds ``key`` in for a parameter of ``param_shape``:
-        the parameter's, or :attr:`shape_of`'s for it."""
+    def shape_field(self, key: str) -> str:
+        """The field that gives the shape the optimizer builds ``key``, one of
+        :attr:`built_like_param`, in (``like_param``, ``shape_of`` or ``shape_with``): what
+        a check that fails names."""
+        return "shape_with" if key in self._shape_with_by_key else "shape_of" if key in self._shape_by_key else "like_param"
+
+    def built_shape(self, key: str, param_shape: tuple[int, ...], optimizer: torch.optim.Optimizer | None = None) -> torch.Size:
+        """The shape ``optimizer`` builds ``key`` in for a parameter of ``param_shape``:
+        the parameter's, :attr:`shape_of`'s for it, or :attr:`shape_with`'s for it and
+        ``optimizer``, which such a key needs."""
+        shape_with = self._shape_with_by_key.get(key)
+        if shape_with is not None:
+            if optimizer is None:
+                msg = f"{key!r} is shaped by its optimizer's settings (shape_with): pass the optimizer"
+                raise TypeError(msg)
+            return torch.Size(shape_with(optimizer, param_shape))
         shape_of = self._shape_by_key.get(key)
         return torch.Size(param_shape if shape_of is None else shape_of(param_shape))
 
@@ -327,6 +361,7 @@ class StateSchema:
                 raise RegistrationError(msg)
         for name, functions, meaning in (
             ("shape_of", self.shape_of, "(param shape) -> shape"),
+            ("shape_with", self.shape_with, "(optimizer, param shape) -> shape"),
             ("dtype_of", self.dtype_of, "(param dtype) -> dtype"),
             ("built_for", self.built_for, "(param shape) -> bool"),
         ):
@@ -334,15 +369,21 @@ class StateSchema:
                 if not callable(cast(object, function)):
                     msg = f"the {name} of {key!r} is {kind_of(function)}: expected {meaning}"
                     raise RegistrationError(msg)
-        layouts = {"like_param": self.like_param, "one_value": self.one_value, "shape_of": self.shaped}
+        layouts = {
+            "like_param": self.like_param,
+            "one_value": self.one_value,
+            "shape_of": frozenset(self._shape_by_key),
+            "shape_with": frozenset(self._shape_with_by_key),
+        }
         for name, named in layouts.items():
-            allowed = self.zero | self.filled | (self.identity if name == "shape_of" else frozenset())
+            derived = name in ("shape_of", "shape_with")
+            allowed = self.zero | self.filled | (self.identity if derived else frozenset())
             if not named <= allowed:
-                what = "neither zeroed, filled nor identity" if name == "shape_of" else "neither zeroed nor filled"
+                what = "neither zeroed, filled nor identity" if derived else "neither zeroed nor filled"
                 msg = f"{name} names {sorted(named - allowed)}, which are {what}"
                 raise RegistrationError(msg)
         if not self.typed <= self.built_like_param:
-            msg = f"dtype_of names {sorted(self.typed - self.built_like_param)}, which are neither like_param nor shape_of keys"
+            msg = f"dtype_of names {sorted(self.typed - self.built_like_param)}, which are neither like_param nor shape_of keys, nor shape_with ones"
             raise RegistrationError(msg)
         _named_apart(layouts)
         history = self.zero | self.filled | self.identity

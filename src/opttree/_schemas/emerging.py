@@ -9,7 +9,8 @@ ObliqueAdam build each missing key on its own. LaProp, ObliqueAdam and SOAP coun
 int, and SOAP's decides when it takes a full eigendecomposition (at step 0).
 ``MuonHyperball``'s ``hyperball_R`` is written on every step before it is read, so it is
 dropped. Their moments are built ``zeros_like`` their parameter (``like_param``), but
-AdaptiveMuon's ``moment2_buffer``, shaped by its mode; SOAP's are built in float32 whatever
+AdaptiveMuon's ``moment2_buffer``, typed as it and shaped by its ``moment2_method``
+(``shape_with``); SOAP's are built in float32 whatever
 the parameter's dtype (``dtype_of``), and its Kronecker factors square (``shape_of``). PSGDPro creates each key on its own when it is missing: its lists of Kronecker
 factors ``Q`` and Lipschitz constants ``L`` are dropped and rebuilt on the next step.
 Each of them builds a missing entry again, so its state can be released.
@@ -24,11 +25,34 @@ from opttree._schema import StateSchema, StepLocation, StepType
 from opttree._schemas._keys import MASTER_PARAM
 
 MUON = StateSchema(zero={"momentum_buffer"}, keep={MASTER_PARAM}, rebuilds_missing=True, like_param={"momentum_buffer"})
+
+
+def _moment2_shape(optimizer: torch.optim.Optimizer, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """AdaptiveMuon's ``moment2_buffer``, by the optimizer's ``moment2_method`` (its
+    ``_init_group``): the parameter's shape (``adamuon``), a 2-D parameter's with the
+    shorter of its dimensions, columns where tied, 1 (``normuon``), or one value (``namo``).
+    For another method it builds none (and its step raises): refused, not guessed."""
+    method: object = getattr(optimizer, "moment2_method", None)
+    if method == "adamuon":
+        return shape
+    if method == "normuon":
+        if len(shape) != 2:
+            msg = f"normuon builds it for 2-D parameters only, not for shape {shape}"
+            raise ValueError(msg)
+        rows, columns = shape
+        return (rows, 1) if rows >= columns else (1, columns)
+    if method == "namo":
+        return (1,)
+    msg = f"{type(optimizer).__qualname__} builds it for no moment2_method {method!r}"
+    raise ValueError(msg)
+
+
 ADAPTIVE_MUON = StateSchema(
     zero={"momentum_buffer", "moment2_buffer"},
     keep={MASTER_PARAM},
     rebuilds_missing=True,
     like_param={"momentum_buffer"},
+    shape_with={"moment2_buffer": _moment2_shape},
     always_built={"momentum_buffer", "moment2_buffer"},  # with the entry, if len(state) == 0
 )
 _OBLIQUE_ADAM = StateSchema(
