@@ -186,3 +186,28 @@ def test_megatrons_hybrid_optimizer_hooks_are_known(name: str) -> None:
     assert any(leaf._optimizer_step_post_hooks for leaf in stack.leaves())
     assert not opttree.validate(stack.optimizer)
     opttree.reset(stack.optimizer)
+
+
+def test_a_hook_on_a_hybrid_optimizer_itself_is_refused() -> None:
+    """A HybridDeviceOptimizer is a torch optimizer too: its own ``step()`` runs its hooks
+    around its sub-optimizers' steps."""
+    if "offload_1.0" not in testing.available():
+        pytest.skip("no HybridDeviceOptimizer recipe in this lane")
+    stack = testing.build("offload_1.0")
+    stack.train(0, 2)
+    (node,) = _hybrid_nodes(opttree.tree(stack.optimizer))
+    node.optimizer.register_step_pre_hook(warm_start)
+    before = [snapshot(leaf) for leaf in stack.leaves()]
+
+    (problem,) = opttree.validate(stack.optimizer)
+    assert problem.cls == "HybridDeviceOptimizer" and "its step pre-hook tests.test_step_hooks.warm_start" in problem.message
+    with pytest.raises(opttree.UnsupportedOptimizer):
+        opttree.reset(stack.optimizer)
+    assert all(unchanged(leaf, snap) for leaf, snap in zip(stack.leaves(), before, strict=True))
+
+
+def _hybrid_nodes(node: opttree.Node) -> Iterator[opttree.HybridNode]:
+    if isinstance(node, opttree.HybridNode):
+        yield node
+    for child in node.children:
+        yield from _hybrid_nodes(child)

@@ -365,9 +365,13 @@ class ValidateVisitor(TraverserVisitor):
         self.visit_children(node)
 
     def visit_hybrid(self, node: HybridNode) -> None:
-        """Check a release under it, plan the steps its own param groups count, then its sub-optimizers."""
+        """Check its own step hooks and a release under it, plan the steps its own param
+        groups count, then its sub-optimizers."""
         if not self._entering(node):
             return
+        hook = unknown_step_hook(node.optimizer)  # a torch optimizer too, whose step runs them
+        if hook is not None:
+            self.problems.append(Problem(ProblemKind.UNSUPPORTED_OPTIMIZER, node.path, type(node.optimizer).__qualname__, hook))
         self._check_release(node)
         pairs = self._keep_stepped_params(node)
         if self._selection.resets("step") and pairs is not None:
