@@ -211,3 +211,20 @@ def _hybrid_nodes(node: opttree.Node) -> Iterator[opttree.HybridNode]:
         yield node
     for child in node.children:
         yield from _hybrid_nodes(child)
+
+
+def test_a_hook_on_one_of_many_alike_sub_optimizers_is_named_at_its_path() -> None:
+    """Sibling leaves of one class are checked as a run at once: a hook on one of them
+    sends the run leaf by leaf, which names that leaf."""
+    if "offload_1.0" not in testing.available():
+        pytest.skip("no HybridDeviceOptimizer recipe in this lane")
+    stack = testing.build("offload_1.0")
+    stack.train(0, 2)
+    leaves = stack.leaves()
+    assert len(leaves) > 2
+    leaves[2].register_step_post_hook(logged)
+
+    (problem,) = opttree.validate(stack.optimizer)
+    assert problem.path.endswith("sub_optimizers[2]") and "its step post-hook tests.test_step_hooks.logged" in problem.message
+    opttree.register_step_hook(logged)
+    assert not opttree.validate(stack.optimizer)

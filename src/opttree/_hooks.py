@@ -16,8 +16,12 @@ wrapper makes anew for each sub-optimizer are one hook.
 from __future__ import annotations
 
 import functools
+import operator
 import threading
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from itertools import chain, repeat
+from types import FunctionType
 from typing import cast
 
 from torch.optim import optimizer as torch_optimizer
@@ -55,6 +59,8 @@ def _function(hook: object) -> object:
 
 def _key(hook: object) -> tuple[str, str] | None:
     """A hook's function's module and qualified name, which it is known by, or None."""
+    if type(hook) is FunctionType:  # the usual hook, read at once: 10,000 sub-optimizers each hold one
+        return (hook.__module__, hook.__qualname__)
     try:
         function = _function(hook)
         module, qualname = getattr(function, "__module__", None), getattr(function, "__qualname__", None)
@@ -90,17 +96,25 @@ def register_step_hook(hook: Callable[..., object]) -> None:
         _registered.add(key)
 
 
-def _unknown(hooks: object, what: str, inside: str) -> str | None:
-    """Why the ``hooks`` torch holds in a dict make a reset unsafe (``what`` names them,
-    ``inside`` the steps they run in), or None: the first not known to leave state alone,
-    or a container other than torch's dict, whose contents nothing can tell."""
-    if hooks is None:
-        return None
+_NOT_A_DICT = object()
+
+
+def _first_unknown(hooks: object) -> object:
+    """The first of ``hooks`` not known to leave state alone; :data:`_NOT_A_DICT` where
+    they are not held in the dict torch holds them in, whose contents nothing can tell;
+    None where every one is known."""
     if not isinstance(hooks, dict):
+        return _NOT_A_DICT
+    for hook in dict.values(hooks):  # dict's own: a subclass's values() is its code
+        if not _known(hook):
+            return hook
+    return None
+
+
+def _reason_for(found: object, hooks: object, what: str, inside: str) -> str:
+    if found is _NOT_A_DICT:
         return _reason(f"{what}s, held in {kind_of(hooks)} where torch holds a dict, run inside {inside}")
-    values = cast(dict[object, object], hooks).values()
-    hook = next((hook for hook in values if not _known(hook)), None)
-    return None if hook is None else _reason(f"{what} {hook_name(hook)} runs inside {inside}")
+    return _reason(f"{what} {hook_name(found)} runs inside {inside}")
 
 
 def unknown_step_hook(optimizer: object) -> str | None:
@@ -108,14 +122,56 @@ def unknown_step_hook(optimizer: object) -> str | None:
     own = getattr(optimizer, "__dict__", None)
     if not isinstance(own, dict):
         return None
-    return next(filter(None, (_unknown(own.get(attribute), f"its {kind}", "its step") for attribute, kind in _OWN)), None)
+    for attribute, kind in _OWN:
+        hooks = own.get(attribute)
+        if hooks is None:
+            continue
+        if type(hooks) is OrderedDict:  # as torch holds them; read inline, for 10,000 sub-optimizers
+            for hook in dict.values(hooks):
+                if not (type(hook) is FunctionType and (hook.__module__, hook.__qualname__) in _BUILTIN) and not _known(hook):
+                    return _reason_for(hook, hooks, f"its {kind}", "its step")
+            continue
+        found = _first_unknown(hooks)
+        if found is not None:
+            return _reason_for(found, hooks, f"its {kind}", "its step")
+    return None
+
+
+_DICT = operator.attrgetter("__dict__")
+_MODULE = operator.attrgetter("__module__")
+_QUALNAME = operator.attrgetter("__qualname__")
+
+
+def surely_known_hooks(optimizers: Sequence[object]) -> bool:
+    """Whether every step hook of ``optimizers`` (a run of sibling leaves) is surely known,
+    read over the run at once, at C speed, where they are held as torch holds them (plain
+    functions in an ``OrderedDict``); False sends the run to :func:`unknown_step_hook`,
+    leaf by leaf, which names the hook."""
+    try:
+        owns = list(map(_DICT, optimizers))
+    except AttributeError:
+        return False
+    if set(map(type, owns)) != {dict}:
+        return False
+    for attribute, _ in _OWN:
+        held = list(map(dict.get, owns, repeat(attribute)))
+        if not set(map(type, held)) <= {OrderedDict, type(None)}:
+            return False
+        hooks = list(chain.from_iterable(map(dict.values, filter(None, held))))
+        if hooks and (set(map(type, hooks)) != {FunctionType} or not set(zip(map(_MODULE, hooks), map(_QUALNAME, hooks))) <= _BUILTIN | _registered):
+            return False
+    return True
 
 
 def unknown_global_step_hook() -> str | None:
     """Why torch's global step hooks, which run in every optimizer's ``step()``, make a
     reset unsafe, or None."""
-    found = (_unknown(getattr(torch_optimizer, attribute, None), f"torch's global {kind}", "every optimizer's step") for attribute, kind in _GLOBAL)
-    return next(filter(None, found), None)
+    for attribute, kind in _GLOBAL:
+        hooks = getattr(torch_optimizer, attribute, None)
+        found = None if hooks is None else _first_unknown(hooks)
+        if found is not None:
+            return _reason_for(found, hooks, f"torch's global {kind}", "every optimizer's step")
+    return None
 
 
 def _reason(what: str) -> str:

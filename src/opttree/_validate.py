@@ -14,7 +14,7 @@ from opttree._containers import PLAIN_STATES, malformed, own_writes
 from opttree._dispatch import is_megatron_class
 from opttree._errors import OptTreeError
 from opttree._held import Held, held_optimizers
-from opttree._hooks import unknown_global_step_hook, unknown_step_hook
+from opttree._hooks import surely_known_hooks, unknown_global_step_hook, unknown_step_hook
 from opttree._identity import identity_key, identity_keys
 from opttree._adapter import TreeBuilder
 from opttree._inspect import GRADIENTS, LeafInspector, step_number
@@ -348,7 +348,7 @@ class ValidateVisitor(TraverserVisitor):
                 continue
             inspector = self._inspector_for(type(item[0].optimizer)) if self._pooling else None
             optimizers = list(map(_OPTIMIZER, item))
-            pooled = inspector is not None and not any(map(_registry.instance_builder, optimizers)) and not any(map(unknown_step_hook, optimizers))
+            pooled = inspector is not None and not any(map(_registry.instance_builder, optimizers)) and surely_known_hooks(optimizers)
             if pooled and inspector is not None and inspector.inspect_alike(item):
                 self._pooled = True
                 continue
