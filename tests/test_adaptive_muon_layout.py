@@ -342,3 +342,28 @@ def test_opttree_load_state_dict_refuses_a_checkpoint_of_another_mode(saved: str
     with ours.device, pytest.raises(opttree.UnsupportedCheckpoint, match=f"key 'moment2_buffer': state entry 0, of a parameter of shape \\(32, 16\\): {refusal}"):
         opttree.load_state_dict(ours.optimizer, state)
     assert same(state, given) and not any(leaf.state for leaf in ours.leaves())
+
+
+class _Pair:
+    """A user's wrapper stepping two optimizers: sibling leaves of one class, checked as a run."""
+
+    def __init__(self, first: torch.optim.Optimizer, second: torch.optim.Optimizer) -> None:
+        self.first, self.second = first, second
+
+
+opttree.register_wrapper(_Pair, children=lambda pair: [("first", pair.first), ("second", pair.second)])
+
+
+def test_sibling_leaves_of_other_settings_are_each_checked_against_their_own() -> None:
+    """Two AdaptiveMuons side by side, the second holding a normuon checkpoint loaded into
+    an adamuon one: checked as a run with the first's settings it once passed."""
+    state = adaptive_muon("normuon").state_dict()
+    pair = _Pair(adaptive_muon("normuon"), adaptive_muon("adamuon", steps=0))
+    pair.second.load_state_dict(copy.deepcopy(state))
+    before = snapshot(pair.second)
+
+    (problem,) = opttree.validate(pair)
+    assert problem.path == "second" and problem.key == "moment2_buffer"
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'moment2_buffer'"):
+        opttree.reset(pair)
+    assert unchanged(pair.second, before)

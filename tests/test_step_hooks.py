@@ -228,3 +228,43 @@ def test_a_hook_on_one_of_many_alike_sub_optimizers_is_named_at_its_path() -> No
     assert problem.path.endswith("sub_optimizers[2]") and "its step post-hook tests.test_step_hooks.logged" in problem.message
     opttree.register_step_hook(logged)
     assert not opttree.validate(stack.optimizer)
+
+
+def test_a_lambda_cannot_be_declared_every_lambda_of_its_module_shares_its_name() -> None:
+    harmless = lambda optimizer, args, kwargs: None  # noqa: E731
+    with pytest.raises(opttree.RegistrationError, match=r"<locals>.<lambda> is known by a name that every <lambda> defined there shares"):
+        opttree.register_step_hook(harmless)
+    optimizer = trained()
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: warm_start(opt, args, kwargs))
+    with pytest.raises(opttree.UnsupportedOptimizer, match="its step pre-hook tests.test_step_hooks.<lambda>"):
+        opttree.reset(optimizer)
+
+
+class Stepping(torch.optim.Optimizer):
+    """A user's wrapper that is a torch optimizer too: its ``step()`` runs its own hooks
+    around its inner optimizer's step."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+        super().__init__([p for group in inner.param_groups for p in group["params"]], {})
+
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        self.inner.step()
+
+
+opttree.register_wrapper(Stepping, children=lambda wrapper: [("inner", wrapper.inner)])
+
+
+def test_a_registered_wrapper_that_is_a_torch_optimizer_has_its_own_hooks_checked() -> None:
+    wrapper = Stepping(trained())
+
+    def warm_inner(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        warm_start(wrapper.inner, args, kwargs)
+
+    wrapper.register_step_pre_hook(warm_inner)
+    before = snapshot(wrapper.inner)
+    (problem,) = opttree.validate(wrapper)
+    assert problem.cls == "Stepping" and "its step pre-hook tests.test_step_hooks." in problem.message
+    with pytest.raises(opttree.UnsupportedOptimizer):
+        opttree.reset(wrapper)
+    assert unchanged(wrapper.inner, before)

@@ -58,15 +58,14 @@ def _function(hook: object) -> object:
 
 
 def _key(hook: object) -> tuple[str, str] | None:
-    """A hook's function's module and qualified name, which it is known by, or None."""
-    if type(hook) is FunctionType:  # the usual hook, read at once: 10,000 sub-optimizers each hold one
-        return (hook.__module__, hook.__qualname__)
+    """A hook's function's module and qualified name, which it is known by, or None
+    (``str`` itself: a subclass's own hash could say anything)."""
     try:
-        function = _function(hook)
+        function = hook if type(hook) is FunctionType else _function(hook)
         module, qualname = getattr(function, "__module__", None), getattr(function, "__qualname__", None)
     except Exception:  # noqa: BLE001  # an object's own __getattr__ may raise anything
         return None
-    return (module, qualname) if isinstance(module, str) and isinstance(qualname, str) else None
+    return (module, qualname) if type(module) is str and type(qualname) is str else None
 
 
 def hook_name(hook: object) -> str:
@@ -91,6 +90,13 @@ def register_step_hook(hook: Callable[..., object]) -> None:
     key = _key(hook)
     if key is None:
         msg = f"{kind_of(hook)} has no module and qualified name to be known by: register the function it calls"
+        raise RegistrationError(msg)
+    unnamed = [part for part in key[1].split(".") if part.startswith("<") and part != "<locals>"]
+    if unnamed:
+        msg = (
+            f"{'.'.join(key)} is known by a name that every {unnamed[0]} defined there shares: declaring it would declare "
+            "them all; give the hook a def of its own"
+        )
         raise RegistrationError(msg)
     with _lock:
         _registered.add(key)
@@ -128,7 +134,7 @@ def unknown_step_hook(optimizer: object) -> str | None:
             continue
         if type(hooks) is OrderedDict:  # as torch holds them; read inline, for 10,000 sub-optimizers
             for hook in dict.values(hooks):
-                if not (type(hook) is FunctionType and (hook.__module__, hook.__qualname__) in _BUILTIN) and not _known(hook):
+                if not (type(hook) is FunctionType and type(hook.__module__) is str and (hook.__module__, hook.__qualname__) in _BUILTIN) and not _known(hook):
                     return _reason_for(hook, hooks, f"its {kind}", "its step")
             continue
         found = _first_unknown(hooks)
@@ -158,7 +164,11 @@ def surely_known_hooks(optimizers: Sequence[object]) -> bool:
         if not set(map(type, held)) <= {OrderedDict, type(None)}:
             return False
         hooks = list(chain.from_iterable(map(dict.values, filter(None, held))))
-        if hooks and (set(map(type, hooks)) != {FunctionType} or not set(zip(map(_MODULE, hooks), map(_QUALNAME, hooks))) <= _BUILTIN | _registered):
+        if not hooks:
+            continue
+        if set(map(type, hooks)) != {FunctionType} or set(map(type, map(_MODULE, hooks))) != {str} or set(map(type, map(_QUALNAME, hooks))) != {str}:
+            return False
+        if not set(zip(map(_MODULE, hooks), map(_QUALNAME, hooks))) <= _BUILTIN | _registered:
             return False
     return True
 

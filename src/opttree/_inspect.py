@@ -298,13 +298,15 @@ class LeafInspector:
         """Plan a run of leaves of this class in one pass over their pooled state.
 
         Pooling applies where it cannot change the outcome: plain containers, no per-group
-        steps, no scales or fills, every parameter of one dtype and device, and each
-        leaf's state held for its own parameters. Where it does not apply, or the pass
+        steps, no scales, fills or shapes from an optimizer's own settings (each leaf's
+        may differ), every parameter of one dtype and device, and each leaf's state held
+        for its own parameters. Where it does not apply, or the pass
         finds a problem, this changes nothing and returns False: the caller then inspects
         the leaves one by one, which names the leaf of each problem.
         """
-        if self.schema.scale_of is not None or self.schema.fill or self.selection.release or self.schema.indivisible:
-            return False  # scales and fills are looked up, releases and indivisible states planned, leaf by leaf
+        schema = self.schema
+        if schema.scale_of is not None or schema.fill or schema.shape_with or self.selection.release or schema.indivisible:
+            return False  # scales, fills and settings' shapes are looked up, releases and indivisible states planned, leaf by leaf
         problems_before = len(self.problems)
         try:
             part = self._plan_alike(leaves)

@@ -276,6 +276,13 @@ class ValidateVisitor(TraverserVisitor):
         self._inspectors[cls] = inspector
         return inspector
 
+    def _check_own_hooks(self, node: Node) -> None:
+        """A wrapper that is a torch optimizer (a HybridDeviceOptimizer, a registered kind)
+        runs its own step hooks around its inner optimizers' steps, as a leaf runs its own."""
+        hook = unknown_step_hook(node.optimizer)
+        if hook is not None:
+            self.problems.append(Problem(ProblemKind.UNSUPPORTED_OPTIMIZER, node.path, type(node.optimizer).__qualname__, hook))
+
     def _entering(self, node: Node) -> bool:
         """Whether ``node`` is to be visited: not where a tree built by hand nests deeper
         than a built one may (a problem, and no recursion into it). A walk after
@@ -356,9 +363,10 @@ class ValidateVisitor(TraverserVisitor):
                 self.visit_leaf(leaf)
 
     def visit_chained(self, node: ChainedNode) -> None:
-        """Check the chain's step unit and a release under it, then its members."""
+        """Check the chain's step unit, its own step hooks and a release under it, then its members."""
         if not self._entering(node):
             return
+        self._check_own_hooks(node)
         self._check_step_unit(node)
         self._check_release(node)
         self._keep_stepped_params(node)
@@ -369,9 +377,7 @@ class ValidateVisitor(TraverserVisitor):
         groups count, then its sub-optimizers."""
         if not self._entering(node):
             return
-        hook = unknown_step_hook(node.optimizer)  # a torch optimizer too, whose step runs them
-        if hook is not None:
-            self.problems.append(Problem(ProblemKind.UNSUPPORTED_OPTIMIZER, node.path, type(node.optimizer).__qualname__, hook))
+        self._check_own_hooks(node)
         self._check_release(node)
         pairs = self._keep_stepped_params(node)
         if self._selection.resets("step") and pairs is not None:
@@ -401,9 +407,11 @@ class ValidateVisitor(TraverserVisitor):
         return pairs
 
     def visit_wrapper(self, node: WrapperNode) -> None:
-        """Check the wrapper's step unit, loss scaler and a release under it, then its inner optimizers."""
+        """Check the wrapper's step unit, its own step hooks, loss scaler and a release under
+        it, then its inner optimizers."""
         if not self._entering(node):
             return
+        self._check_own_hooks(node)
         self._check_step_unit(node)
         self._check_release(node)
         self._check_loss_scale(node, self._selection.tensors)
