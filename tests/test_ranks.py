@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from typing import NamedTuple
 
 import pytest
@@ -82,6 +82,46 @@ def test_describe_and_validate_gather_every_rank_to_rank_zero() -> None:
     )
     for text, problems in results[1:]:
         assert "ranks:" not in text and problems == ()
+
+
+class _Unreadable(MutableMapping[str, object]):
+    """A state entry whose reads raise, which validate and describe report."""
+
+    def __init__(self, entry: dict[str, object]) -> None:
+        self.entry = entry
+
+    def __getitem__(self, key: str) -> object:
+        raise ValueError("entry refuses reads")
+
+    def __setitem__(self, key: str, value: object) -> None:
+        self.entry[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self.entry[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entry)
+
+    def __len__(self) -> int:
+        return len(self.entry)
+
+
+def gathered_with_an_unreadable_entry() -> tuple[str, tuple[str, ...]]:
+    param = torch.nn.Parameter(torch.zeros(3))
+    param.grad = torch.ones(3)
+    optimizer = torch.optim.AdamW([param])
+    optimizer.step()
+    optimizer.state[param] = _Unreadable(dict(optimizer.state[param]))
+    text = opttree.describe(optimizer, group=dist.group.WORLD)
+    return text, tuple(p.message for p in opttree.validate(optimizer, group=dist.group.WORLD))
+
+
+def test_describe_and_validate_of_a_group_report_an_entry_whose_reads_raise() -> None:
+    """Each rank's summary once read the entry unguarded and raised before the gather."""
+    results = testing.run_ranks(gathered_with_an_unreadable_entry, 2)
+    leader_text, leader_problems = results[0]
+    assert "ranks: 2" in leader_text and "unreadable: ValueError: entry refuses reads" in leader_text
+    assert leader_problems and all("entry refuses reads" in message for message in leader_problems)
 
 
 class PartialResult(NamedTuple):

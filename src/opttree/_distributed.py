@@ -66,9 +66,12 @@ class _StateBytes(TraverserVisitor):
 
     def visit_leaf(self, node: LeafNode) -> None:
         if node.shared_with is None and malformed(node.optimizer) is None:
-            self.total += sum(
-                nbytes(v) for entry in node.optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)
-            )
+            try:
+                self.total += sum(
+                    nbytes(v) for entry in node.optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)
+                )
+            except Exception:  # noqa: BLE001  # an entry whose own reads raise: validate reports it; this rank must still join the gather
+                return
 
 
 @frozen
