@@ -4,6 +4,7 @@ quantile) on torch leaves and a Megatron recipe."""
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 import textwrap
@@ -476,3 +477,26 @@ def test_prune_without_keys_over_an_identity_names_the_keys_it_could_take() -> N
     assert all(torch.equal(entry["Q_L"], base) for entry, base in zip(soap.state.values(), bases, strict=True))
     report = opttree.prune(stack.optimizer, 0.99, keys=["L", "R", "exp_avg", "exp_avg_sq"])
     assert report.action == "prune" and "Q_L" in report.kept_keys
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.complex64], ids=str)
+def test_scale_near_the_largest_value_refuses_or_stays_finite(dtype: torch.dtype) -> None:
+    """Torch's ``_foreach_mul_`` rounds the factor to the history's dtype first on the CPU,
+    which can carry a product finite in float64 past the largest value (48064 in float16,
+    by 1.36285, was written as inf); near the limit every scale either refuses or keeps
+    the history finite."""
+    largest = torch.finfo(dtype).max
+    generator = random.Random(0)
+    refused = 0
+    for _ in range(200):
+        factor = 1 + generator.random()
+        value = torch.tensor(largest / factor * (1 + (generator.random() - 0.5) * 1e-2)).to(dtype)
+        optimizer = after_float_history(torch.stack([value, torch.ones((), dtype=dtype)]))
+        try:
+            opttree.scale(optimizer, factor, keys=["exp_avg"])
+        except opttree.PartialResetRefused:
+            refused += 1
+            continue
+        held = optimizer.state[optimizer.param_groups[0]["params"][1]]["exp_avg"]
+        assert bool(torch.isfinite(held).all()), (float(value.real), factor)
+    assert 0 < refused < 200

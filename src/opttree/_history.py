@@ -249,18 +249,27 @@ def scale(
 def _refuse_non_finite(tensors: list[torch.Tensor], ratio: float, plan: ResetPlan) -> None:
     """Refuse a scale by ``ratio`` whose product is not finite somewhere: history that
     holds inf or NaN already (no factor makes it finite, and 0 makes inf NaN), a factor
-    beyond what the history's dtype holds (torch rounds the factor to it), or one that
-    carries an element past the largest value of its dtype. The refusal names the leaf
-    and key that hold the tensor."""
+    beyond what the history's dtype holds, or one that carries an element past the
+    largest value of its dtype. The refusal names the leaf and key that hold the tensor."""
     peaks = torch._foreach_norm(tensors, math.inf)
+    factors = {dtype: _largest_factor(ratio, dtype) for dtype in {tensor.dtype for tensor in tensors}}
     for tensor, peak in zip(tensors, peaks, strict=True):
         largest, highest = torch.finfo(tensor.dtype).max, float(peak)
         if not math.isfinite(highest):
             msg = f"scale found {tensor.dtype} history holding inf or NaN, which no factor makes finite: reset it instead"
             raise PartialResetRefused(f"{_holder(tensor, plan)}: {msg}")
-        if ratio > largest or highest * ratio > largest:
+        if not highest * factors[tensor.dtype] <= largest:  # a factor torch rounds to inf makes even 0 NaN
             msg = f"scale by {ratio:g} would carry {tensor.dtype} history (up to {highest:g}) past its largest value, {largest:g}"
             raise PartialResetRefused(f"{_holder(tensor, plan)}: {msg}")
+
+
+def _largest_factor(ratio: float, dtype: torch.dtype) -> float:
+    """The largest factor a torch kernel may multiply ``dtype`` history by for ``ratio``:
+    the ratio, or it rounded to float32 or to the history's (real) dtype, which torch's
+    CPU ``_foreach_mul_`` does first. A product finite in float64 can overflow with the
+    rounded factor (history of 48064 in float16, by 1.36285, whose float16 is 1.36328)."""
+    real = torch.empty(0, dtype=dtype).real.dtype
+    return max(abs(ratio), *(abs(float(torch.tensor(ratio, dtype=rounded))) for rounded in (torch.float32, real)))
 
 
 def _holder(tensor: torch.Tensor, plan: ResetPlan) -> str:
