@@ -462,6 +462,42 @@ def test_a_prune_that_runs_out_of_memory_is_refused_having_changed_nothing() -> 
     assert result.stdout.split() == ["PartialResetRefused", "unchanged"]
 
 
+def short_of_memory_on_rank_one() -> tuple[int, str, bool]:
+    """Rank 1 holds history too large to order under the address-space limit it sets."""
+    import resource
+
+    rank = dist.get_rank()
+    torch.manual_seed(rank)
+    params = [torch.nn.Parameter(torch.randn(1000))]
+    if rank == 1:
+        params.append(torch.nn.Parameter(torch.randn(20_000_000)))
+    optimizer = torch.optim.AdamW(params)
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    before = optimizer.state[params[0]]["exp_avg"].clone()
+    if rank == 1:
+        with open("/proc/self/status") as status:
+            used = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize"))
+        resource.setrlimit(resource.RLIMIT_AS, (used + 200 * 2**20, resource.RLIM_INFINITY))
+    try:
+        opttree.prune(optimizer, 0.5, keys=["exp_avg"], group=dist.group.WORLD)
+        outcome = "pruned"
+    except opttree.PartialResetRefused as error:
+        outcome = str(error)
+    return rank, outcome, torch.equal(before, optimizer.state[params[0]]["exp_avg"])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/status are Linux's")
+def test_ranks_given_the_group_refuse_a_prune_one_of_them_has_no_memory_for() -> None:
+    """Each rank orders its tensors and allocates its masks before the ranks agree: rank 1
+    running out of memory refuses the prune on both, where rank 0 had pruned already."""
+    (zero, zero_says, zero_unchanged), (one, one_says, one_unchanged) = testing.run_ranks(short_of_memory_on_rank_one, 2)
+    assert (zero, one) == (0, 1)
+    assert zero_says.startswith("rank 1: prune could not allocate") and one_says.startswith("prune could not allocate")
+    assert zero_unchanged and one_unchanged
+
+
 @pytest.mark.skipif("soap" not in testing.available(), reason="no soap recipe in this lane")
 def test_prune_without_keys_over_an_identity_names_the_keys_it_could_take() -> None:
     """SOAP's eigenbases start as identities, which pruning toward zero would not give:

@@ -166,9 +166,10 @@ def prune(
     rank's shard of a parameter's history, so the magnitude threshold is the shard's own
     quantile, not the whole parameter's: ranks prune their shards independently, without
     communicating. With ``group`` (collective) the ranks agree to prune or refuse, as
-    ``reset`` does."""
+    ``reset`` does, once each has ordered its tensors and allocated its masks: one that
+    runs out of memory refuses on every rank."""
 
-    def planned() -> tuple[float, ResetPlan]:
+    def planned() -> tuple[float, ResetPlan, list[torch.Tensor], list[torch.Tensor | None], _Scratch]:
         with plain_torch():
             share = real_number(fraction)
         if share is None or not 0.0 <= share <= 1.0:
@@ -184,18 +185,19 @@ def prune(
             if devices:
                 msg = f"prune draws from a {generator.device.type} generator, which cannot draw for the {devices.pop()} history it selects"
                 raise PartialResetRefused(msg)
-        return share, plan
+        with plain_torch(), torch.no_grad():
+            tensors = [tensor for tensor in _tensors(plan) if tensor.numel()]
+            try:  # everything that allocates, before the ranks agree and before the first write
+                thresholds = [_threshold(tensor, share) for tensor in tensors] if by == "magnitude" else []
+                draws = torch.get_default_dtype()
+                scratch = _Scratch(tensors, (lambda t: _wide(t.dtype)) if by == "magnitude" else (lambda t: draws))
+            except RuntimeError as error:  # out of memory, on any device
+                msg = f"prune could not allocate what it orders or masks with, and changed nothing: {type(error).__name__}: {error}"
+                raise PartialResetRefused(msg) from error
+        return share, plan, tensors, thresholds, scratch
 
-    share, plan = _distributed.agreed(group, planned)
+    share, plan, tensors, thresholds, scratch = _distributed.agreed(group, planned)
     with plain_torch(), torch.no_grad():
-        tensors = [tensor for tensor in _tensors(plan) if tensor.numel()]
-        try:  # everything that allocates, before the first write
-            thresholds = [_threshold(tensor, share) for tensor in tensors] if by == "magnitude" else []
-            draws = torch.get_default_dtype()
-            scratch = _Scratch(tensors, (lambda t: _wide(t.dtype)) if by == "magnitude" else (lambda t: draws))
-        except RuntimeError as error:  # out of memory, on any device
-            msg = f"prune could not allocate what it orders or masks with, and changed nothing: {type(error).__name__}: {error}"
-            raise PartialResetRefused(msg) from error
         for index, tensor in enumerate(tensors):
             work, pruned = scratch.work(tensor), scratch.mask(tensor)
             if by == "random":
