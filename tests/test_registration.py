@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import pytest
 import torch
+from torch.utils._contextlib import _DecoratorContextManager
 
 import opttree
 from tests.copying import CopyingWrapper
@@ -741,6 +742,42 @@ def test_a_subclass_with_its_own_init_or_a_decorated_step_inherits_no_built_in_s
     train(net, optimizer, 0, 2)
     report = opttree.reset(optimizer)
     assert (report.tensors_zeroed, report.steps) == (2 * len(list(net.parameters())), len(list(net.parameters())))
+
+
+class _WarmStart(_DecoratorContextManager):
+    """A user's context decorator on torch's base, as ``torch.no_grad`` is: on entry it
+    starts Adam's moments from the gradient where an entry is empty."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def clone(self) -> _WarmStart:
+        return _WarmStart(self.optimizer)
+
+    def __enter__(self) -> None:
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None and not self.optimizer.state[param]:
+                    self.optimizer.state[param].update(step=torch.tensor(0.0), exp_avg=param.grad.clone(), exp_avg_sq=param.grad.square())
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_torchs_context_decorator_counts_as_torchs_only_around_torchs_own_context() -> None:
+    """``torch.no_grad()(step)`` and ``torch.compile(step)`` wrap the class's own step in
+    torch's code alone; torch's context decorator around a user's context manager runs the
+    user's ``__enter__``, which may build state: refused."""
+    compiled, guarded, warmed = (torch.optim.Adam(model().parameters()) for _ in range(3))
+    torch.optim.lr_scheduler.StepLR(compiled, step_size=1)
+    setattr(compiled, "step", torch.compile(compiled.step, backend="eager"))
+    setattr(guarded, "step", torch.no_grad()(guarded.step))
+    setattr(warmed, "step", _WarmStart(warmed)(warmed.step))
+    assert opttree.validate(compiled) == () and opttree.validate(guarded) == ()
+    (problem,) = opttree.validate(warmed)
+    assert "this Adam holds its own step on the instance" in problem.message
+    with pytest.raises(opttree.UnsupportedOptimizer):
+        opttree.reset(warmed)
 
 
 def test_a_step_set_on_the_instance_is_refused_unless_torch_wrapped_the_classs_own() -> None:

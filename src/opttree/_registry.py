@@ -56,16 +56,51 @@ _TORCH_CODE = os.path.dirname(torch.__file__) + os.sep
 _differing: weakref.WeakKeyDictionary[type, dict[tuple[type, tuple[object, ...]], str | None]] = weakref.WeakKeyDictionary()
 
 
+def _in_torch(value: object) -> bool:
+    """Whether ``value`` is torch's own code: a function whose code lies in torch, a method
+    of an object of a torch class bound to such a function, a builtin of a torch module
+    (dynamo's ``torch._C._is_tracing``), or an object or class of a torch module
+    (``torch.no_grad``'s instance, a dynamo context)."""
+    function = getattr(value, "__func__", None)
+    if function is not None:
+        return _in_torch(function) and _in_torch(getattr(value, "__self__", None))
+    code = getattr(value, "__code__", None)
+    if isinstance(code, types.CodeType):
+        return code.co_filename.startswith(_TORCH_CODE)
+    module = getattr(value, "__module__", None) if isinstance(value, (type, types.BuiltinFunctionType)) else type(value).__module__
+    return isinstance(module, str) and (module == "torch" or module.startswith("torch."))
+
+
+def _torch_wrapper(function: object, inner: object) -> bool:
+    """Whether ``function``, which wraps ``inner``, runs torch's code alone around it: its
+    code lies in torch, and so does everything its closure holds but ``inner`` (a user's
+    subclass of torch's context decorator runs its own ``__enter__``)."""
+    code = getattr(function, "__code__", None)
+    if not isinstance(code, types.CodeType) or not code.co_filename.startswith(_TORCH_CODE):
+        return False
+    cells = getattr(function, "__closure__", None) or ()
+    plain = (type(None), bool, int, float, str, weakref.ref)
+    wrapped = (inner, getattr(inner, "__func__", inner))  # LRScheduler's holds the function of the bound step it wraps
+    for cell in cells:
+        try:
+            held: object = cell.cell_contents
+        except ValueError:  # a cell not yet filled
+            continue
+        if not (any(held is target for target in wrapped) or isinstance(held, plain) or _in_torch(held)):
+            return False
+    return True
+
+
 def _unwrapped(method: object) -> object:
     """The function a method runs, through the wrappers torch's own code puts around it
     (``_use_grad_for_differentiable``, the profiling hook torch sets as ``step`` on a
     subclass, ``LRScheduler``'s, ``torch.compile``'s), and only those: a user's decorator
-    that copies ``__wrapped__`` with ``functools.wraps`` runs code of its own."""
+    that copies ``__wrapped__`` with ``functools.wraps`` runs code of its own, and so does
+    torch's context decorator around a user's context manager."""
     for _ in range(16):
         function: object = getattr(method, "__func__", method)  # a bound method
-        code = getattr(function, "__code__", None)
         inner: object = getattr(function, "__wrapped__", None)
-        if inner is None or not isinstance(code, types.CodeType) or not code.co_filename.startswith(_TORCH_CODE):
+        if inner is None or not _torch_wrapper(function, inner):
             return function
         method = inner
     return method
