@@ -616,12 +616,70 @@ def _masters_listed(member: object) -> object:
 
 
 def _mimo(node: Node, state: object, loading: Load | None) -> StateDicts:
-    """``MimoOptimizer``: one state dict per active module, by module name."""
+    """``MimoOptimizer``: one state dict per active module, by module name. A sharded one
+    holds each module's param groups, loss scaler and sharding type under ``_mimo_``
+    keys, which Mimo's load puts back where the module's kind reads them before loading
+    it; they are checked as it puts them back (:func:`_mimo_restored`)."""
     infos = mapping_attribute(node.optimizer, "module_infos", node.path)
     held = [name for name, info in infos.items() if instance_attribute(info, "optimizer", node.path) is not None]
     for name, member in zip(held, node.children, strict=True):
         if getattr(infos[name], "is_active", True):
-            yield from walk(member, _part(node, state, name), loading)
+            part = _part(node, state, name)
+            if loading:
+                several = _chain_of_several(member)
+                if several is None:
+                    part = _mimo_restored(node, member, part)
+                elif isinstance(part, dict):
+                    part = {key: _mimo_restored(node, several[key], value) if key in range(len(several)) else value for key, value in part.items()}
+            yield from walk(member, part, loading)
+
+
+def _chain_of_several(node: Node) -> tuple[Node, ...] | None:
+    """The members of a chain of more than one, whose state dicts a Mimo module's holds by
+    index; None for any other node."""
+    return node.children if _is_chain(node) and len(node.children) > 1 else None
+
+
+def _is_chain(node: Node) -> bool:
+    """Whether ``node`` is a ``ChainedOptimizer`` (a ``LayerWiseDistributedOptimizer`` too)."""
+    return _LAYOUTS.lookup(type(node.optimizer)) in (_chained, _layer_wise)
+
+
+_MIMO_KEYS = (("_mimo_param_groups", "param_groups"), ("_mimo_grad_scaler", "grad_scaler"), ("_mimo_param_state_sharding_type", "param_state_sharding_type"))
+
+
+def _mimo_restored(mimo: Node, member: Node, state: object) -> object:
+    """A Mimo module's sharded state dict as Mimo's load puts it back, in new dicts (what
+    they hold, and any step written into it, stays shared): the saved param groups, which
+    hold no parameters, given those of the member's torch optimizer in torch's numbering,
+    and the loss scaler and sharding type under their own keys."""
+    if not isinstance(state, dict) or not any(isinstance(key, str) and key.startswith("_mimo_") for key in state):
+        return state
+    restored = dict(state)
+    for saved, key in _MIMO_KEYS:
+        found = next((name for name in state if isinstance(name, str) and name.startswith(saved)), None)
+        if found is None:
+            continue
+        value = restored.pop(found)
+        if key != "param_groups":
+            restored[key] = value
+            continue
+        while len(member.children) == 1 and _is_chain(member):
+            member = member.children[0]
+        live = getattr(member.optimizer, "optimizer", None)
+        if not isinstance(value, list) or not isinstance(live, torch.optim.Optimizer):
+            continue  # left out: the member's own check refuses it
+        if len(value) != len(live.param_groups):
+            message = f"its checkpoint holds {len(value)} param groups for {member.path}, whose optimizer has {len(live.param_groups)}"
+            raise layout_error(mimo, found, message)
+        first, groups = 0, []
+        for group, own in zip(value, live.param_groups, strict=True):
+            count = len(own["params"])
+            groups.append({**group, "params": list(range(first, first + count))} if isinstance(group, dict) else group)
+            first += count
+        inner = restored.get("optimizer")
+        restored["optimizer"] = {**(inner if isinstance(inner, dict) else {}), "param_groups": groups}
+    return restored
 
 
 _MEGATRON = "megatron.core.optimizer."
