@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import pytest
@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import opttree
 from opttree import testing
+from tests.test_malformed_state import Entry
 
 K = 2
 
@@ -84,26 +85,11 @@ def test_describe_and_validate_gather_every_rank_to_rank_zero() -> None:
         assert "ranks:" not in text and problems == ()
 
 
-class _Unreadable(MutableMapping[str, object]):
+class _Unreadable(Entry):
     """A state entry whose reads raise, which validate and describe report."""
-
-    def __init__(self, entry: dict[str, object]) -> None:
-        self.entry = entry
 
     def __getitem__(self, key: str) -> object:
         raise ValueError("entry refuses reads")
-
-    def __setitem__(self, key: str, value: object) -> None:
-        self.entry[key] = value
-
-    def __delitem__(self, key: str) -> None:
-        del self.entry[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.entry)
-
-    def __len__(self) -> int:
-        return len(self.entry)
 
 
 def gathered_with_an_unreadable_entry() -> tuple[str, tuple[str, ...]]:
