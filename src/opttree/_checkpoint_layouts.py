@@ -266,7 +266,7 @@ def _check_group_steps(node: Node, saved: list[dict[object, object]]) -> None:
             continue
         value = group["step"]
         number = step_number(value)
-        if number is None or not (math.isfinite(number) and number >= 0 and number.is_integer()):
+        if number is None or not _whole_count(number):
             what = kind_of(value) if number is None else f"{number:g}"
             raise layout_error(node, "step", f"param group {index}'s step is {what}, where a step counts from 0 in one whole number")
 
@@ -356,14 +356,26 @@ def _step_fault(value: object, step_type: StepType) -> str | None:
     number = real_number(value)
     if number is None:
         return kind_of(value)
-    return None if math.isfinite(number) and number >= 0 and number.is_integer() else f"{number:g}"
+    return None if _whole_count(number) else f"{number:g}"
+
+
+def _whole_count(number: float) -> bool:
+    """Whether ``number`` counts steps: a whole number from 0, finite."""
+    return math.isfinite(number) and number >= 0 and number.is_integer()
+
+
+def _held_dtype(value: torch.Tensor, param: torch.Tensor) -> torch.dtype:
+    """The dtype torch's load holds saved history in: its parameter's where that is a
+    float, else its own."""
+    with plain_reads():
+        return param.dtype if param.is_floating_point() else value.dtype
 
 
 def _cast_at_load(value: torch.Tensor, param: torch.Tensor) -> bool:
     """Whether torch's load copies saved history to hold it: it casts it to its parameter's
-    device, and dtype where the parameter is a float, and keeps one already so as it is."""
+    device and to :func:`_held_dtype`, and keeps one already so as it is."""
     with plain_reads():
-        return value.device != param.device or (param.is_floating_point() and value.dtype != param.dtype)
+        return value.device != param.device or _held_dtype(value, param) != value.dtype
 
 
 def _check_entry(
@@ -430,7 +442,7 @@ def _check_entry(
                     built = schema.built_dtype(key, param.dtype)
                 except Exception as error:  # noqa: BLE001  # a registered dtype_of may raise anything
                     raise layout_error(node, key, f"{where}: its schema's dtype_of raised {type(error).__name__}: {error}") from error
-                held = param.dtype if param.is_floating_point() else value.dtype  # torch's load casts history to a float parameter's dtype
+                held = _held_dtype(value, param)
                 if held != built:
                     cast = " (torch's load casts history to its parameter's dtype)" if held != value.dtype else ""
                     raise layout_error(node, key, f"{where} would be held as {torch_name(held)}{cast}, where {cls} builds it in {torch_name(built)}")
@@ -475,13 +487,16 @@ def _check_scaler(node: Node, state: dict[object, object]) -> None:
         if isinstance(value, torch.Tensor) != isinstance(given, torch.Tensor) or (
             isinstance(value, torch.Tensor) and isinstance(given, torch.Tensor) and value.is_floating_point() != given.is_floating_point()
         ):
-            what = f"{article(torch_name(given.dtype))} tensor" if isinstance(given, torch.Tensor) else kind_of(given)
-            held = f"{article(torch_name(value.dtype))} tensor" if isinstance(value, torch.Tensor) else kind_of(value)
-            message = f"holds {what} under {key!r}, where {type(scaler).__qualname__} holds {held}"
+            message = f"holds {_held_kind(given)} under {key!r}, where {type(scaler).__qualname__} holds {_held_kind(value)}"
             raise layout_error(node, "grad_scaler", message)
         fault = _scaler_fault(key, saved[key])
         if fault is not None:
             raise layout_error(node, "grad_scaler", f"its {key!r} is {fault}")
+
+
+def _held_kind(value: object) -> str:
+    """A tensor by its dtype (``a float32 tensor``), anything else by its kind."""
+    return f"{article(torch_name(value.dtype))} tensor" if isinstance(value, torch.Tensor) else kind_of(value)
 
 
 def _scaler_fault(key: object, value: object) -> str | None:
@@ -492,7 +507,7 @@ def _scaler_fault(key: object, value: object) -> str | None:
     if key == "scale":
         if number is None or not (math.isfinite(number) and number > 0):
             return f"{what}, where the loss scale is one positive finite number (a NaN one makes every later gradient NaN, a zero or infinite one skips every step)"
-    elif number is None or number < 0 or not number.is_integer():
+    elif number is None or not _whole_count(number):
         return f"{what}, where it counts steps from 0"
     return None
 

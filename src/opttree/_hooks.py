@@ -61,7 +61,7 @@ def _key(hook: object) -> tuple[str, str] | None:
     """A hook's function's module and qualified name, which it is known by, or None
     (``str`` itself: a subclass's own hash could say anything)."""
     try:
-        function = hook if type(hook) is FunctionType else _function(hook)
+        function = _function(hook)
         module, qualname = getattr(function, "__module__", None), getattr(function, "__qualname__", None)
     except Exception:  # noqa: BLE001  # an object's own __getattr__ may raise anything
         return None
@@ -108,7 +108,9 @@ _NOT_A_DICT = object()
 def _first_unknown(hooks: object) -> object:
     """The first of ``hooks`` not known to leave state alone; :data:`_NOT_A_DICT` where
     they are not held in the dict torch holds them in, whose contents nothing can tell;
-    None where every one is known."""
+    None where there are none, or every one is known."""
+    if hooks is None:
+        return None
     if not isinstance(hooks, dict):
         return _NOT_A_DICT
     for hook in dict.values(hooks):  # dict's own: a subclass's values() is its code
@@ -117,30 +119,22 @@ def _first_unknown(hooks: object) -> object:
     return None
 
 
-def _reason_for(found: object, hooks: object, what: str, inside: str) -> str:
-    if found is _NOT_A_DICT:
-        return _reason(f"{what}s, held in {kind_of(hooks)} where torch holds a dict, run inside {inside}")
-    return _reason(f"{what} {hook_name(found)} runs inside {inside}")
+def _unknown_in(held: Callable[[str], object], attributes: tuple[tuple[str, str], ...], whose: str, inside: str) -> str | None:
+    """Why the hooks ``held`` gives under ``attributes`` make a reset unsafe, or None."""
+    for attribute, kind in attributes:
+        hooks = held(attribute)
+        found = _first_unknown(hooks)
+        if found is _NOT_A_DICT:
+            return _reason(f"{whose} {kind}s, held in {kind_of(hooks)} where torch holds a dict, run inside {inside}")
+        if found is not None:
+            return _reason(f"{whose} {kind} {hook_name(found)} runs inside {inside}")
+    return None
 
 
 def unknown_step_hook(optimizer: object) -> str | None:
     """Why ``optimizer``'s own step hooks make its reset unsafe, or None."""
     own = getattr(optimizer, "__dict__", None)
-    if not isinstance(own, dict):
-        return None
-    for attribute, kind in _OWN:
-        hooks = own.get(attribute)
-        if hooks is None:
-            continue
-        if type(hooks) is OrderedDict:  # as torch holds them; read inline, for 10,000 sub-optimizers
-            for hook in dict.values(hooks):
-                if not (type(hook) is FunctionType and type(hook.__module__) is str and (hook.__module__, hook.__qualname__) in _BUILTIN) and not _known(hook):
-                    return _reason_for(hook, hooks, f"its {kind}", "its step")
-            continue
-        found = _first_unknown(hooks)
-        if found is not None:
-            return _reason_for(found, hooks, f"its {kind}", "its step")
-    return None
+    return _unknown_in(own.get, _OWN, "its", "its step") if isinstance(own, dict) else None
 
 
 _DICT = operator.attrgetter("__dict__")
@@ -166,9 +160,10 @@ def surely_known_hooks(optimizers: Sequence[object]) -> bool:
         hooks = list(chain.from_iterable(map(dict.values, filter(None, held))))
         if not hooks:
             continue
-        if set(map(type, hooks)) != {FunctionType} or set(map(type, map(_MODULE, hooks))) != {str} or set(map(type, map(_QUALNAME, hooks))) != {str}:
+        if set(map(type, hooks)) != {FunctionType}:
             return False
-        if not set(zip(map(_MODULE, hooks), map(_QUALNAME, hooks))) <= _BUILTIN | _registered:
+        modules, names = list(map(_MODULE, hooks)), list(map(_QUALNAME, hooks))
+        if set(map(type, modules)) | set(map(type, names)) != {str} or not set(zip(modules, names)) <= _BUILTIN | _registered:
             return False
     return True
 
@@ -176,12 +171,7 @@ def surely_known_hooks(optimizers: Sequence[object]) -> bool:
 def unknown_global_step_hook() -> str | None:
     """Why torch's global step hooks, which run in every optimizer's ``step()``, make a
     reset unsafe, or None."""
-    for attribute, kind in _GLOBAL:
-        hooks = getattr(torch_optimizer, attribute, None)
-        found = None if hooks is None else _first_unknown(hooks)
-        if found is not None:
-            return _reason_for(found, hooks, f"torch's global {kind}", "every optimizer's step")
-    return None
+    return _unknown_in(lambda attribute: getattr(torch_optimizer, attribute, None), _GLOBAL, "torch's global", "every optimizer's step")
 
 
 def _reason(what: str) -> str:
