@@ -6,13 +6,18 @@ CUDA tensors ``FP32Optimizer.__init__`` creates onto the CPU.
 
 from __future__ import annotations
 
+import sys
+import types
 from collections.abc import Iterable, Sequence
 
+import pytest
 import torch
 from megatron.core.optimizer import ChainedOptimizer, FP32Optimizer, MegatronOptimizer, OptimizerConfig
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
-from opttree.testing import CudaOnCpu, cuda_on_cpu
+from opttree.testing import CudaOnCpu, MegatronStack, cuda_on_cpu
+from opttree.testing._megatron import HIDDEN, _tiny_mlp, ensure_process_group
+from tests.standins import TEFusedAdam
 
 
 def config() -> OptimizerConfig:
@@ -77,3 +82,48 @@ def train_hybrid(stack: Hybrid, start: int, steps: int) -> None:
             for param in params:
                 param.grad = torch.full_like(param, 0.1 * (i + 1)).sin()
             optimizer.step()
+
+
+def precision_aware(monkeypatch: pytest.MonkeyPatch, *, remainders: bool, seed: int = 0) -> MegatronStack:
+    """Megatron's precision-aware ``DistributedOptimizer`` (bf16, ``use_precision_aware_optimizer``)
+    over the TE ``FusedAdam`` stand-in, built by ``get_megatron_optimizer``, as on a machine
+    with TransformerEngine 2.1 or later: its main weights are TE's ``master_param``
+    (fp32, or int16 remainders). TE cannot be installed here, so ``monkeypatch`` points
+    Megatron's module-level choices of optimizer class at the stand-in for the test."""
+    from megatron.core import optimizer as megatron_optimizer
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import distrib_optimizer, get_megatron_optimizer, optimizer_config
+    from megatron.core.transformer import TransformerConfig
+
+    te = types.ModuleType("transformer_engine.pytorch.optimizers")
+    setattr(te, "FusedAdam", TEFusedAdam)
+    for name in ("transformer_engine", "transformer_engine.pytorch"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.optimizers", te)
+    for module in (megatron_optimizer, distrib_optimizer):
+        monkeypatch.setattr(module, "Adam", TEFusedAdam)
+    monkeypatch.setattr(megatron_optimizer, "USING_PYTORCH_OPTIMIZER", False)
+    for module in (megatron_optimizer, optimizer_config):
+        monkeypatch.setattr(module, "is_te_min_version", lambda *_, **__: True)
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+    monkeypatch.setattr(distrib_optimizer, "USING_TE_OPTIMIZER", True)
+
+    ensure_process_group()
+    device = cuda_on_cpu()
+    config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=1, bf16=True, params_dtype=torch.bfloat16)
+    torch.manual_seed(seed)
+    model = _tiny_mlp(config, experts=False)
+    device.mark_on_gpu(*model.parameters())
+    options = OptimizerConfig(
+        optimizer="adam",
+        lr=1e-2,
+        weight_decay=0.01,
+        bf16=True,
+        use_distributed_optimizer=True,
+        use_precision_aware_optimizer=True,
+        store_param_remainders=remainders,
+    )
+    with device:
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=False), model)
+        optimizer = get_megatron_optimizer(options, [ddp])
+    return MegatronStack("precision_aware", ddp, optimizer, device)

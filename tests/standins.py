@@ -1,27 +1,44 @@
 """Stand-ins for TransformerEngine's and apex's ``FusedAdam``, which need CUDA to install.
 
-Each mirrors the real class's *state layout*, read from its source, and is registered
-under the real dotted path (its ``__module__`` is set to the real module) so that
-opttree's lazy dispatch resolves it exactly as it resolves the real class:
+Each mirrors the real class's *state layout* and the methods Megatron calls on it, read
+from its source, and is registered under the real dotted path (its ``__module__`` is set
+to the real module) so that opttree's lazy dispatch resolves it exactly as it resolves the
+real class:
 
-TransformerEngine ``transformer_engine/pytorch/optimizers/fused_adam.py``:
-- ``state[p]``: ``exp_avg``, ``exp_avg_sq`` (created as zeros) and, with
-  ``master_weights``, ``master_param`` (an fp32 copy, or with ``store_param_remainders``
-  for bf16 params an int16 tensor of the low 16 bits of the fp32 master);
-- moments in fp16 are stored scaled, with an fp32 scale per parameter and key in
-  ``self._scales[p][key]`` (created as ones), described by ``name_to_dtype_map``;
-- ``group["step"]``: absent until the first step, then an int, or with ``capturable`` an
-  int32 tensor of shape [1] that is incremented in place.
+TransformerEngine 2.x ``transformer_engine/pytorch/optimizers/fused_adam.py``:
+- ``state[p]``: ``exp_avg``, ``exp_avg_sq`` (created as zeros for every parameter of a
+  non-empty group at its first step, before its gradient is looked at) and, with
+  ``master_weights``, ``master_param``: an fp32 copy of the parameter, or with
+  ``store_param_remainders`` for bf16 parameters an int16 tensor of the low 16 bits of the
+  fp32 master, whose high bits are the parameter (rounded to nearest: the parameter's bits
+  are one higher where the remainder is negative);
+- the master is read and written back only for bf16/fp16 parameters; an fp32 parameter is
+  stepped in place and its ``master_param`` stays the copy made at its first step;
+- state kept in fp16 (moments, or the master with ``master_weight_dtype=float16``) is
+  stored scaled, with an fp32 scale per parameter and key in ``self._scales[p][key]``
+  (created as ones for every key not kept in fp32, bf16 included), described by
+  ``name_to_dtype_map``; ``get_unscaled_state``/``set_scaled_state`` read and write through
+  it, and ``initialize_state`` builds an entry: what Megatron's precision-aware
+  ``DistributedOptimizer`` calls;
+- ``state_dict()`` saves every state unscaled to fp32 (remainders as int16), and
+  ``load_state_dict()`` builds each entry anew through ``set_scaled_state``;
+- ``group["step"]``: absent until the first step (an empty group is skipped and never gets
+  one), then an int, or with ``capturable`` an int32 tensor of shape [1] incremented in
+  place; with ``capturable`` the group's ``lr`` is a tensor;
+- ``use_decoupled_grad`` reads ``param.decoupled_grad`` instead of ``param.grad``.
 
 apex ``apex/optimizers/fused_adam.py``: ``exp_avg``, ``exp_avg_sq`` (fp32 zeros) in state;
 ``group["step"]`` an int, or with ``capturable`` an int tensor of shape [1].
 
-The arithmetic is plain AdamW on the CPU, not the fused CUDA kernels.
+The arithmetic is plain AdamW on the CPU, not the fused CUDA kernels; FP8 (uint8) state is
+not modelled.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from copy import deepcopy
+from itertools import chain
 from typing import cast
 
 import torch
@@ -59,6 +76,20 @@ def _adamw(
     param.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
 
 
+def _join(low_precision: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """The fp32 master a bf16 parameter and its int16 remainder stand for."""
+    high = low_precision.view(torch.int16).to(torch.int32) - (remainder < 0).to(torch.int32)
+    return ((high << 16) | (remainder.to(torch.int32) & 0xFFFF)).view(torch.float32)
+
+
+def _split(master: torch.Tensor, low_precision: torch.Tensor, remainder: torch.Tensor) -> None:
+    """Write an fp32 master as its bf16 parameter (rounded to nearest) and int16 remainder."""
+    bits = master.view(torch.int32)
+    low = (bits & 0xFFFF).to(torch.int16)  # wraps to a signed remainder
+    remainder.copy_(low)
+    low_precision.view(torch.int16).copy_(((bits >> 16) + (low < 0).to(torch.int32)).to(torch.int16))
+
+
 class TEFusedAdam(torch.optim.Optimizer):
     """Stand-in for ``transformer_engine.pytorch.optimizers.FusedAdam`` (see module doc)."""
 
@@ -70,84 +101,136 @@ class TEFusedAdam(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         *,
+        adam_w_mode: bool = True,
         capturable: bool = False,
         master_weights: bool = False,
+        master_weight_dtype: torch.dtype = torch.float32,
         exp_avg_dtype: torch.dtype = torch.float32,
         exp_avg_sq_dtype: torch.dtype = torch.float32,
+        use_decoupled_grad: bool = False,
         store_param_remainders: bool = False,
     ) -> None:
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        assert adam_w_mode, "the stand-in steps AdamW only"
+        group_lr: float | torch.Tensor = torch.tensor(lr, dtype=torch.float32) if capturable else lr
+        super().__init__(params, {"lr": group_lr, "bias_correction": True, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.adam_w_mode = 1
         self.capturable = capturable
         self.master_weights = master_weights
-        self.name_to_dtype_map = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype, "master_param": torch.float32}
+        self.master_weight_dtype = master_weight_dtype
+        self.name_to_dtype_map = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype, "master_param": master_weight_dtype}
         self._scales: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
-        self.store_param_remainders = store_param_remainders and master_weights
+        self._dummy_overflow_buf = torch.tensor([0], dtype=torch.int32)
+        self.use_decoupled_grad = use_decoupled_grad
+        self.store_param_remainders = store_param_remainders and master_weights and master_weight_dtype == torch.float32
 
-    def _initialize_state(self, param: torch.Tensor) -> None:
-        state = self.state[param]
-        for name in ("exp_avg", "exp_avg_sq"):
-            dtype = self.name_to_dtype_map[name]
-            state[name] = torch.zeros_like(param, dtype=dtype)
-            if dtype != torch.float32:
-                self._scales.setdefault(param, {})[name] = torch.ones([1], dtype=torch.float32)
+    def _remainders(self, param: torch.Tensor, name: str) -> bool:
+        return self.store_param_remainders and name == "master_param" and param.dtype == torch.bfloat16
+
+    def _initialize_state(self, param: torch.Tensor, name: str, zero_buffer: bool, remainders: bool = False) -> None:
+        dtype = self.name_to_dtype_map[name]
+        data = torch.zeros_like(param, dtype=torch.int16) if remainders else torch.empty_like(param, dtype=dtype)
+        if zero_buffer:
+            data.zero_()
+        self.state[param][name] = data
+        if dtype != torch.float32:
+            self._scales.setdefault(param, {})[name] = torch.ones([1], dtype=torch.float32)
+
+    def initialize_state(self, param: torch.Tensor, store_param_remainders: bool | None = None) -> None:
+        """TE 2.x takes ``store_param_remainders``; megatron-core 0.19.2 passes the
+        parameter alone, so it defaults to what ``step`` passes."""
+        remainders = self._remainders(param, "master_param") if store_param_remainders is None else store_param_remainders
+        self._initialize_state(param, "exp_avg", zero_buffer=True)
+        self._initialize_state(param, "exp_avg_sq", zero_buffer=True)
         if self.master_weights:
-            if self.store_param_remainders and param.dtype == torch.bfloat16:
-                state["master_param"] = torch.zeros_like(param, dtype=torch.int16)
-            else:
-                state["master_param"] = param.detach().clone().float()
+            self._initialize_state(param, "master_param", zero_buffer=False, remainders=remainders)
+            if not remainders:
+                self.set_scaled_state(param, "master_param", param.clone().detach().float())
 
-    def _unscaled(self, param: torch.Tensor, name: str) -> torch.Tensor:
+    def get_unscaled_state(self, param: torch.Tensor, name: str) -> torch.Tensor:
         stored: torch.Tensor = self.state[param][name]
-        if stored.dtype == torch.float32:
-            return stored
-        scale = self._scales[param][name] if stored.dtype == torch.float16 else torch.ones(1)
-        return stored.float() * scale
+        dtype = self.name_to_dtype_map[name]
+        if dtype == torch.float16:
+            return stored.float().mul_(self._scales[param][name])
+        if dtype == torch.bfloat16:
+            return stored.float()
+        return stored
 
-    def _store(self, param: torch.Tensor, name: str, unscaled: torch.Tensor) -> None:
+    def set_scaled_state(self, param: torch.Tensor, name: str, unscaled: torch.Tensor) -> None:
+        remainders = self._remainders(param, name)
+        assert unscaled.dtype == (torch.int16 if remainders else torch.float32)
+        if name not in self.state[param]:
+            self._initialize_state(param, name, False, remainders)
         stored: torch.Tensor = self.state[param][name]
-        if stored.dtype == torch.float32:
-            return
-        if stored.dtype == torch.float16:
+        if self.name_to_dtype_map[name] == torch.float32:
+            stored.copy_(unscaled)
+        elif stored.dtype == torch.bfloat16:
+            stored.copy_(unscaled)
+        else:
             scale = self._scales[param][name]
             torch.div(unscaled.abs().max().reshape(1), _FP16_RANGE, out=scale)
             stored.copy_(unscaled * torch.where(scale > 0, scale.reciprocal(), 0.0))
-        else:
-            stored.copy_(unscaled)
 
-    def _master(self, param: torch.Tensor) -> torch.Tensor:
-        state = self.state[param]
-        if not self.master_weights:
-            return param.data
-        held: torch.Tensor = state["master_param"]
-        if held.dtype == torch.int16:
-            high = param.data.view(torch.int16).to(torch.int32) << 16
-            return (high | (held.to(torch.int32) & 0xFFFF)).view(torch.float32)
-        return held
+    def _by_saved_id(self, saved_groups: list[dict[str, object]]) -> dict[object, torch.Tensor]:
+        saved = chain.from_iterable(cast(list[object], group["params"]) for group in saved_groups)
+        return dict(zip(saved, chain.from_iterable(group["params"] for group in self.param_groups), strict=False))
 
-    def _write_master(self, param: torch.Tensor, master: torch.Tensor) -> None:
-        held = self.state[param].get("master_param")
-        if isinstance(held, torch.Tensor) and held.dtype == torch.int16:
-            bits = master.view(torch.int32)
-            param.data.view(torch.int16).copy_((bits >> 16).to(torch.int16))
-            held.copy_((bits & 0xFFFF).to(torch.int16))
-        elif master is not param.data:
-            param.data.copy_(master)
+    def state_dict(self) -> dict[str, object]:
+        saved = super().state_dict()
+        by_id = self._by_saved_id(deepcopy(saved["param_groups"]))
+        state = cast(dict[object, dict[str, object]], saved["state"])
+        for key, entry in state.items():
+            if key in by_id:
+                state[key] = {name: self.get_unscaled_state(by_id[key], name) for name in entry}
+        return saved
+
+    def load_state_dict(self, state_dict: dict[str, object]) -> None:
+        super().load_state_dict(state_dict)
+        by_id = self._by_saved_id(deepcopy(cast(list[dict[str, object]], state_dict["param_groups"])))
+        for key, entry in cast(dict[object, dict[str, torch.Tensor | None]], state_dict["state"]).items():
+            if key not in by_id:
+                continue
+            param = by_id[key]
+            self.state[param] = {}
+            for name, value in entry.items():
+                if value is not None:
+                    self.set_scaled_state(param, name, value if self._remainders(param, name) else value.float())
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         for group in self.param_groups:
+            if not group["params"]:
+                continue
             step = _next_step(group, self.capturable)
             for param in group["params"]:
                 if not self.state[param]:
-                    self._initialize_state(param)
-                if param.grad is None:
-                    continue
-                m, v = self._unscaled(param, "exp_avg"), self._unscaled(param, "exp_avg_sq")
-                master = self._master(param)
-                _adamw(master, param.grad.float(), m, v, group, step)
-                self._store(param, "exp_avg", m)
-                self._store(param, "exp_avg_sq", v)
-                self._write_master(param, master)
+                    self.initialize_state(param)
+                grad = getattr(param, "decoupled_grad", None) if self.use_decoupled_grad else param.grad
+                if grad is not None:
+                    self._step_param(param, grad, group, step)
+
+    def _step_param(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, object], step: float) -> None:
+        """AdamW on the fp32 weights: the master of a bf16/fp16 parameter, written back
+        into it; else the parameter itself (a copy of a bf16/fp16 one)."""
+        moments = [self.get_unscaled_state(param, name) for name in ("exp_avg", "exp_avg_sq")]
+        held = self.master_weights and param.dtype in (torch.float16, torch.bfloat16)
+        remainders = held and self._remainders(param, "master_param")
+        if remainders:
+            weights = _join(param.data, self.state[param]["master_param"])
+        elif held:
+            weights = self.get_unscaled_state(param, "master_param").clone()
+        else:
+            weights = param.data.float()  # the parameter itself where it is fp32
+        _adamw(weights, grad.float(), moments[0], moments[1], group, step)
+        if remainders:
+            _split(weights, param.data, self.state[param]["master_param"])
+        elif held:
+            self.set_scaled_state(param, "master_param", weights)
+            param.data.copy_(weights)
+        elif weights.data_ptr() != param.data_ptr():
+            param.data.copy_(weights)
+        for name, value in zip(("exp_avg", "exp_avg_sq"), moments, strict=True):
+            if self.name_to_dtype_map[name] != torch.float32:
+                self.set_scaled_state(param, name, value)
 
 
 class ApexFusedAdam(torch.optim.Optimizer):

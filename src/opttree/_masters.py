@@ -3,7 +3,8 @@
 When weights are written into the model out of band (a checkpoint loaded without its
 optimizer, LoRA adapters restored, a weight sync in RL), the copies a wrapper steps
 (``Float16OptimizerWithFloat16Params``' fp32 mains, ``DistributedOptimizer``'s main
-shards, ``HybridDeviceOptimizer``'s fp32 or CPU copies) keep the old values, and the next
+shards, ``HybridDeviceOptimizer``'s fp32 or CPU copies, the ``master_param`` a TE
+``FusedAdam`` keeps in its state) keep the old values, and the next
 step writes them back over the new weights. A copy is stale when it does not round to the
 model parameter it stands for: the same comparison Megatron's copy from main to model
 makes true after every step.
@@ -15,7 +16,7 @@ not raised from, and a sync checks every copy it will write before it writes any
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import cast
 
 import torch
@@ -23,9 +24,10 @@ from attrs import frozen
 
 from opttree._dispatch import LazyDispatch
 from opttree._errors import OptTreeError
-from opttree._nodes import Node
+from opttree._nodes import LeafNode, Node
 from opttree._preflight import Extents, overlap, plain_torch, ranges, unwritable_reason
 from opttree._problems import Problem, ProblemKind
+from opttree._registry import schema_for
 from opttree._selection import INNER_PARAMS, InnerParams, model_parameters, tree_params
 from opttree._fields import kind_of
 
@@ -63,7 +65,40 @@ EXTRA_COPIES: LazyDispatch[InnerParams] = LazyDispatch()
 EXTRA_COPIES.register_lazy("megatron.core.optimizer.cpu_offloading.hybrid_optimizer.HybridDeviceOptimizer", _hybrid_copies)
 
 
-def _pairs(node: Node) -> Iterator[tuple[torch.Tensor, Sequence[torch.Tensor]]]:
+@frozen
+class _Uncompared:
+    """A copy a leaf's schema says cannot be compared with its parameter, and why."""
+
+    reason: str
+
+
+def _leaf_masters(leaf: LeafNode) -> Iterator[tuple[torch.Tensor, Sequence[torch.Tensor | _Uncompared]]]:
+    """The master copies a leaf keeps in its parameters' state entries, as its schema's
+    ``master_of`` names them (TE FusedAdam's ``master_param``, where Megatron's
+    precision-aware ``DistributedOptimizer`` keeps its main weights)."""
+    schema = schema_for(type(leaf.optimizer))
+    master_of = None if schema is None else schema.master_of
+    if master_of is None or leaf.shared_with is not None:
+        return
+    optimizer = leaf.optimizer
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            entry = optimizer.state.get(param)
+            if not isinstance(entry, Mapping) or not entry:
+                continue
+            try:
+                master = master_of(optimizer, param, cast(Mapping[str, object], entry))
+            except Exception as error:  # noqa: BLE001  # a registered function may raise anything
+                yield param, [_Uncompared(f"{type(error).__name__}: {error}")]
+                continue
+            if master is not None:
+                yield param, [master]
+
+
+def _pairs(node: Node) -> Iterator[tuple[torch.Tensor, Sequence[torch.Tensor | _Uncompared]]]:
+    if isinstance(node, LeafNode):
+        yield from _leaf_masters(node)
+        return
     cls = type(node.optimizer)
     for table in (INNER_PARAMS, EXTRA_COPIES):
         found = table.lookup(cls)
@@ -237,6 +272,10 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
             for copy in cast(Sequence[object], inner):  # what a wrapper holds, checked here
                 if copy is None or copy is param or id(copy) in seen:
                     continue  # precision-aware shards have no separate main copy
+                if isinstance(copy, _Uncompared):
+                    message = f"its copy of {name} cannot be compared with the model's weights: {copy.reason}"
+                    problems.append(Problem(ProblemKind.UNCHECKED_MASTER, node.path, cls, message))
+                    continue
                 if not isinstance(copy, torch.Tensor):
                     message = f"its copy of {name} is {kind_of(copy)}, expected a tensor"
                     problems.append(Problem(ProblemKind.UNCHECKED_MASTER, node.path, cls, message))

@@ -75,6 +75,12 @@ DtypeOf = Callable[[torch.dtype], torch.dtype]
 """``param dtype -> dtype``: the dtype an optimizer builds a history tensor in, where it is
 not its parameter's (SOAP keeps its moments in float32 whatever the parameter's)."""
 
+MasterOf = Callable[[torch.optim.Optimizer, torch.Tensor, Mapping[str, object]], "torch.Tensor | None"]
+"""``(optimizer, param, entry) -> copy``: the copy of ``param`` an optimizer keeps in the
+parameter's state entry, steps and writes back into the parameter (TE FusedAdam's
+``master_param``); None where it keeps none that can stand for other weights; it raises
+where it keeps one that cannot be compared with the parameter."""
+
 BuiltFor = Callable[[tuple[int, ...]], bool]
 """``param shape -> bool``: whether an optimizer builds a history key with the entry of a
 parameter of that shape (Adafactor's ``row_var`` for two dimensions or more)."""
@@ -235,6 +241,13 @@ class StateSchema:
     depend on one another (LBFGS, under its first parameter: its ``n_iter`` says whether
     ``prev_flat_grad`` exists), so a partial reset takes all of it or none of it.
 
+    ``master_of``: the optimizer keeps a master copy of some parameters in their state
+    entries, steps it and writes it back into the parameter (TE FusedAdam with
+    ``master_weights``): a function ``(optimizer, param, entry) -> copy | None`` names it,
+    so that ``validate(..., model=model)`` finds it stale after weights are loaded into the
+    model out of band and ``sync_masters`` writes it (see :data:`MasterOf`). A reset keeps
+    it, as any ``keep`` key.
+
     ``rebuilds_missing``: the optimizer builds a parameter's whole entry on its next step
     when the entry is missing, as it builds a fresh one (torch's ``len(state) == 0``
     initialisation), so ``reset(..., release=True)`` may delete entries to free their memory.
@@ -249,6 +262,7 @@ class StateSchema:
     keep: frozenset[str] = field(converter=_frozen_keys, factory=frozenset)
     step: StepLocation = StepLocation.NONE
     scale_of: ScaleLookup | None = field(default=None, kw_only=True)
+    master_of: MasterOf | None = field(default=None, kw_only=True)
     fill: tuple[tuple[str, Fill], ...] = field(converter=_fills, factory=tuple, kw_only=True)
     identity: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     rebuilds_missing: bool = field(default=False, kw_only=True)
@@ -344,10 +358,11 @@ class StateSchema:
             if not isinstance(getattr(self, flag), bool):  # rebuilds_missing="no" would allow a release
                 msg = f"{flag} must be True or False, got {getattr(self, flag)!r}"
                 raise RegistrationError(msg)
-        scale_of: object = self.scale_of
-        if scale_of is not None and not callable(scale_of):
-            msg = f"scale_of is a function (optimizer, param, key) -> scale or None, got {kind_of(scale_of)}"
-            raise RegistrationError(msg)
+        for name, meaning in (("scale_of", "(optimizer, param, key) -> scale or None"), ("master_of", "(optimizer, param, entry) -> copy or None")):
+            function: object = getattr(self, name)
+            if function is not None and not callable(function):
+                msg = f"{name} is a function {meaning}, got {kind_of(function)}"
+                raise RegistrationError(msg)
         names = ("zero", "drop", "keep", "filled", "identity")
         for i, first in enumerate(names):
             for second in names[i + 1 :]:

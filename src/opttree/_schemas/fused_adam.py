@@ -4,6 +4,8 @@ their state layout (``tests/standins.py``)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from opttree._errors import UnsupportedOptimizerState
@@ -27,6 +29,28 @@ def te_scale_of(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str)
     return scale if isinstance(scale, torch.Tensor) else None
 
 
+def te_master_of(optimizer: torch.optim.Optimizer, param: torch.Tensor, entry: Mapping[str, object]) -> torch.Tensor | None:
+    """The fp32 master TE's FusedAdam (``master_weights``) steps a bf16, fp16 or FP8
+    parameter through and writes back into it; Megatron's precision-aware
+    ``DistributedOptimizer`` keeps its main weights there.
+
+    An fp32 parameter is stepped in place: its ``master_param`` is never read. Remainders
+    (``store_param_remainders``: int16, the low bits of a master whose high bits are the
+    bf16 parameter itself) always round to the parameter, so they cannot stand for other
+    weights. A master kept in another dtype (``master_weight_dtype``) is stored scaled by
+    ``_scales``: it is not compared.
+    """
+    master = entry.get(MASTER_PARAM)
+    if not isinstance(master, torch.Tensor) or master.dtype == torch.int16:
+        return None
+    if type(param) in (torch.Tensor, torch.nn.Parameter) and param.dtype == torch.float32:
+        return None
+    if master.dtype != torch.float32:
+        msg = f"its master_param is kept in {master.dtype}, scaled by _scales"
+        raise UnsupportedOptimizerState(msg)
+    return master
+
+
 # Both build a parameter's moments together where its entry is empty (``len(state) == 0``)
 # and read both at every step: an entry lacking one fails the next step (``always_built``).
 TE_FUSED_ADAM = StateSchema(
@@ -34,6 +58,7 @@ TE_FUSED_ADAM = StateSchema(
     keep={MASTER_PARAM},
     step=StepLocation.PER_GROUP,
     scale_of=te_scale_of,
+    master_of=te_master_of,
     always_built={"exp_avg", "exp_avg_sq"},
 )
 # apex keeps its fp16 master copies in ``optimizer.master_params``, outside ``state``.
