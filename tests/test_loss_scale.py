@@ -227,3 +227,22 @@ def test_a_scaler_with_other_factors_than_megatrons_factory_is_refused(name: str
     after = [v for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values()]
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
     assert opttree.reset(stack.optimizer, keep_loss_scale=True).loss_scales_kept == 1
+
+
+@pytest.mark.parametrize("shared_with", ["master weight", "history"])
+def test_a_scale_sharing_memory_with_a_weight_or_history_is_refused_with_nothing_changed(shared_with: str) -> None:
+    """A reset writes the scale as it writes history: one that is a view of a master weight
+    would write the initial scale into that weight, one of history would leave it non-zero."""
+    stack, scaler = trained()
+    (leaf,) = stack.leaves()
+    target = stack.main_params()[0] if shared_with == "master weight" else next(iter(leaf.state.values()))["exp_avg"]
+    scaler._scale = target.detach().view(-1)[:1]
+    before = target.detach().clone()
+
+    problems = opttree.validate(stack.optimizer)
+
+    (problem,) = problems
+    assert problem.kind is opttree.ProblemKind.ALIASED_STATE and "grad_scaler" in f"{problem.key} {problem.message}"
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"shares memory with"):
+        opttree.reset(stack.optimizer)
+    assert torch.equal(target.detach(), before) and float(scaler.scale) == float(before.view(-1)[0])

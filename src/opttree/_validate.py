@@ -433,11 +433,13 @@ class ValidateVisitor(TraverserVisitor):
             self._plan.scalers_kept += 1
             return
         planned = plan_scaler(node.optimizer)
+        cls = type(node.optimizer).__qualname__
         if isinstance(planned, str):
-            problem = Problem(ProblemKind.UNSUPPORTED_STATE, node.path, type(node.optimizer).__qualname__, planned, "grad_scaler")
-            self.problems.append(problem)
+            self.problems.append(Problem(ProblemKind.UNSUPPORTED_STATE, node.path, cls, planned, "grad_scaler"))
         elif planned is not None:
             self._plan.scalers.append(planned)
+            # written as history is: a scale sharing memory with a weight or history is refused
+            self._plan.state.written.extend(ranges([planned.scale]).owned((node.path, cls, "grad_scaler")))
 
     def _check_release(self, node: Node) -> None:
         """A release under a Megatron wrapper is refused, once, at the outermost one: an
