@@ -259,3 +259,29 @@ def test_a_built_for_function_that_raises_is_the_keys_problem() -> None:
     fresh = Unsure([megatron_group(model().parameters())], lr=0.01)
     with pytest.raises(opttree.UnsupportedCheckpoint, match="its schema's built_for raised ValueError: neither"):
         opttree.load_state_dict(fp32(fresh), saved)
+
+
+def test_an_option_a_hybrid_copies_into_its_sub_optimizers_is_checked_as_the_next_step_uses_it() -> None:
+    """HybridDeviceOptimizer copies its own groups' options into its sub-optimizers' at each
+    step: amsgrad switched on in its groups (Megatron's param_groups are the hybrid's) finds
+    entries without ``max_exp_avg_sq`` at the next step, where a fresh stack builds them. An
+    lr a scheduler moved in its groups is copied too, and is nothing to refuse."""
+    from opttree import testing
+
+    stack = testing.build("offload_0.75")
+    stack.train(0, 2)
+    for group in stack.optimizer.param_groups:
+        group["lr"] = 0.5 * group["lr"]
+    assert opttree.validate(stack.optimizer) == ()
+    for group in stack.optimizer.param_groups:
+        group["amsgrad"] = True
+    before = [v.clone() for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+
+    problems = opttree.validate(stack.optimizer)
+
+    assert problems and all((p.kind, p.key) == (opttree.ProblemKind.UNSUPPORTED_STATE, "amsgrad") for p in problems)
+    assert "HybridDeviceOptimizer's param group holds True" in problems[0].message
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"key 'amsgrad': its group option 'amsgrad' is False"):
+        opttree.reset(stack.optimizer)
+    after = [v for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))

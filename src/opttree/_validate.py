@@ -384,7 +384,56 @@ class ValidateVisitor(TraverserVisitor):
             inspector = LeafInspector(_NO_STATE, self._plan, self.problems, self._selection)
             copies = {} if self._selection.tensors is None else {id(param): inner[0] for param, inner in pairs if inner}
             inspector.plan_copied_group_steps(node, node.optimizer, copies)
+        if pairs is not None:
+            self._check_synced_options(node, pairs)
         self.visit_children(node)
+
+    def _check_synced_options(self, node: HybridNode, pairs: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]]) -> None:
+        """``HybridDeviceOptimizer.step`` first copies its own param groups' options into
+        its sub-optimizers' groups (``_sync_hdo_param_groups_to_sub_optimizers``, each
+        sub-optimizer group from the group of its first parameter). An option a
+        sub-optimizer's entries are built under (its schema's ``built_if``: Adam's
+        ``amsgrad``) that differs there is not the one the next step uses, and the entries
+        are checked against the sub-optimizer's own: refused. Options no entry depends on
+        (``lr``, which a scheduler moves in the hybrid's groups between steps) may differ."""
+        groups = getattr(node.optimizer, "param_groups", None)
+        if not isinstance(groups, list):
+            return  # the hybrid's own groups are checked with its steps
+        leaves = [child for child in node.children if isinstance(child, LeafNode)]
+        copied = {key for group in groups if isinstance(group, dict) for key in group}
+        options = {option for cls in {type(leaf.optimizer) for leaf in leaves} for option in _built_under(cls)}
+        if copied.isdisjoint(options):
+            return  # as a hybrid's groups usually are: none names an option its sub-optimizers build entries under
+        inner_of = {id(outer): inner[0] for outer, inner in pairs if inner}
+        group_of = {
+            id(inner_of[id(param)]): group
+            for group in groups
+            if isinstance(group, dict) and isinstance(group.get("params"), list)
+            for param in group["params"]
+            if id(param) in inner_of
+        }
+        for leaf in leaves:
+            self._check_copied_options(leaf, group_of)
+
+    def _check_copied_options(self, leaf: LeafNode, group_of: Mapping[int, Mapping[str, object]]) -> None:
+        """See :meth:`_check_synced_options`: ``group_of`` holds the hybrid's group of each
+        sub-optimizer parameter, by ``id``. A key the hybrid's group lacks is not copied."""
+        options = sorted(_built_under(type(leaf.optimizer)))
+        for sub_group in leaf.optimizer.param_groups:
+            params = sub_group.get("params") if isinstance(sub_group, dict) else None
+            hybrid_group = group_of.get(id(params[0])) if isinstance(params, list) and params else None
+            for option in options:
+                if hybrid_group is None or option not in hybrid_group:
+                    continue
+                ours, theirs = sub_group.get(option), hybrid_group[option]
+                if ours is not theirs and ours != theirs:
+                    message = (
+                        f"its group option {option!r} is {ours!r} where HybridDeviceOptimizer's param group holds "
+                        f"{theirs!r}, which it copies into this group at its next step: the entries cannot be checked "
+                        "against the option that step uses (set the option in both, or step once first)"
+                    )
+                    cls = type(leaf.optimizer).__qualname__
+                    self.problems.append(Problem(ProblemKind.UNSUPPORTED_STATE, leaf.path, cls, message, option))
 
     def _keep_stepped_params(self, node: Node) -> list[tuple[torch.Tensor, Sequence[torch.Tensor]]] | None:
         """The parameters a wrapper steps through copies or shards (a mixed-precision
@@ -629,3 +678,9 @@ def _sharing(holders: list[tuple[str, list[StateEntry]]]) -> list[tuple[StateEnt
                 sharing.append((entry, key))
             seen.add(place)
     return sharing
+
+
+def _built_under(cls: type) -> frozenset[str]:
+    """The group options a class's schema builds entries under (``built_if``)."""
+    schema = _registry.schema_for(cls)
+    return frozenset(option for _, option in schema.built_if) if schema is not None else frozenset()
