@@ -448,3 +448,59 @@ def test_a_refusal_kept_by_the_caller_keeps_no_state_alive() -> None:
     gc.collect()
 
     assert kept.problem is not None and all(ref() is None for ref in old)
+
+
+def _checked_adamw() -> tuple[list[torch.nn.Parameter], torch.optim.AdamW, opttree.ResetVisitor]:
+    """AdamW over 3 parameters after 2 steps, its reset checked by ``refusal`` and not yet carried out."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4)) for _ in range(3)]
+    optimizer = torch.optim.AdamW(params, lr=0.1)
+    for seed in range(2):
+        step(optimizer, params, seed)
+    visitor = opttree.ResetVisitor()
+    assert visitor.refusal(opttree.tree(optimizer)) is None
+    return params, optimizer, visitor
+
+
+def test_carry_out_checks_the_state_again_a_weight_now_on_history_is_refused() -> None:
+    params, optimizer, visitor = _checked_adamw()
+    params[1].data = optimizer.state[params[0]]["exp_avg"]
+    weight = params[1].detach().clone()
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="shares memory with"):
+        visitor.carry_out()
+
+    assert torch.equal(params[1].detach(), weight)
+
+
+def test_carry_out_checks_the_state_again_replaced_history_is_the_one_zeroed() -> None:
+    params, optimizer, visitor = _checked_adamw()
+    optimizer.state[params[0]]["exp_avg"] = torch.ones(4)
+
+    report = visitor.carry_out()
+
+    assert report.tensors_zeroed == 6 and not optimizer.state[params[0]]["exp_avg"].any()
+
+
+def test_carry_out_checks_the_state_again_a_freed_storage_is_refused_not_written() -> None:
+    """Zeroing through a storage freed after the check would write outside any allocation."""
+    code = textwrap.dedent(
+        """
+        import torch, opttree
+        params = [torch.nn.Parameter(torch.randn(4)) for _ in range(3)]
+        optimizer = torch.optim.AdamW(params, lr=0.1)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        visitor = opttree.ResetVisitor()
+        assert visitor.refusal(opttree.tree(optimizer)) is None
+        optimizer.state[params[0]]["exp_avg"].untyped_storage().resize_(0)
+        try:
+            visitor.carry_out()
+        except opttree.UnsupportedOptimizerState as error:
+            assert "storage is freed" in str(error), error
+            print("refused")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "refused", (done.returncode, done.stderr[-2000:])

@@ -92,7 +92,7 @@ def reset(
     planned = _distributed.agreed(
         group, lambda: _planned_reset(optimizer, params, keys, model, keep_loss_scale=keep_loss_scale, release=release)
     )
-    return planned.carry_out()
+    return planned._carry_out_passed()
 
 
 def _planned_reset(

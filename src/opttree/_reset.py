@@ -16,25 +16,53 @@ logger = logging.getLogger("opttree")
 class ResetVisitor(ValidateVisitor):
     """Resets a tree atomically: if any leaf or key is unsupported, nothing changes."""
 
+    _checked_root: Node | None = None
+    """The tree :meth:`refusal` last passed, which :meth:`carry_out` checks again."""
+
+    def refusal(self, root: Node) -> OptTreeError | None:
+        """:meth:`check` the whole tree: the error a reset of it raises, or None."""
+        refused = super().refusal(root)
+        self._checked_root = root if refused is None else None
+        return refused
+
     def reset(self, root: Node) -> ResetReport:
         """Check the whole tree, then, only if no error was found, carry out the plan."""
         refused = self.refusal(root)
         if refused is not None:
             raise refused
-        return self.carry_out()
+        return self._carry_out_passed()
 
     def carry_out(self) -> ResetReport:
-        """Carry out the plan :meth:`refusal` made and found nothing wrong with, once.
+        """Carry out the reset of the tree :meth:`refusal` has just checked and found
+        nothing wrong with, once, checked again first from the state as it is now: code
+        that ran in between (a training step, a load, a weight swap) may have replaced,
+        freed or shared the tensors the first check planned to write, and its plan would
+        write where it must not, or nowhere. A refusal then is raised, changing nothing.
         Raises :class:`~opttree.OptTreeError`, changing nothing, for any other plan: one a
         walk by ``accept`` made or added to, without the tree-wide checks, or one already
         carried out."""
+        self._require_passed()
+        root = self._checked_root
+        if root is None:  # passed by an internal check, which carries out at once
+            return self._carry_out_passed()
+        refused = self.refusal(root)
+        if refused is not None:
+            raise refused
+        return self._carry_out_passed()
+
+    def _require_passed(self) -> None:
         if not self._passed or any(p.severity is Severity.ERROR for p in self.problems):
             msg = (
                 "carry_out carries out the plan of a tree that refusal() has just checked whole and found "
                 "nothing wrong with, once: call reset(root), which does both"
             )
             raise OptTreeError(msg)
+
+    def _carry_out_passed(self) -> ResetReport:
+        """Carry out the plan a check has just passed, with nothing run in between."""
+        self._require_passed()
         self._passed = False
+        self._checked_root = None
         for warning in self.problems:
             logger.warning("%s", warning)
         report = self._plan.execute()
