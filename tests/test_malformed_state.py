@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import opttree
-from tests.helpers import snapshot, stepped_adamw, unchanged
+from tests.helpers import model, refused_in_place, snapshot, stepped_adamw, train, unchanged
 from tests.megatron_parts import hybrid, train_hybrid
 
 
@@ -286,6 +286,26 @@ def test_keys_of_containers_that_write_by_their_own_code_are_refused_before_any_
 
     assert problem.kind is opttree.ProblemKind.UNSUPPORTED_STATE
     assert unchanged(optimizer, before)
+
+
+def test_an_entry_class_patched_after_a_reset_it_passed_is_refused_by_the_next() -> None:
+    """Whether a class sets and deletes keys as a dict does is read afresh, not kept from
+    the first reset: a ``__delitem__`` set on it later is refused while planning, where the
+    reset raised it half-way."""
+
+    class PatchedLater(dict[str, object]):
+        pass
+
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    train(net, optimizer, 0, 2)
+    for param in list(optimizer.state):
+        optimizer.state[param] = PatchedLater(optimizer.state[param])
+    opttree.reset(optimizer)
+    train(net, optimizer, 2, 2)
+    setattr(PatchedLater, "__delitem__", ReadOnlyEntry.__delitem__)
+
+    refused_in_place(optimizer, "momentum_buffer", "PatchedLater, which sets and deletes keys by its own code")
 
 
 class ReadOnlyState(defaultdict[torch.Tensor, dict[str, object]]):

@@ -87,8 +87,11 @@ _DICT_SETITEMS = (dict.__setitem__, OrderedDict.__setitem__)
 _DICT_DELITEMS = (dict.__delitem__, OrderedDict.__delitem__)
 
 
-@functools.cache
 def _writes_as_dict(cls: type) -> bool:
+    """Read afresh each time, not cached per class, so that a method set on the class after
+    opttree first met it is looked at again. Once the two methods are read, the check is
+    two lookups in short tuples: a cache keyed by them (as ``_registry._own_builder``'s
+    is) would save nothing."""
     return issubclass(cls, dict) and getattr(cls, "__setitem__") in _DICT_SETITEMS and getattr(cls, "__delitem__") in _DICT_DELITEMS
 
 
