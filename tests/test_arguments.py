@@ -74,13 +74,17 @@ class NotATensorModel(torch.nn.Module):
         (lambda o: opttree.reset(o, keys=refusing_keys()), "the state keys keys gives cannot be read: iterating it raised RuntimeError: keys failed"),
         (lambda o: opttree.prune(o, 0.5, model=[1, 2]), "model must be a torch.nn.Module, got a list"),  # type: ignore[arg-type]
         (lambda o: opttree.prune(o, 0.5, keys=5), "keys must be a state key or a list of them, got an int"),  # type: ignore[arg-type]
+        (
+            lambda o: opttree.prune(o, 0.5, by=np.array(["magnitude", "random"])),  # type: ignore[arg-type]  # an array's == gives no bool
+            r"by must be 'magnitude' or 'random', got array\(\['magnitude', 'random'\]",
+        ),
         (lambda o: opttree.validate(o, group="world"), "group must be a process group of an initialised torch.distributed, got a str"),  # type: ignore[arg-type]
         (lambda o: opttree.describe(o, group=5), "group must be a process group"),  # type: ignore[arg-type]
         (lambda o: opttree.reset(o, group="world"), "group must be a process group"),  # type: ignore[arg-type]
     ],
     ids=[
         "params int", "keys int", "keys unhashable", "params one tensor", "params one module", "model dict", "model unreadable",
-        "params empty", "predicate matches none", "keys empty", "model yields a number", "model str", "model chunks list", "params generator raises", "keys iterator raises", "prune model list", "prune keys int", "validate group str", "describe group int",
+        "params empty", "predicate matches none", "keys empty", "model yields a number", "model str", "model chunks list", "params generator raises", "keys iterator raises", "prune model list", "prune keys int", "prune by ndarray", "validate group str", "describe group int",
         "reset group str",
     ],
 )
@@ -432,6 +436,12 @@ def test_a_walk_by_visit_children_after_a_passed_check_is_not_carried_out() -> N
 def test_a_visitor_flag_that_is_not_a_bool_is_refused(visitor: type[opttree.ValidateVisitor]) -> None:
     with pytest.raises(opttree.OptTreeError, match="keep_loss_scale must be True or False, got a str"):
         visitor(keep_loss_scale="False")  # type: ignore[arg-type]  # read from a config as a string
+
+
+def test_a_describe_visitor_refused_that_is_not_a_mapping_is_refused_where_it_is_made() -> None:
+    """Kept as given, ``refused=5`` raised ``TypeError`` only at render."""
+    with pytest.raises(opttree.OptTreeError, match="refused must be a mapping of paths to reasons, or None, got an int$"):
+        opttree.DescribeVisitor(refused=5)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("flag", ["release", "keep_loss_scale"])

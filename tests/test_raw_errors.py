@@ -9,9 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import opttree
 from opttree import testing
+from tests.helpers import snapshot, stepped_adamw, unchanged
 
 
 def one() -> int:
@@ -55,7 +57,31 @@ def test_build_refuses_a_seed_that_is_not_an_int(seed: object, kind: str) -> Non
         testing.build("fp32", seed=seed)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(("lr", "message"), [("0.01", "must be a float or an int, got a str"), (True, "must be a float or an int, got a bool")])
+def test_build_refuses_an_lr_that_is_not_a_number(lr: object, message: str) -> None:
+    with pytest.raises(opttree.OptTreeError, match=rf"build's lr {message}$"):
+        testing.build("fp32", lr=lr)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("lr", [math.nan, math.inf, -1.0, 0])
+def test_build_refuses_an_lr_megatron_cannot_train_with(lr: float) -> None:
+    with pytest.raises(opttree.OptTreeError, match=rf"build's lr must be positive and finite, as Megatron's OptimizerConfig.lr .*, got {lr}$"):
+        testing.build("fp32", lr=lr)
+
+
 @pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
 def test_build_refuses_a_seed_torch_cannot_take(seed: int) -> None:
     with pytest.raises(opttree.OptTreeError, match=rf"build's seed must be an int from -2\*\*63 to 2\*\*64 - 1, as torch.manual_seed takes, got {seed}$"):
         testing.build("fp32", seed=seed)
+
+
+def test_a_nested_tensor_no_optimizer_holds_is_named_by_its_class() -> None:
+    """A nested tensor has no sizes: naming it by its shape raised torch's RuntimeError."""
+    optimizer = stepped_adamw(2)
+    before = snapshot(optimizer)
+    nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+
+    with pytest.raises(opttree.UnmappedParameter, match=r"^parameter \(a Tensor whose shape cannot be read\) is held by no optimizer under AdamW"):
+        opttree.reset(optimizer, params=[nested])
+
+    assert unchanged(optimizer, before)

@@ -19,6 +19,8 @@ import torch
 from attrs import evolve, field, frozen
 
 from opttree._containers import malformed, pooled, tensors_held
+from opttree._errors import OptTreeError
+from opttree._fields import kind_of
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._inspect import step_number
 from opttree._preflight import plain_reads, plain_torch, ranges, torch_name
@@ -142,7 +144,10 @@ class DescribeVisitor(NodeVisitor[Summary]):
     """
 
     def __init__(self, refused: Mapping[str, str] | None = None) -> None:
-        self.refused: Mapping[str, str] = refused or {}
+        if refused is not None and not isinstance(cast(object, refused), Mapping):  # read only at render, where it raised
+            msg = f"refused must be a mapping of paths to reasons, or None, got {kind_of(refused)}"
+            raise OptTreeError(msg)
+        self.refused: Mapping[str, str] = {} if refused is None else refused
 
     def summarise(self, node: Node, text: str) -> Summary:
         """``node``'s line, ``text``, over its children's summaries; a node of a tree built

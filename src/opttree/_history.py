@@ -174,8 +174,8 @@ def prune(
             share = real_number(fraction)
         if share is None or not 0.0 <= share <= 1.0:
             raise PartialResetRefused(f"fraction must be a number between 0 and 1, got {_described(fraction)}")
-        if by not in ("magnitude", "random"):
-            raise PartialResetRefused(f"by must be 'magnitude' or 'random', got {by!r}")
+        if not isinstance(cast(object, by), str) or by not in ("magnitude", "random"):  # an array's == gives no bool
+            raise PartialResetRefused(f"by must be 'magnitude' or 'random', got {_described(by)}")
         if generator is not None and not isinstance(cast(object, generator), torch.Generator):
             raise PartialResetRefused(f"generator must be a torch.Generator or None, got {_described(generator)}")
         plan = _plan(optimizer, params, keys, model, "prune", _REAL_FLOATS)

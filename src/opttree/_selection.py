@@ -345,6 +345,15 @@ def key_names(keys: Iterable[str]) -> frozenset[str]:
     return frozenset(names)
 
 
+def unnamed_param(param: torch.Tensor) -> str:
+    """A parameter the model does not name, as messages name it: by its shape, or by its
+    class where its own code cannot give one (a nested tensor has no sizes)."""
+    try:
+        return f"of shape {tuple(param.shape)}"
+    except Exception:  # noqa: BLE001  # a tensor subclass's own code may raise anything
+        return f"({kind_of(param)} whose shape cannot be read)"
+
+
 def select(root: Node, params: ParamsArg | None, keys: Iterable[str] | None, model: torch.nn.Module | None) -> Selection:
     """Map the user's parameters to the leaf tensors they reach; raise for any that reach none.
 
@@ -371,7 +380,8 @@ def select(root: Node, params: ParamsArg | None, keys: Iterable[str] | None, mod
     if missing:
         names = {id(p): n for n, p in model_parameters(model)} if model is not None else {}
         first = chosen[missing[0]]
-        label = names.get(id(first), f"of shape {tuple(first.shape)}")
+        name = names.get(id(first))
+        label = unnamed_param(first) if name is None else name
         msg = (
             f"parameter {label} is held by no optimizer under {type(root.optimizer).__qualname__} at "
             f"{root.path} ({len(missing)} of {len(chosen)} selected parameters unmapped)"

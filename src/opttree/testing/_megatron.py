@@ -17,6 +17,7 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
+import math
 import socket
 from collections.abc import Iterator, Mapping
 from types import ModuleType
@@ -419,20 +420,35 @@ def _without_transformer_engine_version() -> Iterator[None]:
         yield
 
 
+def _refuse_bad_arguments(seed: object, lr: object) -> None:
+    """Refuse before Megatron is imported, the process group set up and torch reseeded:
+    ``torch.manual_seed`` takes "3" and 1.5 without a word, and a wrong ``lr`` failed only
+    in the optimizer's constructor, as a raw error."""
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        msg = f"build's seed must be an int, got {kind_of(seed)}"
+        raise OptTreeError(msg)
+    if not -(2**63) <= seed < 2**64:
+        msg = f"build's seed must be an int from -2**63 to 2**64 - 1, as torch.manual_seed takes, got {seed}"
+        raise OptTreeError(msg)
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool):
+        msg = f"build's lr must be a float or an int, got {kind_of(lr)}"
+        raise OptTreeError(msg)
+    if not 0 < lr < math.inf:
+        msg = (
+            "build's lr must be positive and finite, as Megatron's OptimizerConfig.lr (torch's optimizers refuse a negative "
+            f"or NaN one; at 0 or infinity nothing trains), got {lr}"
+        )
+        raise OptTreeError(msg)
+
+
 def build(configuration: str | Recipe, *, seed: int = 0, lr: float = 1e-2) -> MegatronStack:
     """Build a configuration (a name of :data:`RECIPES`, or a :class:`Recipe` of your own)
     with Megatron's ``get_megatron_optimizer``."""
+    _refuse_bad_arguments(seed, lr)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
 
-    given: object = seed
-    if not isinstance(given, int) or isinstance(given, bool):  # torch.manual_seed takes "3" and 1.5 without a word
-        msg = f"build's seed must be an int, got {kind_of(given)}"
-        raise OptTreeError(msg)
-    if not -(2**63) <= given < 2**64:
-        msg = f"build's seed must be an int from -2**63 to 2**64 - 1, as torch.manual_seed takes, got {given}"
-        raise OptTreeError(msg)
     recipe = _recipe(configuration)
     reason = missing_feature(recipe)
     if reason is not None:
