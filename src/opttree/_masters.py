@@ -28,7 +28,7 @@ from opttree._nodes import LeafNode, Node
 from opttree._preflight import Extents, overlap, plain_torch, ranges, unwritable_reason
 from opttree._problems import Problem, ProblemKind
 from opttree._registry import schema_for
-from opttree._selection import INNER_PARAMS, InnerParams, model_parameters, tree_params
+from opttree._selection import INNER_PARAMS, InnerParams, model_parameters, tree_params, unnamed_param
 from opttree._fields import kind_of
 
 
@@ -218,12 +218,7 @@ def check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
 
 def _param_name(names: dict[int, str], param: torch.Tensor) -> str:
     name = names.get(id(param))
-    if name is not None:
-        return name
-    try:
-        return f"a parameter of shape {tuple(param.shape)}"
-    except Exception:  # noqa: BLE001  # as in _differing
-        return kind_of(param)
+    return f"a parameter {unnamed_param(param)}" if name is None else name
 
 
 def _named_parameters(root: Node, model: torch.nn.Module | None, problems: list[Problem]) -> list[tuple[str, torch.Tensor]]:
