@@ -144,3 +144,19 @@ def model_state(stack: testing.MegatronStack) -> dict[str, object]:
     assert isinstance(module, MegatronModule)
     with stack.device:
         return module.sharded_state_dict()
+
+
+def test_copy_weights_from_makes_te_masters_equal_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    source = megatron_parts.precision_aware(monkeypatch, remainders=False)
+    source.train(0, K)
+    target = megatron_parts.precision_aware(monkeypatch, remainders=False, seed=1)
+    target.train(0, 1)
+
+    target.copy_weights_from(source)
+
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(te_masters(target), te_masters(source), strict=True))
+    opttree.reset(source.optimizer)
+    opttree.reset(target.optimizer)
+    source.train(K, K)
+    target.train(K, K)
+    assert all(torch.equal(a, b) for a, b in zip(source.model.parameters(), target.model.parameters(), strict=True))

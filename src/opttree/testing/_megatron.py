@@ -374,8 +374,23 @@ class MegatronStack:
         return found
 
     def main_params(self) -> list[torch.Tensor]:
-        """The tensors the leaf optimizers step: fp32 main (master) weights where there are any."""
-        return [p for leaf in self.leaves() for group in leaf.param_groups for p in group["params"]]
+        """The tensors the leaf optimizers step: fp32 main (master) weights where there are
+        any, each followed by the master a leaf keeps for it in its state, where its
+        schema's ``master_of`` names one (TE ``FusedAdam``'s ``master_param``, which holds
+        the main weights of Megatron's precision-aware ``DistributedOptimizer``)."""
+        from opttree import schema_for
+
+        found: list[torch.Tensor] = []
+        for leaf in self.leaves():
+            schema = schema_for(type(leaf))
+            master_of = None if schema is None else schema.master_of
+            for group in leaf.param_groups:
+                for param in group["params"]:
+                    found.append(param)
+                    entry = leaf.state.get(param)
+                    master = master_of(leaf, param, entry) if master_of is not None and entry else None
+                    found.extend(() if master is None else (master,))
+        return found
 
     def copy_weights_from(self, other: MegatronStack) -> None:
         """Make this stack's model and main weights bitwise equal to ``other``'s: refused,
