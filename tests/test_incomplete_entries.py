@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import cast
 
 import attrs
+import numpy as np
 import pytest
 import torch
 
@@ -285,3 +286,19 @@ def test_an_option_a_hybrid_copies_into_its_sub_optimizers_is_checked_as_the_nex
         opttree.reset(stack.optimizer)
     after = [v for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+@pytest.mark.parametrize("value", [np.array([True, False]), torch.tensor([True, True]), torch.tensor(True, device="meta")], ids=["ndarray", "tensor", "meta"])
+def test_a_hybrid_option_that_is_not_one_bool_is_reported_not_raised(value: object) -> None:
+    from opttree import testing
+
+    stack = testing.build("offload_0.75")
+    stack.train(0, 1)
+    for group in stack.optimizer.param_groups:
+        group["amsgrad"] = value
+
+    problems = opttree.validate(stack.optimizer)
+
+    assert problems and all(p.key == "amsgrad" for p in problems)
+    with pytest.raises(opttree.OptTreeError):
+        opttree.reset(stack.optimizer)

@@ -246,3 +246,20 @@ def test_a_scale_sharing_memory_with_a_weight_or_history_is_refused_with_nothing
     with pytest.raises(opttree.UnsupportedOptimizerState, match=r"shares memory with"):
         opttree.reset(stack.optimizer)
     assert torch.equal(target.detach(), before) and float(scaler.scale) == float(before.view(-1)[0])
+
+
+@pytest.mark.parametrize("kept_by", ["keep_loss_scale", "a partial reset of history"])
+def test_a_kept_scale_sharing_memory_with_zeroed_history_is_refused_with_nothing_changed(kept_by: str) -> None:
+    """A scale the reset keeps is memory it must leave alone: zeroing the history it is a
+    view of would set it to 0, and the next step would divide the gradients by it."""
+    stack, scaler = trained()
+    (leaf,) = stack.leaves()
+    history = next(iter(leaf.state.values()))["exp_avg"]
+    scaler._scale = history.detach().view(-1)[:1]
+    before = history.detach().clone()
+    arguments: dict[str, object] = {"keep_loss_scale": True} if kept_by == "keep_loss_scale" else {"keys": ["exp_avg"]}
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"shares memory with"):
+        opttree.reset(stack.optimizer, **arguments)  # type: ignore[arg-type]
+
+    assert torch.equal(history.detach(), before) and float(scaler.scale) == float(before.view(-1)[0]) != 0

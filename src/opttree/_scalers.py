@@ -116,6 +116,12 @@ _HOLDERS.register_lazy("megatron.core.optimizer.optimizer.MixedPrecisionOptimize
 """Wrapper kinds that keep a loss scaler in ``grad_scaler`` (``None`` where bf16 runs without one)."""
 
 
+def held_scale(scaler: object) -> torch.Tensor | None:
+    """The scale tensor a loss scaler holds (``_scale``), or None."""
+    scale = _attributes(scaler).get("_scale")
+    return scale if isinstance(scale, torch.Tensor) else None
+
+
 def loss_scaler(wrapper: object) -> object | None:
     """The loss scaler a wrapper holds, or None."""
     if _HOLDERS.lookup(type(wrapper)) is None:

@@ -22,7 +22,7 @@ from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._plan import ResetPlan, StateEntry
 from opttree._preflight import Owner, duplicates, overlap, plain_torch, ranges, unique_ranges
 from opttree._problems import Problem, ProblemKind, Severity
-from opttree._scalers import loss_scaler, plan_scaler
+from opttree._scalers import ScalerReset, held_scale, loss_scaler, plan_scaler
 from opttree._trees import lenient_tree
 from opttree._schema import StateSchema, StepLocation
 from opttree._runs import alike_runs, sibling_groups
@@ -426,11 +426,11 @@ class ValidateVisitor(TraverserVisitor):
                 if hybrid_group is None or option not in hybrid_group:
                     continue
                 ours, theirs = sub_group.get(option), hybrid_group[option]
-                if ours is not theirs and ours != theirs:
+                if not _same_option(ours, theirs):
                     message = (
-                        f"its group option {option!r} is {ours!r} where HybridDeviceOptimizer's param group holds "
-                        f"{theirs!r}, which it copies into this group at its next step: the entries cannot be checked "
-                        "against the option that step uses (set the option in both, or step once first)"
+                        f"its group option {option!r} is {_shown(ours)} where HybridDeviceOptimizer's param group holds "
+                        f"{_shown(theirs)}, which it copies into this group at its next step: the entries cannot be "
+                        "checked against the option that step uses (set the option in both, or step once first)"
                     )
                     cls = type(leaf.optimizer).__qualname__
                     self.problems.append(Problem(ProblemKind.UNSUPPORTED_STATE, leaf.path, cls, message, option))
@@ -471,24 +471,36 @@ class ValidateVisitor(TraverserVisitor):
         """An fp16 wrapper's loss scaler is reset with its steps: all of them, as the step
         unit check requires, so with none of its parameters ``chosen`` (by ``id``; None
         for all) it is left alone. A scaler met again (a wrapper twice in a chain, or above
-        a subtree and again inside it) counts once."""
+        a subtree and again inside it) counts once. Its scale tensor is memory the reset
+        writes or keeps, as history is: one sharing memory with a weight, or with history
+        the reset zeroes, is refused."""
         scaler = loss_scaler(node.optimizer)
-        if scaler is None or not self._selection.steps or any(scaler is seen for seen in self._scalers_seen):
+        if scaler is None or any(scaler is seen for seen in self._scalers_seen):
             return
         self._scalers_seen.append(scaler)
-        if chosen is not None and not any(id(p) in chosen for p in tree_params(node)):
-            return
+        cls = type(node.optimizer).__qualname__
+        planned = self._planned_scaler(node, chosen)
+        scale = planned.scale if planned is not None else held_scale(scaler)
+        if scale is not None:
+            into = self._plan.state.written if planned is not None else self._plan.state.kept_ranges
+            into.extend(ranges([scale]).owned((node.path, cls, "grad_scaler")))
+
+    def _planned_scaler(self, node: WrapperNode, chosen: AbstractSet[int] | None) -> ScalerReset | None:
+        """The reset of ``node``'s loss scaler, or None where it is kept (a problem with
+        it reported)."""
+        if not self._selection.steps or (chosen is not None and not any(id(p) in chosen for p in tree_params(node))):
+            return None
         if self._keep_loss_scale:
             self._plan.scalers_kept += 1
-            return
+            return None
         planned = plan_scaler(node.optimizer)
-        cls = type(node.optimizer).__qualname__
         if isinstance(planned, str):
+            cls = type(node.optimizer).__qualname__
             self.problems.append(Problem(ProblemKind.UNSUPPORTED_STATE, node.path, cls, planned, "grad_scaler"))
-        elif planned is not None:
+            return None
+        if planned is not None:
             self._plan.scalers.append(planned)
-            # written as history is: a scale sharing memory with a weight or history is refused
-            self._plan.state.written.extend(ranges([planned.scale]).owned((node.path, cls, "grad_scaler")))
+        return planned
 
     def _check_release(self, node: Node) -> None:
         """A release under a Megatron wrapper is refused, once, at the outermost one: an
@@ -684,3 +696,19 @@ def _built_under(cls: type) -> frozenset[str]:
     """The group options a class's schema builds entries under (``built_if``)."""
     schema = _registry.schema_for(cls)
     return frozenset(option for _, option in schema.built_if) if schema is not None else frozenset()
+
+
+def _same_option(first: object, second: object) -> bool:
+    """Whether two values of a group option are one: False where they cannot be compared
+    as one bool (an array or a tensor of several values, a meta tensor)."""
+    if first is second:
+        return True
+    try:
+        return bool(first == second)
+    except Exception:  # noqa: BLE001  # a value's own __eq__ or __bool__ may raise anything
+        return False
+
+
+def _shown(value: object) -> str:
+    """A group option's value as a message names it: a bool, None or number as itself."""
+    return repr(value) if value is None or isinstance(value, (bool, int, float, str)) else kind_of(value)
