@@ -146,10 +146,11 @@ def model_state(stack: testing.MegatronStack) -> dict[str, object]:
         return module.sharded_state_dict()
 
 
-def test_copy_weights_from_makes_te_masters_equal_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    source = megatron_parts.precision_aware(monkeypatch, remainders=False)
+@pytest.mark.parametrize("remainders", [False, True], ids=["fp32_masters", "remainders"])
+def test_copy_weights_from_makes_te_masters_equal_too(monkeypatch: pytest.MonkeyPatch, remainders: bool) -> None:
+    source = megatron_parts.precision_aware(monkeypatch, remainders=remainders)
     source.train(0, K)
-    target = megatron_parts.precision_aware(monkeypatch, remainders=False, seed=1)
+    target = megatron_parts.precision_aware(monkeypatch, remainders=remainders, seed=1)
     target.train(0, 1)
 
     target.copy_weights_from(source)

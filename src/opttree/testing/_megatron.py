@@ -375,21 +375,21 @@ class MegatronStack:
 
     def main_params(self) -> list[torch.Tensor]:
         """The tensors the leaf optimizers step: fp32 main (master) weights where there are
-        any, each followed by the master a leaf keeps for it in its state, where its
-        schema's ``master_of`` names one (TE ``FusedAdam``'s ``master_param``, which holds
-        the main weights of Megatron's precision-aware ``DistributedOptimizer``)."""
+        any, each followed, for a leaf whose schema says it keeps master copies in its state
+        (``master_of``), by what it keeps for it beside history (its ``keep`` keys): TE
+        ``FusedAdam``'s ``master_param``, fp32 or int16 remainders, which holds the main
+        weights of Megatron's precision-aware ``DistributedOptimizer``."""
         from opttree import schema_for
 
         found: list[torch.Tensor] = []
         for leaf in self.leaves():
             schema = schema_for(type(leaf))
-            master_of = None if schema is None else schema.master_of
+            kept = sorted(schema.keep) if schema is not None and schema.master_of is not None else []
             for group in leaf.param_groups:
                 for param in group["params"]:
                     found.append(param)
-                    entry = leaf.state.get(param)
-                    master = master_of(leaf, param, entry) if master_of is not None and entry else None
-                    found.extend(() if master is None else (master,))
+                    entry = leaf.state.get(param, {})
+                    found.extend(v for v in map(entry.get, kept) if isinstance(v, torch.Tensor) and v is not param)
         return found
 
     def copy_weights_from(self, other: MegatronStack) -> None:
