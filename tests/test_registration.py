@@ -87,6 +87,56 @@ def test_a_failing_children_function_is_a_clear_error() -> None:
         opttree.tree(Broken())
 
 
+class NestingWrapper:
+    """Its children function calls opttree itself, which refuses what it holds."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+
+
+class CheckingWrapper:
+    """Its children function raises an ``OptTreeError`` of its own, with no problem attached."""
+
+
+def nested_tree_children(wrapper: object) -> list[tuple[str, object]]:
+    assert isinstance(wrapper, NestingWrapper)
+    return [("inner", opttree.tree(wrapper.inner).optimizer)]  # NotAnOptimizer, a problem at its own <root>
+
+
+def own_check_children(wrapper: object) -> list[tuple[str, object]]:
+    raise opttree.OptTreeError("the wrapper's own check failed")
+
+
+opttree.register_wrapper(NestingWrapper, children=nested_tree_children)
+opttree.register_wrapper(CheckingWrapper, children=own_check_children)
+
+
+@pytest.mark.parametrize(
+    ("failing", "reason"),
+    [(NestingWrapper(None), "NotAnOptimizer: error: NoneType at <root>"), (CheckingWrapper(), "OptTreeError: the wrapper's own check failed")],
+    ids=["nested-opttree-call", "own-opttree-error"],
+)
+def test_an_opttree_error_from_a_children_function_is_its_wrappers_problem(failing: object, reason: str) -> None:
+    """Not raised from ``validate`` or ``describe``, nor pinned on the node a nested call's
+    problem names: the failing wrapper is refused at its own path, the rest still checked."""
+    net = model()
+    adamw = torch.optim.AdamW(net.parameters())
+    train(net, adamw, 0, 1)
+    chain = LoraChain({"bad": cast(torch.optim.Optimizer, failing), "ok": adamw})  # a wrapper holds any registered kind
+    cls = type(failing).__qualname__
+
+    (problem,) = opttree.validate(chain)
+    assert (problem.kind, problem.path, problem.cls) == (opttree.ProblemKind.MALFORMED_WRAPPER, "adapters['bad']", cls)
+    assert f"its children function failed: {reason}" in problem.message
+    lines = opttree.describe(chain).splitlines()
+    assert [line.split("@")[-1].strip() for line in lines if "(refused" in line] == ["adapters['bad']"]
+    assert any("AdamW" in line for line in lines)
+    before = snapshot(adamw)
+    with pytest.raises(opttree.MalformedWrapper, match=rf"{cls} at adapters\['bad'\]: its children function failed"):
+        opttree.reset(chain)
+    assert unchanged(adamw, before)
+
+
 def test_registering_twice_is_refused() -> None:
     with pytest.raises(opttree.RegistrationError, match="registered already"):
         opttree.register_schema(Lion, opttree.StateSchema(zero={"exp_avg"}))

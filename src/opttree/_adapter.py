@@ -370,23 +370,30 @@ def _kept_iterator(wrapper: object, given: object) -> bool:
     return any(value is given for _, value in instance_attributes(wrapper))
 
 
+def _called_children(children: ChildrenFn, wrapper: object, path: str) -> list[object]:
+    """What ``children`` gives for ``wrapper``, at ``path``. Whatever it raises is this
+    wrapper's malformed-wrapper problem, an ``OptTreeError`` too: one from a nested opttree
+    call names that call's object and path, which are not in this tree."""
+    try:
+        given = children(wrapper)
+        kept = _kept_iterator(wrapper, given)
+        pairs: list[object] = [] if kept else list(given)
+    except Exception as error:
+        raise function_failed("children", wrapper, path, error) from error
+    if kept:
+        message = (
+            "the children function returned an iterator the wrapper keeps: the first build uses it up, and "
+            "every later one would find no children and reset none; return a new iterable each call"
+        )
+        raise refusal(ProblemKind.MALFORMED_WRAPPER, wrapper, path, message)
+    return pairs
+
+
 def children_expander(children: ChildrenFn) -> Expander:
     """An expander for a user-registered wrapper kind, guarding its children function."""
 
     def expand(builder: TreeBuilder, obj: object, path: str) -> Node:
-        try:
-            given = children(obj)
-            if _kept_iterator(obj, given):
-                message = (
-                    "the children function returned an iterator the wrapper keeps: the first build uses it up, and "
-                    "every later one would find no children and reset none; return a new iterable each call"
-                )
-                raise refusal(ProblemKind.MALFORMED_WRAPPER, obj, path, message)
-            pairs: list[object] = list(given)
-        except OptTreeError:
-            raise
-        except Exception as error:
-            raise function_failed("children", obj, path, error) from error
+        pairs = _called_children(children, obj, path)
         built = [(label, builder.build(child, _paths.child(path, label))) for label, child in labelled(pairs, obj, path)]
         nested = _label_below_a_parent(built)
         if nested is not None:
