@@ -127,3 +127,11 @@ def refused_in_place(optimizer: torch.optim.Optimizer, key: str, match: str) -> 
         opttree.reset(optimizer)
     assert unchanged(optimizer, before)
     return problems[0]
+
+
+def on_one_step(optimizer: torch.optim.Optimizer, share: Callable[[torch.Tensor], torch.Tensor] = lambda step: step) -> None:
+    """Put every state entry of ``optimizer`` on its first entry's step tensor, as Megatron's
+    CPU load path leaves them, or on what ``share`` makes of it (a view of its memory)."""
+    entries = list(optimizer.state.values())
+    for entry in entries[1:]:
+        entry["step"] = share(entries[0]["step"])

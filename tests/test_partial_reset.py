@@ -13,7 +13,7 @@ import opttree
 from megatron.core.transformer.module import MegatronModule
 from opttree import testing
 from tests import megatron_parts
-from tests.helpers import model, snapshot, stepped_lbfgs, stepped_pair, train, unchanged
+from tests.helpers import model, on_one_step, snapshot, stepped_adamw, stepped_lbfgs, stepped_pair, train, unchanged
 from tests.standins import TEFusedAdam
 
 K = 2
@@ -462,6 +462,17 @@ def test_a_step_tensor_shared_with_an_unselected_parameter_is_not_reset_for_it()
     with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'step': shares memory with 'step' of AdamW"):
         opttree.reset(optimizer, params=[a], keys=["exp_avg", "exp_avg_sq", "step"])
     assert optimizer.state[b]["step"].item() == 1.0
+
+
+def test_a_step_tensor_several_entries_share_is_kept_once() -> None:
+    """``bytes_kept`` counts memory, not the entries holding it: three parameters' ``exp_avg_sq``
+    and the one step tensor they share (Megatron's CPU load path)."""
+    optimizer = stepped_adamw(3, numel=3)
+    on_one_step(optimizer)
+
+    report = opttree.reset(optimizer, keys=["exp_avg"])
+
+    assert report.kept_keys == ("exp_avg_sq", "step") and report.bytes_kept == 3 * 12 + 4
 
 
 def test_history_shared_with_an_unselected_parameter_is_refused() -> None:

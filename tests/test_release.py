@@ -13,6 +13,7 @@ import collections
 import gc
 import types
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import opttree
 from opttree import testing
-from tests import megatron_parts
-from tests.helpers import clone_model, model, train, weights_equal
+from tests import helpers, megatron_parts
+from tests.helpers import clone_model, model, on_one_step, train, weights_equal
 from tests.test_checkpoints import fresh_like, load, save
 
 
@@ -57,6 +58,19 @@ def test_released_memory_is_freed_and_training_equals_a_fresh_optimizer() -> Non
     train(net, optimizer, 3, 3)
     train(twin, fresh, 3, 3)
     assert weights_equal(net, twin)
+
+
+@pytest.mark.parametrize("share", [lambda step: step, lambda step: step.view(())], ids=["one-tensor", "views-of-one-tensor"])
+def test_a_step_tensor_several_entries_share_is_released_once(share: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """The report counts memory, not the entries holding it: one step tensor for three
+    parameters (Megatron's CPU load path), or views of its one memory, is 4 bytes, as
+    ``steps`` counts it one step."""
+    optimizer = helpers.stepped_adamw(3, numel=3)
+    on_one_step(optimizer, share)
+
+    report = opttree.reset(optimizer, release=True)
+
+    assert report.entries_released == 3 and report.bytes_released == 3 * (12 + 12) + 4
 
 
 def test_a_release_after_resets_frees_the_tensors() -> None:

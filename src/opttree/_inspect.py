@@ -12,7 +12,7 @@ from __future__ import annotations
 import operator
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
-from itertools import chain, compress, repeat
+from itertools import chain, compress, repeat, starmap
 from typing import TypeVar, cast
 
 import torch
@@ -220,6 +220,14 @@ def outside_dtypes(found: Extents, allowed: frozenset[torch.dtype]) -> tuple[int
         return None
     wrong = [dtype for dtype in found.dtypes if dtype not in allowed]
     return len(wrong), wrong[0]
+
+
+def bytes_once(found: Extents) -> int:
+    """The bytes of the memory ``found`` spans, each address range counted once: one step
+    tensor held for several parameters (as Megatron's CPU load path leaves it), or views of
+    its memory, is one tensor's memory, as a reset counts it one step. A strided view with
+    gaps counts the memory from its first element to its last."""
+    return sum(starmap(operator.sub, set(zip(found.ends, found.starts, strict=True))))
 
 
 class LeafInspector:
@@ -741,7 +749,7 @@ class LeafInspector:
             )
             self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
         into.kept_ranges.extend(kept.owned((*owner, key)))
-        return kept.nbytes
+        return bytes_once(kept)
 
     def unknown_key(self, node: LeafNode, key: object) -> None:
         known = ", ".join(sorted(self.actions)) or "no keys"
@@ -794,7 +802,7 @@ class LeafInspector:
         into.release.append((optimizer, held))
         into.found_keys.update(chain.from_iterable(entries))
         into.released += len(held)
-        into.bytes_released += ranges(tensors_held([value for entry in entries for value in entry.values()])).nbytes
+        into.bytes_released += bytes_once(ranges(tensors_held([value for entry in entries for value in entry.values()])))
 
     def plan_fills(
         self,
