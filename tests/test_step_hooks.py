@@ -5,6 +5,7 @@ is; Megatron's own hooks and those a user declares are reset as any other."""
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -168,13 +169,56 @@ def test_hooks_torch_cannot_hold_as_it_does_are_refused_and_never_raise() -> Non
 
 
 def test_register_step_hook_refuses_what_it_cannot_know() -> None:
-    class Callable_:
-        def __call__(self, optimizer: object, args: object, kwargs: object) -> None: ...
-
+    """A callable object of a class written in C runs a ``__call__`` that has no module."""
     with pytest.raises(opttree.RegistrationError, match="takes the hook function, got an int"):
         opttree.register_step_hook(3)  # type: ignore[arg-type]
-    with pytest.raises(opttree.RegistrationError, match="has no module and qualified name"):
-        opttree.register_step_hook(Callable_())
+    with pytest.raises(opttree.RegistrationError, match="runs a function that has no module and qualified name"):
+        opttree.register_step_hook(operator.attrgetter("state"))
+
+
+class Timed:
+    """A step pre-hook written as a class: it times steps, building, changing and counting no state."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        self.calls += 1
+
+
+class TimedToo(Timed):
+    """Inherits ``Timed.__call__``: its instances run that function."""
+
+
+@pytest.mark.parametrize("declared", [Timed.__call__, Timed()], ids=["its-class-call", "another-instance"])
+def test_a_callable_object_hook_is_known_by_its_classs_call(declared: Callable[..., None]) -> None:
+    """A callable object runs its class's ``__call__``, as its bound ``__call__`` would: the
+    refusal names that function, and declaring it, or any instance, declares every instance."""
+    optimizer = trained(0, Timed(), TimedToo())
+    before = snapshot(optimizer)
+    with pytest.raises(opttree.UnsupportedOptimizer, match="its step pre-hook tests.test_step_hooks.Timed.__call__ runs"):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before)
+
+    opttree.register_step_hook(declared)
+    assert opttree.validate(optimizer) == ()
+    opttree.reset(optimizer)
+    fresh = fresh_like(optimizer, Timed(), TimedToo())
+    train(optimizer, 2)
+    train(fresh, 2)
+    assert same_params(optimizer, fresh)
+
+
+def test_a_callable_objects_own_attributes_do_not_name_it() -> None:
+    """What an object runs is its class's ``__call__``: an attribute it holds under
+    ``__func__`` (or ``__call__``) is not what it runs, and declares nothing."""
+    hook = Timed()
+    hook.__func__ = logged  # type: ignore[attr-defined]
+    hook.__call__ = logged  # type: ignore[method-assign]
+    opttree.register_step_hook(logged)
+    optimizer = trained(0, hook)
+    with pytest.raises(opttree.UnsupportedOptimizer, match="its step pre-hook tests.test_step_hooks.Timed.__call__ runs"):
+        opttree.reset(optimizer)
 
 
 @pytest.mark.parametrize("name", [n for n in ("offload_0.75", "offload_1.0") if n in testing.available()])

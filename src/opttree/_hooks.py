@@ -10,7 +10,8 @@ user declares with :func:`register_step_hook`. Any other is refused, as an insta
 ``step`` is.
 
 Hooks are known by their function's module and qualified name, so that the closures a
-wrapper makes anew for each sub-optimizer are one hook.
+wrapper makes anew for each sub-optimizer are one hook; a callable object by its class's
+``__call__``, the function it runs, so that its instances are one hook too.
 """
 
 from __future__ import annotations
@@ -48,13 +49,28 @@ _GLOBAL = (("_global_optimizer_pre_hooks", "step pre-hook"), ("_global_optimizer
 
 
 def _function(hook: object) -> object:
-    """The function a hook runs: a bound method's or a ``functools.partial``'s."""
+    """The function a hook runs: a bound method's or a ``functools.partial``'s, and a
+    callable object's class's ``__call__``, as its bound ``__call__`` would be. An object
+    that has a qualified name of its own (a function, or one ``functools.wraps`` named) is
+    known by it; an instance has none."""
     for _ in range(8):
-        inner = hook.func if isinstance(hook, functools.partial) else getattr(hook, "__func__", None)
+        inner: object
+        if isinstance(hook, functools.partial):
+            inner = hook.func
+        elif hasattr(hook, "__qualname__"):
+            inner = getattr(hook, "__func__", None)
+        else:
+            inner = _class_call(type(hook))
         if inner is None:
             return hook
         hook = inner
     return hook
+
+
+def _class_call(cls: type) -> object:
+    """The ``__call__`` that calling an instance of ``cls`` runs: found along its MRO, as
+    Python finds it, not on its metaclass (``type.__call__``, which makes instances)."""
+    return next((vars(base)["__call__"] for base in cls.__mro__ if "__call__" in vars(base)), None)
 
 
 def _key(hook: object) -> tuple[str, str] | None:
@@ -81,15 +97,22 @@ def _known(hook: object) -> bool:
 def register_step_hook(hook: Callable[..., object]) -> None:
     """Declare that ``hook``, a step pre- or post-hook, leaves optimizer state alone (it
     logs, times, casts gradients or copies parameters): optimizers holding it are then
-    reset as any other. It is known by its module and qualified name, so every closure
-    one function makes counts. Only declare hooks that neither build nor change state,
-    nor keep counts of their own that a reset would leave behind: a reset cannot see them."""
+    reset as any other. It is known by its function's module and qualified name, so every
+    closure one function makes counts; a callable object is known by its class's
+    ``__call__`` (declare that function, or any instance), so every instance of a class
+    with that ``__call__`` counts, whatever its attributes hold, as a closure's cells may
+    hold anything. Only declare hooks that neither build nor change state, nor keep counts
+    of their own that a reset would leave behind, for every closure or instance: a reset
+    cannot see them."""
     if not callable(cast(object, hook)):  # untyped callers pass anything
         msg = f"register_step_hook takes the hook function, got {kind_of(hook)}"
         raise RegistrationError(msg)
     key = _key(hook)
     if key is None:
-        msg = f"{kind_of(hook)} has no module and qualified name to be known by: register the function it calls"
+        msg = (
+            f"{kind_of(hook)} runs a function that has no module and qualified name to be known by (a callable object "
+            "is known by its class's __call__, which a class written in C has not): make the hook a function of your own"
+        )
         raise RegistrationError(msg)
     unnamed = [part for part in key[1].split(".") if part.startswith("<") and part != "<locals>"]
     if unnamed:
