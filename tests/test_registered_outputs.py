@@ -206,3 +206,18 @@ def test_register_wrapper_refuses_an_inner_params_that_is_not_callable() -> None
     with pytest.raises(opttree.RegistrationError, match="needs a callable inner_params function, got an int"):
         opttree.register_wrapper(Uncallable, children=lambda w: [], inner_params=5)  # type: ignore[call-overload]
     opttree.register_wrapper(Uncallable, children=lambda w: [])  # the refused registration left nothing behind
+
+
+def test_an_opttree_error_from_inner_params_is_its_wrappers_problem() -> None:
+    """A nested opttree call failing inside ``inner_params`` names its own object; the
+    problem is this wrapper's, as one from a ``children`` function is."""
+    wrapper = stepped_copies(lambda w: [(opttree.tree(None), [])])
+    before = snapshot(wrapper.optimizer)
+
+    (problem,) = opttree.validate(wrapper, model=torch.nn.ParameterList(wrapper.params))
+
+    assert (problem.kind, problem.cls) == (opttree.ProblemKind.MALFORMED_WRAPPER, "Copies")
+    assert problem.message.startswith("its inner_params function failed: NotAnOptimizer")
+    with pytest.raises(opttree.MalformedWrapper, match=r"Copies at <root>: its inner_params function failed"):
+        opttree.reset(wrapper, params=wrapper.params[:1])
+    assert unchanged(wrapper.optimizer, before)

@@ -383,9 +383,7 @@ def guarded_inner_params(inner_params: InnerParams) -> InnerParams:
     def pairs(wrapper: object, path: str) -> list[tuple[torch.Tensor, Sequence[torch.Tensor]]]:
         try:
             found: list[object] = list(inner_params(wrapper, path))
-        except OptTreeError:
-            raise
-        except Exception as error:
+        except Exception as error:  # an OptTreeError too: a nested opttree call's names its own object
             raise function_failed("inner_params", wrapper, path, error) from error
         for item in found:
             if not is_pair(item) or not isinstance(item[1], (list, tuple)):
