@@ -161,3 +161,27 @@ def test_copy_weights_from_makes_te_masters_equal_too(monkeypatch: pytest.Monkey
     source.train(K, K)
     target.train(K, K)
     assert all(torch.equal(a, b) for a, b in zip(source.model.parameters(), target.model.parameters(), strict=True))
+
+
+class Float8Like(torch.Tensor):
+    """A tensor subclass standing for TE's ``Float8Tensor`` weights (which need CUDA)."""
+
+
+def test_the_master_of_a_weight_of_a_tensor_subclass_is_not_compared() -> None:
+    """TE steps FP8 weights through fp32 masters too; how those round to the quantized
+    weight is the weight class's own, so the master is reported as not compared, and a
+    sync refuses rather than guess."""
+    param = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    optimizer = TEFusedAdam([param], lr=1e-2, master_weights=True)
+    param.grad = torch.ones_like(param)
+    optimizer.step()
+    entry = optimizer.state.pop(param)
+    weight = torch.nn.Parameter(param.detach().as_subclass(Float8Like))
+    optimizer.param_groups[0]["params"] = [weight]
+    optimizer.state[weight] = entry
+
+    (problem,) = opttree.validate(optimizer, model=torch.nn.ParameterList([weight]))
+
+    assert problem.kind is opttree.ProblemKind.UNCHECKED_MASTER and "Float8Like" in problem.message
+    with pytest.raises(opttree.OptTreeError, match="cannot be compared"):
+        opttree.sync_masters(optimizer, model=torch.nn.ParameterList([weight]))

@@ -34,7 +34,8 @@ def te_master_of(optimizer: torch.optim.Optimizer, param: torch.Tensor, entry: M
     parameter through and writes back into it; Megatron's precision-aware
     ``DistributedOptimizer`` keeps its main weights there.
 
-    An fp32 parameter is stepped in place: its ``master_param`` is never read. Remainders
+    An fp32 parameter is stepped in place: its ``master_param`` is never read. One of a
+    tensor subclass (TE's ``Float8Tensor``) is not compared here. Remainders
     (``store_param_remainders``: int16, the low bits of a master whose high bits are the
     bf16 parameter itself) always round to the parameter, so they cannot stand for other
     weights. A master kept in another dtype (``master_weight_dtype``) is stored scaled by
@@ -43,7 +44,10 @@ def te_master_of(optimizer: torch.optim.Optimizer, param: torch.Tensor, entry: M
     master = entry.get(MASTER_PARAM)
     if not isinstance(master, torch.Tensor) or master.dtype == torch.int16:
         return None
-    if type(param) in (torch.Tensor, torch.nn.Parameter) and param.dtype == torch.float32:
+    if type(param) not in (torch.Tensor, torch.nn.Parameter):
+        msg = f"its parameter is a {type(param).__qualname__} (an FP8 weight): how its master rounds to it is that class's own"
+        raise UnsupportedOptimizerState(msg)
+    if param.dtype == torch.float32:
         return None
     if master.dtype != torch.float32:
         msg = f"its master_param is kept in {master.dtype}, scaled by _scales"
