@@ -111,6 +111,14 @@ class TEFusedAdam(torch.optim.Optimizer):
         store_param_remainders: bool = False,
     ) -> None:
         assert adam_w_mode, "the stand-in steps AdamW only"
+        allowed = (torch.float32, torch.float16, torch.bfloat16)
+        if master_weights and master_weight_dtype not in (torch.float32, torch.float16):
+            raise RuntimeError("FusedAdam only supports fp32/fp16 master weights.")
+        if exp_avg_dtype not in allowed or exp_avg_sq_dtype not in allowed:
+            raise RuntimeError("the stand-in keeps moments in fp32, fp16 or bf16 (TE also takes FP8)")
+        low_precision = (master_weights and master_weight_dtype != torch.float32) or exp_avg_dtype != torch.float32 or exp_avg_sq_dtype != torch.float32
+        if capturable and (low_precision or store_param_remainders):
+            raise RuntimeError("Capturable mode only supports fp32 master weights and optimizer states, without remainders.")
         group_lr: float | torch.Tensor = torch.tensor(lr, dtype=torch.float32) if capturable else lr
         super().__init__(params, {"lr": group_lr, "bias_correction": True, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.adam_w_mode = 1
@@ -165,10 +173,10 @@ class TEFusedAdam(torch.optim.Optimizer):
             stored.copy_(unscaled)
         elif stored.dtype == torch.bfloat16:
             stored.copy_(unscaled)
-        else:
+        else:  # TE scales the tensor it is given in place: a loaded state dict's fp32 values too
             scale = self._scales[param][name]
             torch.div(unscaled.abs().max().reshape(1), _FP16_RANGE, out=scale)
-            stored.copy_(unscaled * torch.where(scale > 0, scale.reciprocal(), 0.0))
+            stored.copy_(unscaled.mul_(torch.where(scale > 0, scale.reciprocal(), 0.0)))
 
     def _by_saved_id(self, saved_groups: list[dict[str, object]]) -> dict[object, torch.Tensor]:
         saved = chain.from_iterable(cast(list[object], group["params"]) for group in saved_groups)
@@ -224,8 +232,8 @@ class TEFusedAdam(torch.optim.Optimizer):
         if remainders:
             _split(weights, param.data, self.state[param]["master_param"])
         elif held:
+            param.data.copy_(weights)  # before the master is stored: storing scales it in place
             self.set_scaled_state(param, "master_param", weights)
-            param.data.copy_(weights)
         elif weights.data_ptr() != param.data_ptr():
             param.data.copy_(weights)
         for name, value in zip(("exp_avg", "exp_avg_sq"), moments, strict=True):

@@ -195,3 +195,55 @@ def test_an_entry_lacking_a_moment_is_refused_where_the_next_step_would_raise(na
     refused_in_place(optimizer, "exp_avg_sq", "key 'exp_avg_sq': 1 of its 4 state entries lack it")
     with pytest.raises(KeyError):
         train(net, optimizer, 2, 1)
+
+
+def stepped_te(**options: object) -> tuple[list[torch.nn.Parameter], TEFusedAdam]:
+    params = [torch.nn.Parameter(torch.linspace(-1, 1, 8)) for _ in range(2)]
+    optimizer = TEFusedAdam(params, lr=1e-2, **options)  # type: ignore[arg-type]
+    for i in range(3):
+        for p in params:
+            p.grad = torch.linspace(-1, 1, 8).sin() * (i + 1)
+        optimizer.step()
+    return params, optimizer
+
+
+@pytest.mark.parametrize(("options", "advice"), [
+    ({"exp_avg_dtype": torch.float16, "exp_avg_sq_dtype": torch.float16}, "no key of it starts at zero here"),
+    ({"exp_avg_dtype": torch.float16}, r"name the keys to change \(keys=\['exp_avg_sq'\] start at zero here\)"),
+])
+def test_prune_and_scale_refuse_fp16_moments_and_advise_only_keys_they_take(options: dict[str, object], advice: str) -> None:
+    """fp16 moments are stored scaled, so zeroing part of one, or multiplying it, would
+    have to rescale it: refused with nothing changed, advising only keys that can be taken."""
+    _, optimizer = stepped_te(**options)
+    before = snapshot(optimizer)
+    with pytest.raises(opttree.PartialResetRefused, match=advice):
+        opttree.prune(optimizer, 0.5)
+    with pytest.raises(opttree.PartialResetRefused, match=advice):
+        opttree.scale(optimizer, 0.5)
+    assert unchanged(optimizer, before)
+    if "keys=" in advice:
+        opttree.prune(optimizer, 0.5, keys=["exp_avg_sq"])
+
+
+def test_bf16_moments_are_pruned_and_scaled_as_fp32_ones_are() -> None:
+    """TE keeps bf16 state unscaled (its scale stays the 1 it was made as), so a change in
+    place is the change TE's own arithmetic sees."""
+    params, optimizer = stepped_te(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+    moments = [optimizer.state[p]["exp_avg"] for p in params]
+    halved = [m.clone() * 0.5 for m in moments]
+
+    opttree.scale(optimizer, 0.5, keys=["exp_avg"])
+
+    assert all(torch.equal(m, h) for m, h in zip(moments, halved, strict=True))
+    assert all(float(s) == 1.0 for per_param in optimizer._scales.values() for s in per_param.values())
+
+
+def test_the_te_standin_refuses_what_te_refuses_and_scales_what_it_stores_in_place() -> None:
+    """As TE 2.x's FusedAdam: capturable takes fp32 state only, and storing an fp16 state
+    scales the fp32 values it is given in place (a loaded state dict's too)."""
+    with pytest.raises(RuntimeError, match="Capturable mode"):
+        TEFusedAdam([torch.nn.Parameter(torch.ones(2))], capturable=True, exp_avg_dtype=torch.float16)
+    params, optimizer = stepped_te(exp_avg_dtype=torch.float16)
+    given = torch.full((8,), 1e6)
+    optimizer.set_scaled_state(params[0], "exp_avg", given)
+    assert float(given.abs().max()) < 65504

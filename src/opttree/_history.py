@@ -61,11 +61,22 @@ def _plan(
             "values (its schema's starts_at_first_step), which a reset deletes instead: leave its filled keys out of keys"
         )
         raise PartialResetRefused(msg)
-    changed_otherwise = [key for _, key in state.drop] + [key for (key, _, _), _ in state.fills] + [key for key, _ in state.identities]
-    if changed_otherwise or state.scales:
-        name = changed_otherwise[0] if changed_otherwise else "a scaled moment (TE)"
+    changed_otherwise = [
+        *(key for _, key in state.drop),
+        *(key for (key, _, _), _ in state.fills),
+        *(key for key, _ in state.identities),
+        *sorted(state.scaled_keys),
+    ]
+    if changed_otherwise:
+        name = changed_otherwise[0]
         zeroed = sorted({key for key, _, _ in state.lists} - set(changed_otherwise))
-        advice = "leave it out of keys" if key_list is not None else f"name the keys to change (keys={zeroed!r} start at zero here)"
+        advice = (
+            "leave it out of keys"
+            if key_list is not None
+            else f"name the keys to change (keys={zeroed!r} start at zero here)"
+            if zeroed
+            else "no key of it starts at zero here"
+        )
         msg = f"{what} changes history in place, and {name!r} is not zero at the start (its schema drops, fills, scales or starts it as an identity): {advice}"
         raise PartialResetRefused(msg)
     kind, accepts = dtypes

@@ -964,4 +964,6 @@ class LeafInspector:
             self.unwritable(node, f"{key} scale", checked, len(scales))
             return
         into.scales.extend(scales)
+        if scales:
+            into.scaled_keys.add(key)
         into.written.extend(checked.owned((*owner, f"{key} scale")))

@@ -47,6 +47,8 @@ class StatePlan:
     """Optimizers, each with the parameters whose state entries a release deletes."""
     drop: list[tuple[StateEntry, str]] = field(factory=list)
     scales: list[torch.Tensor] = field(factory=list)
+    scaled_keys: set[str] = field(factory=set)
+    """The keys whose history ``scales`` scale: not zero at the start, as a whole."""
     zeroed: int = 0
     dropped: int = 0
     """The tensors among the dropped values, and inside those that are lists."""
@@ -92,6 +94,7 @@ class StatePlan:
         self.bytes_released += other.bytes_released
         self.drop.extend(other.drop)
         self.scales.extend(other.scales)
+        self.scaled_keys |= other.scaled_keys
         self.zeroed += other.zeroed
         self.dropped += other.dropped
         self.filled += other.filled

@@ -14,7 +14,7 @@ from opttree._schemas._keys import MASTER_PARAM
 
 
 def te_scale_of(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str) -> torch.Tensor | None:
-    """The fp32 scale TE's FusedAdam keeps in ``_scales[param][key]`` for fp16/bf16 moments.
+    """The fp32 scale TE's FusedAdam keeps in ``_scales[param][key]`` for fp16 moments.
 
     FP8 moments are ``Float8Tensor`` objects whose quantizer holds further scales that
     only TE can rebuild; they are refused rather than half-reset.
@@ -23,6 +23,8 @@ def te_scale_of(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str)
     if isinstance(dtypes, dict) and dtypes.get(key) is torch.uint8:
         msg = f"FP8 (uint8) {key!r} is a Float8Tensor with its own quantizer state"
         raise UnsupportedOptimizerState(msg)
+    if isinstance(dtypes, dict) and dtypes.get(key) is torch.bfloat16:
+        return None  # TE makes a bf16 state's scale (a 1) and never reads or writes it
     scales = getattr(optimizer, "_scales", None)
     per_param = scales.get(param) if isinstance(scales, dict) else None
     scale = per_param.get(key) if isinstance(per_param, dict) else None
