@@ -302,3 +302,19 @@ def test_a_hybrid_option_that_is_not_one_bool_is_reported_not_raised(value: obje
     assert problems and all(p.key == "amsgrad" for p in problems)
     with pytest.raises(opttree.OptTreeError):
         opttree.reset(stack.optimizer)
+
+
+def test_a_sub_optimizer_whose_groups_cannot_be_read_is_reported_beside_a_copied_option() -> None:
+    from opttree import testing
+
+    stack = testing.build("offload_0.75")
+    stack.train(0, 1)
+    for group in stack.optimizer.param_groups:
+        group["amsgrad"] = True
+    stack.leaves()[0].param_groups = None  # type: ignore[assignment]
+
+    problems = opttree.validate(stack.optimizer)
+
+    assert any(p.kind is opttree.ProblemKind.MALFORMED_STATE for p in problems)
+    with pytest.raises(opttree.OptTreeError):
+        opttree.reset(stack.optimizer)

@@ -413,7 +413,8 @@ class ValidateVisitor(TraverserVisitor):
             if id(param) in inner_of
         }
         for leaf in leaves:
-            self._check_copied_options(leaf, group_of)
+            if malformed(leaf.optimizer) is None:  # else its own visit reports its containers
+                self._check_copied_options(leaf, group_of)
 
     def _check_copied_options(self, leaf: LeafNode, group_of: Mapping[int, Mapping[str, object]]) -> None:
         """See :meth:`_check_synced_options`: ``group_of`` holds the hybrid's group of each
