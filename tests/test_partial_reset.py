@@ -473,6 +473,29 @@ def test_a_step_tensor_several_entries_share_is_kept_once() -> None:
     report = opttree.reset(optimizer, keys=["exp_avg"])
 
     assert report.kept_keys == ("exp_avg_sq", "step") and report.bytes_kept == 3 * 12 + 4
+    assert report.tensors_kept == 3 + 1
+
+
+class SubclassedAdamW(torch.optim.AdamW):
+    """An AdamW subclass: its leaves are planned apart from plain AdamW's."""
+
+
+def test_a_step_tensor_two_leaves_share_is_kept_once() -> None:
+    """Two optimizers of different classes, planned apart, on one step tensor: the report
+    counts it one tensor of 4 bytes, as it counts one shared inside a leaf."""
+    params = [torch.nn.Parameter(torch.ones(3)) for _ in range(2)]
+    first, second = torch.optim.AdamW(params[:1]), SubclassedAdamW(params[1:])
+    for p in params:
+        p.grad = torch.ones(3)
+    first.step()
+    second.step()
+    second.state[params[1]]["step"] = first.state[params[0]]["step"]
+    stack = megatron_parts.chained([megatron_parts.fp32(first), megatron_parts.fp32(second)])
+
+    report = opttree.reset(stack, keys=["exp_avg"])
+
+    assert report.leaves == 2 and report.kept_keys == ("exp_avg_sq", "step")
+    assert (report.tensors_kept, report.bytes_kept) == (2 + 1, 2 * 12 + 4)
 
 
 def test_history_shared_with_an_unselected_parameter_is_refused() -> None:

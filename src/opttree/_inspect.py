@@ -12,7 +12,7 @@ from __future__ import annotations
 import operator
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
-from itertools import chain, compress, repeat, starmap
+from itertools import chain, compress, repeat
 from typing import TypeVar, cast
 
 import torch
@@ -31,7 +31,7 @@ from opttree._containers import (
     tensors_in,
 )
 from opttree._plan import ResetPlan, StateEntry, StatePlan
-from opttree._preflight import _DTYPE, _SHAPE, Extents, identities, plain_reads, ranges, torch_name, unfillable_reason, writable_ranges
+from opttree._preflight import _DTYPE, _SHAPE, Extents, bytes_once, identities, plain_reads, ranges, torch_name, unfillable_reason, writable_ranges
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import BuiltFor, KeyAction, ScaleLookup, StateSchema, StepLocation, StepType
 from opttree._selection import EVERYTHING, Selection
@@ -220,14 +220,6 @@ def outside_dtypes(found: Extents, allowed: frozenset[torch.dtype]) -> tuple[int
         return None
     wrong = [dtype for dtype in found.dtypes if dtype not in allowed]
     return len(wrong), wrong[0]
-
-
-def bytes_once(found: Extents) -> int:
-    """The bytes of the memory ``found`` spans, each address range counted once: one step
-    tensor held for several parameters (as Megatron's CPU load path leaves it), or views of
-    its memory, is one tensor's memory, as a reset counts it one step. A strided view with
-    gaps counts the memory from its first element to its last."""
-    return sum(starmap(operator.sub, set(zip(found.ends, found.starts, strict=True))))
 
 
 class LeafInspector:
@@ -524,8 +516,8 @@ class LeafInspector:
             if action is KeyAction.KEEP:
                 kept = tensors_held(values)
                 into.kept_keys.add(key)
-                into.kept += len(kept)
-                into.bytes_kept += self.plan_kept(node, owner, kept, key, into)
+                into.kept_tensors.update(map(object.__hash__, kept))
+                into.kept_state.extend(self.plan_kept(node, owner, kept, key, into))
                 continue
             if action is KeyAction.DROP:
                 if self.written_by_own_code(node, having, "a state entry", key):
@@ -736,9 +728,9 @@ class LeafInspector:
 
     def plan_kept(
         self, node: Node, owner: tuple[str, str], tensors: Sequence[torch.Tensor], key: str | None, into: StatePlan
-    ) -> int:
+    ) -> Extents:
         """Record the memory of tensors a reset must leave alone (parameters, where ``key``
-        is None), for the aliasing check, and return their bytes; one whose memory cannot
+        is None), for the aliasing check, and return it; one whose memory cannot
         be read is refused, since nothing could then tell that zeroing leaves it alone."""
         kept = ranges(tensors)
         if kept.unseen:
@@ -749,7 +741,7 @@ class LeafInspector:
             )
             self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
         into.kept_ranges.extend(kept.owned((*owner, key)))
-        return bytes_once(kept)
+        return kept
 
     def unknown_key(self, node: LeafNode, key: object) -> None:
         known = ", ".join(sorted(self.actions)) or "no keys"

@@ -15,7 +15,7 @@ from typing import Literal, cast
 import torch
 from attrs import define, field
 
-from opttree._preflight import Extents, plain_torch
+from opttree._preflight import Extents, bytes_once, plain_torch
 from opttree._report import ResetReport
 from opttree._scalers import ScalerReset
 from opttree._zeroing import zero_lists
@@ -54,11 +54,13 @@ class StatePlan:
     """The tensors among the dropped values, and inside those that are lists."""
     filled: int = 0
     steps: int = 0
-    kept: int = 0
     released: int = 0
     bytes_released: int = 0
     bytes_reset: int = 0
-    bytes_kept: int = 0
+    kept_tensors: set[int] = field(factory=set)
+    """The state tensors kept, by identity: one shared by several entries is one."""
+    kept_state: Extents = field(factory=Extents)
+    """Their memory, which the report counts once however many entries or leaves hold it."""
     kept_keys: set[str] = field(factory=set)
     found_keys: set[object] = field(factory=set)
     """The state keys the planned entries and groups hold, ``"step"`` for a group step."""
@@ -99,9 +101,9 @@ class StatePlan:
         self.dropped += other.dropped
         self.filled += other.filled
         self.steps += other.steps
-        self.kept += other.kept
+        self.kept_tensors |= other.kept_tensors
         self.bytes_reset += other.bytes_reset
-        self.bytes_kept += other.bytes_kept
+        self.kept_state.extend(other.kept_state)
         self.kept_keys |= other.kept_keys
         self.found_keys |= other.found_keys
         self.written.extend(other.written)
@@ -163,8 +165,8 @@ class ResetPlan:
             tensors_dropped=state.dropped,
             bytes_reset=state.bytes_reset,
             steps=state.steps - self.shared_steps,
-            tensors_kept=state.kept,
-            bytes_kept=state.bytes_kept,
+            tensors_kept=len(state.kept_tensors),
+            bytes_kept=bytes_once(state.kept_state),
             kept_keys=tuple(sorted(state.kept_keys)),
             shared_leaves=self.shared_leaves,
             loss_scales_reset=len(self.scalers),

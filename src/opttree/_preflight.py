@@ -20,7 +20,7 @@ import math
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from itertools import accumulate, compress, count, islice, repeat
+from itertools import accumulate, compress, count, islice, repeat, starmap
 from typing import cast
 
 import torch
@@ -243,6 +243,14 @@ class Extents:
     def owner(self, index: int) -> Owner:
         ends = [end for end, _ in self.owners]
         return self.owners[bisect.bisect_right(ends, index)][1]
+
+
+def bytes_once(found: Extents) -> int:
+    """The bytes of the memory ``found`` spans, each address range counted once: one step
+    tensor held for several parameters (as Megatron's CPU load path leaves it), or views of
+    its memory, is one tensor's memory, as a reset counts it one step. A strided view with
+    gaps counts the memory from its first element to its last."""
+    return sum(starmap(operator.sub, set(zip(found.ends, found.starts, strict=True))))
 
 
 def _chunks(tensors: Sequence[torch.Tensor]) -> list[Sequence[torch.Tensor]]:

@@ -29,7 +29,9 @@ class ResetReport:
     ``steps`` counts step counters set to zero (per-parameter tensors and per-group
     values); ``tensors_zeroed``, ``tensors_filled`` (set to a starting value other than
     zero, such as Adagrad's ``initial_accumulator_value``) and ``tensors_dropped`` count
-    history tensors only;
+    history tensors only; ``tensors_kept`` and ``bytes_kept`` count the state tensors left
+    as they were (a master copy, or what a partial reset leaves) and their memory, each
+    tensor and each byte once however many entries or leaves hold it;
     ``loss_scales_reset`` and ``loss_scales_kept`` count fp16 loss scalers put back to
     their initial scale or kept as they were; ``entries_released`` counts the state entries
     ``release=True`` deleted, and ``bytes_released`` the bytes of their tensors (freed
