@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from importlib.metadata import version
 
 import pytest
 import torch
@@ -135,3 +136,12 @@ def on_one_step(optimizer: torch.optim.Optimizer, share: Callable[[torch.Tensor]
     entries = list(optimizer.state.values())
     for entry in entries[1:]:
         entry["step"] = share(entries[0]["step"])
+
+
+def megatron_release() -> tuple[int, int]:
+    """The installed megatron-core's (major, minor) release."""
+    major, minor = version("megatron-core").split(".")[:2]
+    return int(major), int(minor)
+
+
+needs_dp_reshardable = pytest.mark.skipif(megatron_release() < (0, 16), reason="megatron-core before 0.16 has no dp_reshardable format")

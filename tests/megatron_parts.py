@@ -102,11 +102,11 @@ def precision_aware(monkeypatch: pytest.MonkeyPatch, *, remainders: bool, seed: 
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.optimizers", te)
     for module in (megatron_optimizer, distrib_optimizer):
         monkeypatch.setattr(module, "Adam", TEFusedAdam)
-    monkeypatch.setattr(megatron_optimizer, "USING_PYTORCH_OPTIMIZER", False)
+    monkeypatch.setattr(megatron_optimizer, "USING_PYTORCH_OPTIMIZER", False, raising=False)  # 0.16 on
     for module in (megatron_optimizer, optimizer_config):
         monkeypatch.setattr(module, "is_te_min_version", lambda *_, **__: True)
     monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
-    monkeypatch.setattr(distrib_optimizer, "USING_TE_OPTIMIZER", True)
+    monkeypatch.setattr(distrib_optimizer, "USING_TE_OPTIMIZER", True, raising=False)  # 0.16 on
 
     ensure_process_group()
     device = cuda_on_cpu()
@@ -126,4 +126,9 @@ def precision_aware(monkeypatch: pytest.MonkeyPatch, *, remainders: bool, seed: 
     with device:
         ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=False), model)
         optimizer = get_megatron_optimizer(options, [ddp])
+    if not getattr(optimizer.optimizer, "master_weights", False):
+        pytest.skip(
+            "this megatron-core keeps fp32 main weights itself under the precision-aware optimizer (0.13 does): "
+            "TE holds them there only for another main_params_dtype or delayed FP8 scaling"
+        )
     return MegatronStack("precision_aware", ddp, optimizer, device)

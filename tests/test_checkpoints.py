@@ -23,6 +23,7 @@ from megatron.core.transformer.module import MegatronModule
 
 import opttree
 from opttree import testing
+from tests.helpers import megatron_release, needs_dp_reshardable
 
 K = 2
 
@@ -411,12 +412,6 @@ def test_a_tensor_step_where_the_optimizer_counts_in_an_int_is_refused_before_it
 DP_RESHARDABLE = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
-def _megatron_release() -> tuple[int, ...]:
-    from importlib.metadata import version
-
-    return tuple(int(part) for part in version("megatron-core").split(".")[:2] if part.isdigit())
-
-
 def _dp_reshardable_round_trip(stack: testing.MegatronStack, tmp_path: Path, *, with_opttree: bool) -> testing.MegatronStack:
     """``stack``'s checkpoint in the ``dp_reshardable`` format loaded into a fresh stack
     whose state Megatron's dummy-state init built, as Megatron's training does, by
@@ -440,7 +435,7 @@ def _dp_reshardable_round_trip(stack: testing.MegatronStack, tmp_path: Path, *, 
     return loaded
 
 
-@pytest.mark.skipif(_megatron_release() < (0, 16), reason="megatron-core before 0.16 has no dp_reshardable format")
+@needs_dp_reshardable
 @pytest.mark.parametrize("name", [n for n in ("dist_bf16", "offload_0.75") if n in testing.available()])
 @pytest.mark.parametrize("with_opttree", [False, True], ids=["megatron", "opttree"])
 def test_a_dp_reshardable_load_gives_every_parameter_the_saved_step(name: str, with_opttree: bool, tmp_path: Path) -> None:
@@ -462,7 +457,7 @@ def test_a_dp_reshardable_load_gives_every_parameter_the_saved_step(name: str, w
     assert all(torch.equal(a, b) for a, b in zip(loaded.main_params(), stack.main_params(), strict=True)) is with_opttree
 
 
-@pytest.mark.skipif(_megatron_release() < (0, 16), reason="megatron-core before 0.16 has no dp_reshardable format")
+@needs_dp_reshardable
 @pytest.mark.skipif("offload_0.75" not in testing.available(), reason="no HybridDeviceOptimizer recipe in this lane")
 @pytest.mark.parametrize("with_opttree", [False, True], ids=["megatron", "opttree"])
 def test_a_dp_reshardable_load_over_a_hybrid_optimizer_leaves_no_bucket_flag(with_opttree: bool, tmp_path: Path) -> None:
@@ -476,7 +471,7 @@ def test_a_dp_reshardable_load_over_a_hybrid_optimizer_leaves_no_bucket_flag(wit
     loaded = _dp_reshardable_round_trip(stack, tmp_path, with_opttree=with_opttree)
 
     flagged = [entry for leaf in loaded.leaves() for entry in leaf.state.values() if "padding" in entry]
-    if with_opttree or _megatron_release() >= (0, 17):
+    if with_opttree or megatron_release() >= (0, 17):
         assert not flagged
         assert not [p for p in opttree.validate(loaded.optimizer) if p.severity is opttree.Severity.ERROR]  # Megatron's shared step warns
         opttree.reset(loaded.optimizer)
@@ -490,7 +485,7 @@ def test_a_dp_reshardable_load_over_a_hybrid_optimizer_leaves_no_bucket_flag(wit
             opttree.reset(loaded.optimizer)
 
 
-@pytest.mark.skipif(_megatron_release() < (0, 16), reason="megatron-core before 0.16 has no dp_reshardable format")
+@needs_dp_reshardable
 @pytest.mark.skipif("dist_fp32" not in testing.available(), reason="no dist_fp32 recipe in this lane")
 @pytest.mark.parametrize("reset_first", [False, True], ids=["trained", "reset"])
 def test_a_dp_reshardable_load_of_fp32_weights_runs_outside_autograd(reset_first: bool, tmp_path: Path) -> None:

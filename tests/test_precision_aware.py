@@ -17,6 +17,7 @@ from megatron.core.transformer.module import MegatronModule
 import opttree
 from opttree import testing
 from tests import megatron_parts
+from tests.helpers import megatron_release, needs_dp_reshardable
 from tests.standins import TEFusedAdam
 
 K = 3
@@ -101,6 +102,7 @@ def test_int16_remainders_always_round_to_the_weights(monkeypatch: pytest.Monkey
     assert moved < 0.05  # one step from the new weights
 
 
+@needs_dp_reshardable
 @pytest.mark.parametrize("remainders", [False, True], ids=["fp32_masters", "remainders"])
 def test_reset_then_a_sharded_round_trip_trains_as_the_reset_stack(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, remainders: bool) -> None:
     """Megatron saves TE's state through ``get_unscaled_state`` (masters renamed ``param``)
@@ -131,12 +133,6 @@ def test_reset_then_a_sharded_round_trip_trains_as_the_reset_stack(monkeypatch: 
     saver.train(K, K)
     loader.train(K, K)
     assert all(torch.equal(a, b) for a, b in zip(saver.model.parameters(), loader.model.parameters(), strict=True))
-
-
-def megatron_release() -> tuple[int, ...]:
-    from importlib.metadata import version
-
-    return tuple(int(part) for part in version("megatron-core").split(".")[:2])
 
 
 def model_state(stack: testing.MegatronStack) -> dict[str, object]:

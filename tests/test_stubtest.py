@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import megatron_release
+
 STUBS = Path(__file__).resolve().parent.parent / "stubs"
 
 LANES = {"0.16": "legacy", "0.19": "current"}
@@ -33,11 +35,6 @@ LANES = {"0.16": "legacy", "0.19": "current"}
 SINCE = {("megatron.core.optimizer.optimizer_config", "OptimizerConfig", "use_layer_wise_distributed_optimizer"): (0, 17)}
 """Fields the stubs declare as attributes only, not constructor arguments, because the
 oldest release lacks them: the first release that has each."""
-
-
-def megatron_release() -> tuple[int, int]:
-    major, minor = version("megatron-core").split(".")[:2]
-    return int(major), int(minor)
 
 
 def lane() -> str:
