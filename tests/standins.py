@@ -48,15 +48,17 @@ _FP16_RANGE = torch.finfo(torch.float16).max / 2.0
 
 
 def _next_step(group: dict[str, object], capturable: bool) -> float:
-    step = group.get("step")
+    """Add one to the group's step, or start it, as both real classes do: a step key of
+    another kind (None) raises there as here."""
+    if "step" not in group:
+        group["step"] = torch.tensor([1], dtype=torch.int32) if capturable else 1
+        return 1.0
+    step = group["step"]
     if isinstance(step, torch.Tensor):
         step.add_(1)  # the real classes add the overflow flag in place
         return float(step.item())
-    if isinstance(step, int):
-        group["step"] = step + 1
-        return float(step + 1)
-    group["step"] = torch.tensor([1], dtype=torch.int32) if capturable else 1
-    return 1.0
+    group["step"] = step = cast(int, step) + 1
+    return float(step)
 
 
 def _adamw(

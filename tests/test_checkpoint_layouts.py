@@ -198,6 +198,26 @@ def test_a_step_numpy_counts_in_is_loaded() -> None:
     assert opttree.validate(loaded.optimizer) == ()
 
 
+def test_param_groups_saved_with_a_step_of_none_load_and_train_as_megatrons_own_load() -> None:
+    """megatron-core 0.14's ``ChainedOptimizer`` saves ``step: None`` in every param group
+    where none counts there (torch's optimizers count per parameter): no step, as ``reset``
+    takes it, not a refused counter."""
+    stack = recipe("fp32")
+    state = saved(stack)
+    for group in groups(state):
+        group["step"] = None
+    theirs, ours = fresh_like(stack), fresh_like(stack)
+    with theirs.device:
+        theirs.optimizer.load_state_dict(copy.deepcopy(state))
+    with ours.device:
+        opttree.load_state_dict(ours.optimizer, state)
+
+    theirs.train(K, 1)
+    ours.train(K, 1)
+    assert all(torch.equal(a, b) for a, b in zip(ours.main_params(), theirs.main_params(), strict=True))
+    assert opttree.validate(ours.optimizer) == ()
+
+
 LOADED_THEN_FAILING: list[tuple[str, Edit, type[Exception], str, str]] = [
     ("an entry lacking a moment", lambda s: entry(s).pop("exp_avg_sq"), KeyError, "exp_avg_sq", "lacks 'exp_avg_sq'"),
     ("history of another shape", lambda s: put(entry(s), "exp_avg", torch.zeros(3)), RuntimeError, "must match the size", "its 'exp_avg' has shape"),

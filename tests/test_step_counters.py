@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import opttree
-from tests.helpers import clone_model, model, snapshot, stepped_pair, train, unchanged, weights_equal
+from tests.helpers import clone_model, model, snapshot, stepped_pair, train, trains_as_fresh, unchanged, weights_equal
+from tests.standins import TEFusedAdam
 
 
 class GroupClockAdamW(torch.optim.AdamW):
@@ -82,6 +83,57 @@ def test_a_group_step_on_a_schema_without_steps_is_reset_too() -> None:
     report = opttree.reset(optimizer)
 
     assert optimizer.param_groups[0]["step"] == 0 and report.steps == 1
+
+
+GROUP_STEP_BUILDERS: dict[str, Callable[[torch.nn.Module], torch.optim.Optimizer]] = {
+    "adamw": lambda net: torch.optim.AdamW(net.parameters()),
+    "te": lambda net: TEFusedAdam(net.parameters(), lr=1e-2),
+}
+
+
+@pytest.mark.parametrize(("kind", "trained_steps"), [("adamw", 3), ("te", 0)])
+def test_a_group_step_of_none_is_deleted_as_a_fresh_optimizer_has_none(kind: str, trained_steps: int) -> None:
+    """megatron-core 0.14's ``ChainedOptimizer`` writes ``step: None`` into every param group
+    of its members, at each save and load, where none holds a step: torch's optimizers,
+    which count per parameter, and TE's ``FusedAdam`` before its first step. torch's step
+    ignores it; TE's adds one to it and raises. A reset deletes it, counting no step."""
+    build = GROUP_STEP_BUILDERS[kind]
+    net = model()
+    optimizer = build(net)
+    train(net, optimizer, 0, trained_steps)
+    for group in optimizer.param_groups:
+        group["step"] = None
+    if kind == "te":
+        with pytest.raises(TypeError):
+            train(clone_model(net), _with_none_steps(build), 0, 1)  # what Megatron's own load leaves
+
+    report = opttree.reset(optimizer)
+
+    assert all("step" not in group for group in optimizer.param_groups)
+    assert report.steps == len(optimizer.state)
+    assert trains_as_fresh(net, optimizer, build, trained_steps, 3)
+
+
+def _with_none_steps(build: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    optimizer = build(model())
+    for group in optimizer.param_groups:
+        group["step"] = None
+    return optimizer
+
+
+def test_a_partial_reset_leaves_a_group_step_of_none_where_it_leaves_steps() -> None:
+    net = model()
+    optimizer = torch.optim.AdamW([{"params": [p]} for p in net.parameters()])
+    train(net, optimizer, 0, 2)
+    for group in optimizer.param_groups:
+        group["step"] = None
+    first = optimizer.param_groups[0]["params"][0]
+
+    opttree.reset(optimizer, params=[first], keys=["exp_avg", "exp_avg_sq", "step"])
+    assert ["step" in group for group in optimizer.param_groups] == [False, True, True, True]
+
+    opttree.reset(optimizer, keys=["exp_avg"])  # steps kept: so is what stands for one
+    assert ["step" in group for group in optimizer.param_groups] == [False, True, True, True]
 
 
 def refused_with_one_step_problem(optimizer: torch.optim.Optimizer, message: str) -> None:

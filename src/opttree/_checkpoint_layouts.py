@@ -260,11 +260,12 @@ def _check_options(node: Node, inner: Node, saved: list[dict[object, object]]) -
 
 def _check_group_steps(node: Node, saved: list[dict[object, object]]) -> None:
     """A step a saved param group holds (TE's ``FusedAdam`` counts there, in an int or an
-    int tensor), which torch's load keeps: one whole count from 0, as ``reset`` takes one."""
+    int tensor), which torch's load keeps: one whole count from 0, as ``reset`` takes one.
+    None counts nothing (megatron-core 0.14 saves it where no group counts), as in ``reset``."""
     for index, group in enumerate(saved):
-        if "step" not in group:
+        value = group.get("step")
+        if value is None:
             continue
-        value = group["step"]
         number = step_number(value)
         if number is None or not _whole_count(number):
             what = kind_of(value) if number is None else f"{number:g}"

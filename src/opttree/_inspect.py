@@ -267,6 +267,8 @@ class LeafInspector:
             in_groups.extend(params)
             step = group.get("step")
             if step is None:
+                if "step" in group and self.selection.resets("step"):
+                    self.plan_counterless_step(node, index, group, params)
                 continue
             # Every step counter is reset, whatever the schema says: one kept silently
             # after zeroed moments is exactly a stale bias correction.
@@ -329,7 +331,7 @@ class LeafInspector:
         if found is None:
             return None
         groups, params, states, held, entries = found
-        if any(map(operator.contains, groups, repeat("step"))) and any(group.get("step") is not None for group in groups):
+        if any(map(operator.contains, groups, repeat("step"))):
             return None
         if _differentiable(groups):
             return None  # its state may carry autograd history: looked at leaf by leaf
@@ -412,6 +414,18 @@ class LeafInspector:
                 self.plan.state.drop.append((group, "step"))
                 self.plan.state.steps += 1
                 self.plan.state.found_keys.add("step")
+
+    def plan_counterless_step(self, node: Node, index: int, group: StateEntry, params: list[torch.Tensor]) -> None:
+        """A param group's ``step`` of None counts nothing: megatron-core 0.14's
+        ``ChainedOptimizer`` writes it into every group of its members, at each save and
+        load, where none of them holds a step. torch's step ignores it; TE's and apex's
+        ``FusedAdam`` add one to it and raise. A fresh optimizer's groups hold no step, so
+        a reset deletes it, where it takes the whole group (a partial one leaves it)."""
+        chosen = self.selection.tensors
+        if chosen is not None and not all(id(param) in chosen for param in params):
+            return
+        if not self.written_by_own_code(node, [group], f"param group {index}", "step"):
+            self.plan.state.drop.append((group, "step"))
 
     def takes_group(self, node: Node, index: int, params: list[torch.Tensor]) -> bool:
         """Whether the selection takes a group's step, which the group shares: all of its
