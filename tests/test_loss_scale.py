@@ -76,11 +76,20 @@ def test_the_scale_tensor_is_reset_in_place_and_describe_shows_it() -> None:
     assert "loss_scale=1048576 (DynamicGradScaler)" in opttree.describe(stack.optimizer)
 
 
-def test_a_partial_reset_of_history_keeps_the_scaler() -> None:
+@pytest.mark.parametrize(
+    "keep",
+    [
+        lambda optimizer: opttree.reset(optimizer, keys=["exp_avg"]),
+        lambda optimizer: opttree.prune(optimizer, 0.5),
+        lambda optimizer: opttree.scale(optimizer, 0.5),
+    ],
+    ids=["partial-reset", "prune", "scale"],
+)
+def test_what_keeps_steps_keeps_the_scaler_and_counts_it_kept(keep: Callable[[object], opttree.ResetReport]) -> None:
     stack, scaler = trained()
     before = scaler_state(scaler)
-    report = opttree.reset(stack.optimizer, keys=["exp_avg"])
-    assert report.loss_scales_reset == 0 and scaler_state(scaler) == before
+    report = keep(stack.optimizer)
+    assert (report.loss_scales_reset, report.loss_scales_kept) == (0, 1) and scaler_state(scaler) == before
 
 
 def test_a_scaler_not_built_from_the_config_is_refused_with_nothing_changed() -> None:

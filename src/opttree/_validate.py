@@ -487,11 +487,12 @@ class ValidateVisitor(TraverserVisitor):
             into.extend(ranges([scale]).owned((node.path, cls, "grad_scaler")))
 
     def _planned_scaler(self, node: WrapperNode, chosen: AbstractSet[int] | None) -> ScalerReset | None:
-        """The reset of ``node``'s loss scaler, or None where it is kept (a problem with
-        it reported)."""
-        if not self._selection.steps or (chosen is not None and not any(id(p) in chosen for p in tree_params(node))):
+        """The reset of ``node``'s loss scaler, or None where it is kept (counted where the
+        reset reaches its wrapper: with ``keep_loss_scale``, or steps kept, as by a partial
+        reset, ``prune`` and ``scale``) or a problem with it is reported."""
+        if chosen is not None and not any(id(p) in chosen for p in tree_params(node)):
             return None
-        if self._keep_loss_scale:
+        if self._keep_loss_scale or not self._selection.steps:
             self._plan.scalers_kept += 1
             return None
         planned = plan_scaler(node.optimizer)
