@@ -176,8 +176,10 @@ def test_what_prune_cannot_change_in_place_is_refused_with_nothing_changed() -> 
     sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     train(net, sgd, 0, 2)
     buffers = [entry["momentum_buffer"].clone() for entry in sgd.state.values()]
-    with pytest.raises(opttree.PartialResetRefused, match="'momentum_buffer' is not zero at the start"):
+    with pytest.raises(opttree.PartialResetRefused, match="SGD at <root>: key 'momentum_buffer': prune changes history in place, and it is not zero at the start") as refused:
         opttree.prune(sgd, 0.5)
+    problem = refused.value.problem
+    assert problem is not None and (problem.kind, problem.cls, problem.key) == (opttree.ProblemKind.UNCHANGEABLE_HISTORY, "SGD", "momentum_buffer")
     assert all(torch.equal(entry["momentum_buffer"], b) for entry, b in zip(sgd.state.values(), buffers, strict=True))
     with pytest.raises(opttree.PartialResetRefused, match="fraction must be a number between 0 and 1"):
         opttree.prune(optimizer, 1.5)
@@ -279,14 +281,14 @@ def test_history_of_a_dtype_prune_or_scale_cannot_change_is_refused_before_any_w
         p.grad = torch.ones_like(p)
     optimizer.step()
     before = history(optimizer)
-    with pytest.raises(opttree.PartialResetRefused, match="prune changes float16, bfloat16, float32 or float64 history, and 'exp_avg' holds torch.complex64"):
+    with pytest.raises(opttree.PartialResetRefused, match="key 'exp_avg': prune changes float16, bfloat16, float32 or float64 history, and this holds torch.complex64"):
         opttree.prune(optimizer, 0.5)
     assert bits(history(optimizer)) == bits(before)
     opttree.scale(optimizer, 0.5)  # complex history scales
     assert all(torch.equal(a, 0.5 * b) for a, b in zip(history(optimizer), before, strict=True))
     trained_adamw = after_float_history(torch.ones(3, dtype=torch.int32))
     kept = history(trained_adamw)
-    with pytest.raises(opttree.PartialResetRefused, match="scale changes floating-point or complex history, and 'exp_avg' holds torch.int32"):
+    with pytest.raises(opttree.PartialResetRefused, match="key 'exp_avg': scale changes floating-point or complex history, and this holds torch.int32"):
         opttree.scale(trained_adamw, 0.5)
     assert bits(history(trained_adamw)) == bits(kept)
 
@@ -332,15 +334,29 @@ def after_float_history(history: torch.Tensor) -> torch.optim.AdamW:
         (torch.zeros(4, dtype=torch.float16), 1e6, "past its largest value"),
         (torch.tensor([1.0, float("inf"), 0.0, 0.0]), 0.0, "holding inf or NaN"),  # 0 x inf is NaN
         (torch.tensor([1.0, float("nan"), 0.0, 0.0]), 0.5, "holding inf or NaN"),
+        (torch.tensor([3e38 + 3e38j, 0, 0, 0], dtype=torch.complex64), 1.25, "past its largest value"),
     ],
-    ids=["factor-beyond-float32", "factor-beyond-float16", "zero-times-inf", "nan"],
+    ids=["factor-beyond-float32", "factor-beyond-float16", "zero-times-inf", "nan", "complex-part-beyond-float32"],
 )
 def test_scale_refuses_what_would_not_be_finite(history: torch.Tensor, factor: float, reason: str) -> None:
-    optimizer = one_adamw(history)
-    before = bits([history.float()])
+    optimizer = after_float_history(history) if history.is_complex() else one_adamw(history)
+    before = bits([torch.view_as_real(history) if history.is_complex() else history.float()])
     with pytest.raises(opttree.PartialResetRefused, match=reason):
         opttree.scale(optimizer, factor, keys=["exp_avg"])
-    assert bits([history.float()]) == before
+    assert bits([torch.view_as_real(history) if history.is_complex() else history.float()]) == before
+
+
+@pytest.mark.parametrize(("element", "factor"), [(3e38 + 3e38j, 0.5), (3e38 + 3e38j, 1.0), (2e38 + 2e38j, 1.25)])
+def test_complex_history_scales_where_both_parts_stay_finite(element: complex, factor: float) -> None:
+    """Scaling by a real factor scales each part: a modulus past float32's largest value
+    (3e38+3e38j has |z| of 4.2e38) is no overflow."""
+    history = torch.tensor([element, 0, 0, 0], dtype=torch.complex64)
+    optimizer = after_float_history(history)
+    expected = history * factor
+
+    opttree.scale(optimizer, factor, keys=["exp_avg"])
+
+    assert torch.equal(history, expected) and bool(torch.view_as_real(history).isfinite().all())
 
 
 def test_scale_passes_over_empty_history() -> None:
@@ -353,9 +369,9 @@ def test_float8_history_is_refused_by_prune_before_any_write() -> None:
     """torch compares no float8 tensors: prune raised after pruning the tensors before."""
     optimizer = after_float_history(torch.ones(3).to(torch.float8_e4m3fn))
     before = [t.float() for t in history(optimizer)]
-    with pytest.raises(opttree.PartialResetRefused, match="'exp_avg' holds torch.float8_e4m3fn"):
+    with pytest.raises(opttree.PartialResetRefused, match="key 'exp_avg': .* this holds torch.float8_e4m3fn"):
         opttree.prune(optimizer, 0.5)
-    with pytest.raises(opttree.PartialResetRefused, match="'exp_avg' holds torch.float8_e4m3fn"):
+    with pytest.raises(opttree.PartialResetRefused, match="key 'exp_avg': .* this holds torch.float8_e4m3fn"):
         opttree.scale(optimizer, 0.5)
     assert bits([t.float() for t in history(optimizer)]) == bits(before)
 
@@ -508,7 +524,7 @@ def test_prune_without_keys_over_an_identity_names_the_keys_it_could_take() -> N
     (soap, *_) = stack.leaves()
     bases = [entry["Q_L"].clone() for entry in soap.state.values()]
 
-    with pytest.raises(opttree.PartialResetRefused, match=r"'Q_L' is not zero at the start .*: name the keys to change \(keys=\['L', 'R', 'exp_avg', 'exp_avg_sq'\] start at zero here\)"):
+    with pytest.raises(opttree.PartialResetRefused, match=r"SOAP at chained\[0\].optimizer: key 'Q_L': prune changes history in place, and it is not zero at the start .*: name the keys to change \(keys=\['L', 'R', 'exp_avg', 'exp_avg_sq'\] start at zero here\)"):
         opttree.prune(stack.optimizer, 0.99)
     assert all(torch.equal(entry["Q_L"], base) for entry, base in zip(soap.state.values(), bases, strict=True))
     report = opttree.prune(stack.optimizer, 0.99, keys=["L", "R", "exp_avg", "exp_avg_sq"])

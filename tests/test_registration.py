@@ -539,7 +539,7 @@ def test_identity_history_that_is_not_square_is_refused_with_nothing_changed() -
 
 def test_prune_refuses_identity_history_and_a_schema_names_a_key_once() -> None:
     optimizer, _ = stepped_eigenbasis((3, 2))
-    with pytest.raises(opttree.PartialResetRefused, match="'Q' is not zero at the start"):
+    with pytest.raises(opttree.PartialResetRefused, match="key 'Q': prune changes history in place, and it is not zero at the start"):
         opttree.prune(optimizer, 0.5, keys=["Q"])
     with pytest.raises(opttree.RegistrationError, match="named in both 'zero' and 'identity'"):
         opttree.StateSchema(zero={"Q"}, identity={"Q"})

@@ -12,7 +12,6 @@ does, over tensors its checks found writable.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable, Iterable
 from typing import Literal, SupportsFloat, cast
 
@@ -22,10 +21,11 @@ from attrs import evolve
 
 from opttree import _distributed
 from opttree._trees import tree
-from opttree._errors import PartialResetRefused
+from opttree._errors import OptTreeError, PartialResetRefused
 from opttree._numbers import real_number
 from opttree._plan import ResetPlan
-from opttree._preflight import plain_torch
+from opttree._preflight import Owner, plain_torch
+from opttree._problems import Problem, ProblemKind
 from opttree._report import ResetReport
 from opttree._selection import ParamsArg, key_names, select
 from opttree._validate import ValidateVisitor
@@ -69,6 +69,7 @@ def _plan(
     ]
     if changed_otherwise:
         name = changed_otherwise[0]
+        path, cls, _ = _owner(plan, lambda owner: owner[2] == name)
         zeroed = sorted({key for key, _, _ in state.lists} - set(changed_otherwise))
         advice = (
             "leave it out of keys"
@@ -77,19 +78,22 @@ def _plan(
             if zeroed
             else "no key of it starts at zero here"
         )
-        msg = f"{what} changes history in place, and {name!r} is not zero at the start (its schema drops, fills, scales or starts it as an identity): {advice}"
-        raise PartialResetRefused(msg)
+        msg = f"{what} changes history in place, and it is not zero at the start (its schema drops, fills, scales or starts it as an identity): {advice}"
+        raise _unchangeable(path, cls, name, msg)
     kind, accepts = dtypes
     for (key, _, _), tensors in state.lists.items():
         with plain_torch():
-            dtypes_held = set(map(_DTYPE, tensors))
-        wrong = next((dtype for dtype in dtypes_held if not accepts(dtype)), None)
+            wrong = next((tensor for tensor in tensors if not accepts(tensor.dtype)), None)
         if wrong is not None:
-            raise PartialResetRefused(f"{what} changes {kind} history, and {key!r} holds {wrong} tensors: leave it out of keys")
+            path, cls, _ = _holder(wrong, plan)
+            raise _unchangeable(path, cls, key, f"{what} changes {kind} history, and this holds {wrong.dtype} tensors: leave it out of keys")
     return plan
 
 
-_DTYPE = operator.attrgetter("dtype")
+def _unchangeable(path: str, cls: str, key: str | None, message: str) -> OptTreeError:
+    return Problem(ProblemKind.UNCHANGEABLE_HISTORY, path, cls, message, key).to_error()
+
+
 _PRUNABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 """What prune orders by magnitude: the floating dtypes torch compares and sorts on every
 device (not float8, whose comparisons it does not implement)."""
@@ -263,17 +267,17 @@ def _refuse_non_finite(tensors: list[torch.Tensor], ratio: float, plan: ResetPla
     """Refuse a scale by ``ratio`` whose product is not finite somewhere: history that
     holds inf or NaN already (no factor makes it finite, and 0 makes inf NaN), a factor
     beyond what the history's dtype holds, or one that carries an element past the
-    largest value of its dtype. The refusal names the leaf and key that hold the tensor."""
-    peaks = torch._foreach_norm(tensors, math.inf)
+    largest value of its dtype. The refusal names the leaf and key that hold the tensor.
+    A real factor scales a complex element's parts: they are measured, not its modulus."""
+    peaks = torch._foreach_norm([torch.view_as_real(t) if t.is_complex() else t for t in tensors], math.inf)
     factors = {dtype: _largest_factor(ratio, dtype) for dtype in {tensor.dtype for tensor in tensors}}
     for tensor, peak in zip(tensors, peaks, strict=True):
         largest, highest = torch.finfo(tensor.dtype).max, float(peak)
         if not math.isfinite(highest):
-            msg = f"scale found {tensor.dtype} history holding inf or NaN, which no factor makes finite: reset it instead"
-            raise PartialResetRefused(f"{_holder(tensor, plan)}: {msg}")
+            raise _unchangeable(*_holder(tensor, plan), f"scale found {tensor.dtype} history holding inf or NaN, which no factor makes finite: reset it instead")
         if not highest * factors[tensor.dtype] <= largest:  # a factor torch rounds to inf makes even 0 NaN
             msg = f"scale by {ratio:g} would carry {tensor.dtype} history (up to {highest:g}) past its largest value, {largest:g}"
-            raise PartialResetRefused(f"{_holder(tensor, plan)}: {msg}")
+            raise _unchangeable(*_holder(tensor, plan), msg)
 
 
 def _largest_factor(ratio: float, dtype: torch.dtype) -> float:
@@ -285,12 +289,14 @@ def _largest_factor(ratio: float, dtype: torch.dtype) -> float:
     return max(abs(ratio), *(abs(float(torch.tensor(ratio, dtype=rounded))) for rounded in (torch.float32, real)))
 
 
-def _holder(tensor: torch.Tensor, plan: ResetPlan) -> str:
-    """The leaf and key a planned history tensor is of, as a problem names them."""
+def _holder(tensor: torch.Tensor, plan: ResetPlan) -> Owner:
+    """The path, class and key of the leaf a planned history tensor is of."""
     written = plan.state.written
     start = tensor.data_ptr()
     index = next((i for i, at in enumerate(written.starts) if at == start), None)
-    if index is None:
-        return "history"
-    path, cls, key = written.owner(index)
-    return f"{cls} at {path}: key {key!r}"
+    return _owner(plan) if index is None else written.owner(index)
+
+
+def _owner(plan: ResetPlan, where: Callable[[Owner], bool] = lambda _: True) -> Owner:
+    """The first owner of written memory ``where`` accepts: every planned write has one."""
+    return next((owner for _, owner in plan.state.written.owners if where(owner)), ("<root>", "history", None))

@@ -78,6 +78,10 @@ class ProblemKind(enum.Enum):
     """A tree built by hand that is not the one opttree builds for its optimizer."""
     CHECKPOINT_LAYOUT = "checkpoint-layout"
     """A state dict that is not laid out as Megatron writes it, met while saving or loading."""
+    UNCHANGEABLE_HISTORY = "unchangeable-history"
+    """History ``prune`` or ``scale`` cannot change in place as asked: not zero at the start
+    (its schema drops, fills, scales or starts it as an identity), of a dtype they do not
+    change, or, for ``scale``, not finite after it. Met by those two only."""
 
     @property
     def severity(self) -> Severity:
@@ -110,6 +114,7 @@ _ERRORS: dict[ProblemKind, type[OptTreeError]] = {
     ProblemKind.PARTIAL_GROUP: PartialResetRefused,
     ProblemKind.PARTIAL_STEP: PartialResetRefused,
     ProblemKind.UNKNOWN_KEY: PartialResetRefused,
+    ProblemKind.UNCHANGEABLE_HISTORY: PartialResetRefused,
     ProblemKind.CHECKPOINT_LAYOUT: UnsupportedCheckpoint,
     ProblemKind.UNRELEASABLE_STATE: ReleaseRefused,
     ProblemKind.STALE_MASTER: StaleMaster,
