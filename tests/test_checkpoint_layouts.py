@@ -206,16 +206,22 @@ def test_param_groups_saved_with_a_step_of_none_load_and_train_as_megatrons_own_
     state = saved(stack)
     for group in groups(state):
         group["step"] = None
-    theirs, ours = fresh_like(stack), fresh_like(stack)
-    with theirs.device:
-        theirs.optimizer.load_state_dict(copy.deepcopy(state))
+    ours = loaded_as_by_megatron(stack, state, steps=1)
+    assert opttree.validate(ours.optimizer) == ()
+
+
+def loaded_as_by_megatron(stack: testing.MegatronStack, state: dict[str, object], *, steps: int) -> testing.MegatronStack:
+    """A fresh stack like ``stack`` that opttree loaded ``state`` into, once it has trained
+    ``steps`` to the same weights as one Megatron's own load loaded it into."""
+    megatrons, ours = fresh_like(stack), fresh_like(stack)
+    with megatrons.device:
+        megatrons.optimizer.load_state_dict(copy.deepcopy(state))
     with ours.device:
         opttree.load_state_dict(ours.optimizer, state)
-
-    theirs.train(K, 1)
-    ours.train(K, 1)
-    assert all(torch.equal(a, b) for a, b in zip(ours.main_params(), theirs.main_params(), strict=True))
-    assert opttree.validate(ours.optimizer) == ()
+    megatrons.train(K, steps)
+    ours.train(K, steps)
+    assert all(torch.equal(a, b) for a, b in zip(ours.main_params(), megatrons.main_params(), strict=True))
+    return ours
 
 
 LOADED_THEN_FAILING: list[tuple[str, Edit, type[Exception], str, str]] = [
@@ -237,14 +243,7 @@ def test_history_torch_copies_at_the_load_is_taken_as_its_copy() -> None:
         for saved_entry in entries(state).values():
             assert isinstance(saved_entry, dict)
             saved_entry["exp_avg"] = saved_entry["exp_avg"].double()
-    megatrons, ours = fresh_like(stack), fresh_like(stack)
-    with megatrons.device:
-        megatrons.optimizer.load_state_dict(copy.deepcopy(state))
-    with ours.device:
-        opttree.load_state_dict(ours.optimizer, state)
-    megatrons.train(K, 2)
-    ours.train(K, 2)
-    assert all(torch.equal(a, b) for a, b in zip(ours.main_params(), megatrons.main_params(), strict=True))
+    loaded_as_by_megatron(stack, state, steps=2)
 
 
 def test_a_flag_saved_as_a_number_and_history_torch_copies_apart_load() -> None:
