@@ -85,3 +85,124 @@ def test_a_nested_tensor_no_optimizer_holds_is_named_by_its_class() -> None:
         opttree.reset(optimizer, params=[nested])
 
     assert unchanged(optimizer, before)
+
+
+class OddStep(float):
+    """A step counter whose own ``__float__`` refuses."""
+
+    def __float__(self) -> float:
+        raise ValueError("OddStep refuses __float__")
+
+
+class OddKey:
+    """A state key whose own ``__repr__`` refuses."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("OddKey refuses __repr__")
+
+
+def test_a_step_counter_whose_float_raises_is_reported_under_a_megatron_wrapper() -> None:
+    """The wrapper's step-unit check read it with ``float()`` and let its error out."""
+    stack = testing.build("fp32")
+    stack.train(0, 2)
+    next(iter(stack.leaves()[0].state.values()))["step"] = OddStep(2.0)
+    before = [snapshot(leaf) for leaf in stack.leaves()]
+
+    assert any(problem.key == "step" for problem in opttree.validate(stack.optimizer))
+    opttree.describe(stack.optimizer)
+    with pytest.raises(opttree.UnsupportedOptimizerState):
+        opttree.reset(stack.optimizer)
+    assert all(unchanged(leaf, snap) for leaf, snap in zip(stack.leaves(), before, strict=True))
+
+
+def test_a_hybrid_optimizers_own_entry_with_a_key_that_cannot_print_is_reported() -> None:
+    stack = testing.build("offload_1.0")
+    stack.train(0, 2)
+    sub = stack.leaves()[0]
+    param = next(iter(sub.state))
+    own = sub.state[param]  # the HybridDeviceOptimizer's own state keeps this dict
+    own[OddKey()] = torch.zeros(1)
+    sub.state[param] = {key: value for key, value in own.items() if isinstance(key, str)}
+
+    problems = opttree.validate(stack.optimizer)
+
+    assert any("holds state of its own" in problem.message and "<an OddKey>" in problem.message for problem in problems)
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="holds state of its own"):
+        opttree.reset(stack.optimizer)
+
+
+MEMORY_GONE = r"""
+import sys, warnings
+warnings.filterwarnings("ignore")
+import torch, opttree
+from opttree import testing
+
+def shrunk():  # a tensor of a million values whose storage holds one
+    tensor = torch.zeros(1_000_000)
+    tensor.untyped_storage().resize_(4)
+    return tensor
+
+def one_value_past_its_storage():  # one value, far into a storage shrunk to hold one
+    tensor = torch.zeros(1_000_000)
+    value = tensor[900_000]
+    tensor.untyped_storage().resize_(4)
+    return value
+
+def freed_negative():
+    tensor = torch.zeros(1)._neg_view()
+    tensor.untyped_storage().resize_(0)
+    return tensor
+
+how, kind = sys.argv[1:3]
+testing.ensure_process_group()
+if kind == "megatron":
+    stack = testing.build("fp32")
+    stack.train(0, 2)
+    root, leaf = stack.optimizer, stack.leaves()[0]
+else:
+    net = torch.nn.Linear(3, 2)
+    leaf = (torch.optim.Adagrad if how == "fill" else torch.optim.Adam)(net.parameters())
+    net(torch.randn(4, 3)).pow(2).mean().backward()
+    leaf.step()
+    root = leaf
+entry = next(iter(leaf.state.values()))
+if how == "step":
+    entry["step"] = shrunk()
+elif how == "negative-step":
+    entry["step"] = freed_negative()
+elif how == "group-step":
+    leaf.param_groups[0]["step"] = shrunk()
+elif how == "one-value-step":
+    entry["step"] = one_value_past_its_storage()
+else:
+    leaf.defaults["initial_accumulator_value"] = one_value_past_its_storage()
+problems = opttree.validate(root)
+opttree.describe(root)
+try:
+    opttree.reset(root)
+    print("reset", [str(problem) for problem in problems])
+except opttree.OptTreeError as error:
+    print("refused", type(error).__name__)
+"""
+
+
+@pytest.mark.parametrize(
+    ("how", "kind"),
+    [
+        ("step", "torch"),
+        ("step", "megatron"),
+        ("one-value-step", "megatron"),
+        ("negative-step", "megatron"),
+        ("group-step", "torch"),
+        ("group-step", "megatron"),
+        ("fill", "torch"),
+    ],
+)
+def test_a_counter_whose_storage_was_freed_or_shrunk_is_refused_without_reading_it(how: str, kind: str) -> None:
+    """``validate``, ``describe`` and ``reset`` read the value of a step or fill tensor
+    (``.item()``) before anything checked that its memory is there: they segfaulted. Run
+    in a child, whose death by a signal is its return code."""
+    done = subprocess.run([sys.executable, "-c", MEMORY_GONE, how, kind], capture_output=True, text=True, check=False, timeout=300)
+
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[:1] == ["refused"], done.stdout

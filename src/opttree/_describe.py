@@ -22,7 +22,7 @@ from opttree._containers import malformed, pooled, tensors_held
 from opttree._errors import OptTreeError
 from opttree._fields import kind_of
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
-from opttree._inspect import step_number
+from opttree._inspect import step_numbers
 from opttree._preflight import plain_reads, plain_torch, ranges, torch_name
 from opttree._report import format_bytes
 from opttree._scalers import scaler_text
@@ -74,15 +74,8 @@ def nbytes(tensor: torch.Tensor) -> int:
 
 
 def _step_text(counters: list[object]) -> str:
-    """The range of step counters, and how many are NaN. Where all are tensors, the usual
-    per-parameter steps, they are read in one ``map``; anything else goes through
-    :func:`step_number`."""
-    numbers: list[float] = []
-    if set(map(type, counters)) == {torch.Tensor}:
-        with contextlib.suppress(RuntimeError):  # a tensor of several steps, or of none
-            numbers = list(map(torch.Tensor.item, cast(list[torch.Tensor], counters)))
-    if not numbers or not set(map(type, numbers)) <= {int, float}:  # complex or bool steps
-        numbers = [n for n in map(step_number, counters) if n is not None]
+    """The range of step counters (see :func:`step_numbers`), and how many are NaN."""
+    numbers = [n for n in step_numbers(counters) if n is not None]
     real = [n for n in numbers if n == n]  # NaN is the one number unequal to itself
     nan = f" ({len(numbers) - len(real)} NaN)" if len(real) < len(numbers) else ""
     if not real:

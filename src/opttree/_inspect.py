@@ -31,7 +31,19 @@ from opttree._containers import (
     tensors_in,
 )
 from opttree._plan import ResetPlan, StateEntry, StatePlan
-from opttree._preflight import _DTYPE, _SHAPE, Extents, bytes_once, identities, plain_reads, ranges, torch_name, unfillable_reason, writable_ranges
+from opttree._preflight import (
+    _DTYPE,
+    _SHAPE,
+    Extents,
+    bytes_once,
+    identities,
+    plain_reads,
+    ranges,
+    torch_name,
+    unfillable_reason,
+    unreadable_reason,
+    writable_ranges,
+)
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import BuiltFor, KeyAction, ScaleLookup, StateSchema, StepLocation, StepType
 from opttree._selection import EVERYTHING, Selection
@@ -138,9 +150,12 @@ def _holding(entries: list[StateEntry], key: str, count: int) -> tuple[list[Stat
 
 def step_number(value: object) -> float | None:
     """A step counter's value (the largest, for a tensor of several), or None if it is
-    none or cannot be read as a real number (a meta or complex tensor, an int beyond a
-    float, a tensor subclass whose own code refuses)."""
+    none or cannot be read as a real number (a meta or complex tensor, one whose storage
+    was freed or shrunk under it, an int beyond a float, a number or tensor subclass whose
+    own code refuses)."""
     if isinstance(value, torch.Tensor):
+        if unreadable_reason(value) is not None:
+            return None  # reading it would read memory it does not hold
         try:
             with plain_reads():
                 if value.numel() == 1:
@@ -152,8 +167,20 @@ def step_number(value: object) -> float | None:
         return None
     try:
         return float(value)
-    except OverflowError:
+    except Exception:  # noqa: BLE001  # an int beyond a float; a subclass's own __float__ may raise anything
         return None
+
+
+def step_numbers(values: Sequence[object]) -> list[float | None]:
+    """:func:`step_number` of each value: where all are plain one-value tensors whose memory
+    is there (the usual per-parameter steps), read in one pass."""
+    if values and set(map(type, values)) <= {torch.Tensor, torch.nn.Parameter}:
+        tensors = cast(list[torch.Tensor], values)
+        found = writable_ranges(tensors)
+        if not isinstance(found, tuple) and not_one_real_value(found) is None:
+            with plain_reads():
+                return [float(number) for number in map(torch.Tensor.item, tensors)]
+    return list(map(step_number, values))
 
 
 def key_label(key: object) -> str:

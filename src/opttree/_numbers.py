@@ -6,13 +6,16 @@ import numbers
 
 import torch
 
+from opttree._preflight import unreadable_reason
+
 
 def real_number(value: object) -> float | None:
     """``value`` as a float where it is a real number (Python's, NumPy's, a one-element
-    real tensor), else None: not a bool, a string or a number beyond a float."""
+    real tensor), else None: not a bool, a string or a number beyond a float, nor a tensor
+    whose memory is not there to read (a storage freed or shrunk under it)."""
     try:
         if isinstance(value, torch.Tensor):
-            if value.numel() != 1 or value.dtype is torch.bool or value.is_complex():
+            if value.numel() != 1 or value.dtype is torch.bool or value.is_complex() or unreadable_reason(value) is not None:
                 return None
             value = value.item()
         if isinstance(value, bool) or not isinstance(value, numbers.Real):

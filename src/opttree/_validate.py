@@ -17,7 +17,7 @@ from opttree._held import Held, held_optimizers
 from opttree._hooks import surely_known_hooks, unknown_global_step_hook, unknown_step_hook
 from opttree._identity import identity_key, identity_keys
 from opttree._adapter import TreeBuilder
-from opttree._inspect import GRADIENTS, LeafInspector, step_number
+from opttree._inspect import GRADIENTS, LeafInspector, key_label, step_numbers
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._plan import ResetPlan, StateEntry
 from opttree._preflight import Owner, duplicates, overlap, plain_torch, ranges, unique_ranges
@@ -340,7 +340,7 @@ class ValidateVisitor(TraverserVisitor):
         kept = [entry for entry in values if object.__hash__(entry) not in theirs and not (isinstance(entry, Mapping) and not entry)]
         if not kept and len(values) == len(own):
             return
-        keys = sorted({str(key) for entry in kept if isinstance(entry, Mapping) for key in entry})
+        keys = sorted({key_label(key) for entry in kept if isinstance(entry, Mapping) for key in entry})
         message = (
             f"holds state of its own ({len(kept)} of its {len(own)} entries are none of its optimizers'"
             f"{', with keys ' + ', '.join(keys) if keys else ''}), which a reset of the optimizers its kind names "
@@ -639,7 +639,7 @@ def _unit_steps(node: Node) -> set[float]:
             held = [entry.get("step") for entry in leaf.state.values()]
         else:
             held = [group.get("step") for group in leaf.param_groups]
-        values.update(value for value in map(step_number, held) if value is not None)
+        values.update(value for value in step_numbers(held) if value is not None)
     return values
 
 
