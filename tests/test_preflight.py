@@ -197,6 +197,86 @@ def test_history_sharing_memory_with_a_gradient_is_refused(pooled: bool) -> None
     assert torch.equal(param.grad, gradient)
 
 
+WRAPPER_TENSORS: list[tuple[str, Callable[[object], torch.Tensor], str]] = [
+    ("fp16", lambda wrapper: getattr(wrapper, "grad_scaler").min_scale, "grad_scaler"),
+    ("fp16", lambda wrapper: getattr(wrapper, "grad_scaler").growth_factor, "grad_scaler"),
+    ("dist_fp16", lambda wrapper: getattr(wrapper, "grad_scaler").backoff_factor, "grad_scaler"),
+    ("bf16", lambda wrapper: getattr(wrapper, "_scale_one"), "_scale_one"),
+    ("fp32", lambda wrapper: getattr(wrapper, "_scale"), "_scale"),
+]
+
+
+@pytest.mark.parametrize(("name", "held", "key"), WRAPPER_TENSORS, ids=["min_scale", "growth_factor", "backoff_factor", "_scale_one", "fp32-_scale"])
+def test_a_step_sharing_memory_with_a_wrappers_own_tensor_is_refused(name: str, held: Callable[[object], torch.Tensor], key: str) -> None:
+    """A Megatron wrapper's own tensors and its loss scaler's are kept memory: a step
+    counter over one was zeroed, the scaler's growth factor or the wrapper's scale then 0."""
+    if name not in testing.available():
+        pytest.skip(f"no {name} recipe in this lane")
+    stack = testing.build(name)
+    stack.train(0, 2)
+    kept = held(getattr(stack.optimizer, "chained_optimizers")[0])
+    value = kept.clone()
+    next(iter(stack.leaves()[0].state.values()))["step"] = kept
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=f"key 'step': shares memory with '{key}' of "):
+        opttree.reset(stack.optimizer)
+    assert torch.equal(kept, value)
+
+
+def test_history_sharing_memory_with_a_tensor_group_option_is_refused() -> None:
+    """torch takes a tensor ``lr``: history over it zeroed the learning rate."""
+    optimizer = stepped_adamw(2)
+    history = last_entry(optimizer)["exp_avg"]
+    assert isinstance(history, torch.Tensor)
+    lr = history.view(-1)[:1]
+    optimizer.param_groups[0]["lr"] = lr
+    lr.fill_(1e-3)
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'exp_avg': shares memory with 'param_groups' of AdamW"):
+        opttree.reset(optimizer)
+    assert float(lr) == pytest.approx(1e-3)
+    optimizer.param_groups[0]["lr"] = torch.tensor(1e-3)
+    optimizer.param_groups[0]["betas"] = (torch.tensor(0.9), torch.tensor(0.999))
+    assert opttree.reset(optimizer).leaves == 1  # tensor options of their own memory are fine
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16", "dist_bf16", "dist_fp32"])
+def test_a_step_sharing_memory_with_megatrons_gradient_buffer_is_refused(name: str) -> None:
+    """Megatron DDP's backward accumulates into ``main_grad`` (and a DistributedOptimizer's
+    main shards' ``.grad`` are views of it), which the next step reads: a reset between
+    backward and step zeroed the part history or a step shared."""
+    if name not in testing.available():
+        pytest.skip(f"no {name} recipe in this lane")
+    stack = testing.build(name)
+    stack.train(0, 2)
+    main_grad = next(grad for grad in (getattr(param, "main_grad", None) for param in stack.model.parameters()) if isinstance(grad, torch.Tensor))
+    main_grad.fill_(0.5)
+    flat = main_grad.view(-1)
+    next(iter(stack.leaves()[0].state.values()))["step"] = flat[:1] if flat.dtype == torch.float32 else flat[:2].view(torch.float32)
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'step': shares memory with a parameter's gradient of "):
+        opttree.reset(stack.optimizer)
+    assert bool((main_grad == 0.5).all())
+
+
+@pytest.mark.skipif("dist_fp32" not in testing.available(), reason="no dist_fp32 recipe in this lane")
+def test_history_that_is_a_distributed_optimizers_shard_gradient_is_refused() -> None:
+    """Its main shards are views, not autograd leaves; their ``.grad``, which Megatron sets,
+    is a view of the gradient buffer."""
+    stack = testing.build("dist_fp32")
+    stack.train(0, 2)
+    param, entry = next(iter(stack.leaves()[0].state.items()))
+    grad = param.grad
+    assert grad is not None
+    grad.fill_(0.5)
+    entry["exp_avg"] = grad
+
+    assert opttree.ProblemKind.ALIASED_STATE in [problem.kind for problem in opttree.validate(stack.optimizer)]
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'exp_avg': shares memory with a parameter's gradient of "):
+        opttree.reset(stack.optimizer)
+    assert bool((grad == 0.5).all())
+
+
 @pytest.mark.skipif("dist_fp32" not in testing.available(), reason="no dist_fp32 recipe in this lane")
 def test_a_distributed_optimizer_between_backward_and_step_is_checked_without_warnings() -> None:
     """Its main parameters are views of a shard, whose .grad torch warns at reading: the

@@ -56,6 +56,8 @@ _GRAD = cast(Callable[[torch.Tensor], "torch.Tensor | None"], torch._C.TensorBas
 _IS_LEAF = cast(Callable[[torch.Tensor], bool], torch._C.TensorBase.__dict__["is_leaf"].__get__)
 
 GRADIENTS = ".grad"
+GROUP_OPTIONS = "param_groups"
+"""What the aliasing check names tensors a param group holds as options."""
 """The key under which the gradients of a leaf's parameters are kept memory."""
 _OPTIMIZER = operator.attrgetter("optimizer")
 
@@ -181,6 +183,33 @@ def step_numbers(values: Sequence[object]) -> list[float | None]:
             with plain_reads():
                 return [float(number) for number in map(torch.Tensor.item, tensors)]
     return list(map(step_number, values))
+
+
+def held_gradients(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients ``params`` hold for the next step: ``.grad`` of each leaf tensor (a
+    view's, which torch warns at reading, a backward never fills), and ``main_grad``, the
+    view of Megatron DDP's gradient buffer that a backward accumulates into and its
+    optimizers read (a DistributedOptimizer's main shards' gradients are views of it too)."""
+    with plain_reads():
+        grads = [grad for grad in map(_GRAD, compress(params, map(_IS_LEAF, params))) if grad is not None]
+    mains = [grad for grad in map(_main_grad, params) if isinstance(grad, torch.Tensor)]
+    return grads + mains
+
+
+def _main_grad(param: torch.Tensor) -> object:
+    attributes = getattr(param, "__dict__", None)
+    return attributes.get("main_grad") if isinstance(attributes, dict) else None
+
+
+_PLAIN_OPTIONS = frozenset({float, int, bool, str, type(None)})
+
+
+def group_option_tensors(groups: Sequence[Mapping[str, object]]) -> list[torch.Tensor]:
+    """The tensors param groups hold as options (``lr``, or ``betas`` as tensors, as
+    capturable and compiled steps take them), in tuples and lists too: not their ``params``,
+    kept as parameters, nor a group ``step``, which a reset zeroes."""
+    values = [value for group in groups for key, value in group.items() if key != "params" and key != "step" and type(value) not in _PLAIN_OPTIONS]
+    return tensors_held(values) if values else []
 
 
 def key_label(key: object) -> str:
@@ -370,7 +399,7 @@ class LeafInspector:
         part = StatePlan()
         owner = (f"{leaves[0].path} .. {leaves[-1].path}", type(optimizers[0]).__qualname__)
         self.plan_entries(leaves[0], owner, held, list(entries), params, groups, part)
-        self.plan_params(leaves[0], owner, params, part)
+        self.plan_params(leaves[0], owner, params, groups, part)
         return part
 
     def starts_again(self, node: LeafNode) -> bool:
@@ -513,7 +542,7 @@ class LeafInspector:
                 self.problem(node, ProblemKind.ORPHAN_STATE, f"holds state for {orphans} tensor(s) in no param group")
         owner = (node.path, type(node.optimizer).__qualname__)
         self.plan_entries(node, owner, held, list(state.values()), in_groups, node.optimizer.param_groups, into)
-        self.plan_params(node, owner, in_groups, into)
+        self.plan_params(node, owner, in_groups, node.optimizer.param_groups, into)
 
     def plan_entries(
         self,
@@ -757,15 +786,20 @@ class LeafInspector:
             if tensors:
                 self.plan_kept(node, owner, tensors, key_label(key), into)
 
-    def plan_params(self, node: Node, owner: tuple[str, str], params: list[torch.Tensor], into: StatePlan) -> None:
-        """Record the memory of a leaf's parameters and of their gradients, which a reset
-        leaves alone: history sharing it would zero weights, or the gradients of a step
-        between backward and ``optimizer.step()``, which no fresh optimizer's history shares."""
+    def plan_params(
+        self, node: Node, owner: tuple[str, str], params: list[torch.Tensor], groups: Sequence[Mapping[str, object]], into: StatePlan
+    ) -> None:
+        """Record the memory of a leaf's parameters, of their gradients and of the tensors
+        its param groups hold as options, which a reset leaves alone: history sharing it
+        would zero weights, the gradients of a step between backward and
+        ``optimizer.step()``, or a tensor ``lr``, which no fresh optimizer's history shares."""
         self.plan_kept(node, owner, params, None, into)
-        with plain_reads():  # a view (DistributedOptimizer's main shards) has no .grad of its own, and torch warns at reading it
-            grads = [grad for grad in map(_GRAD, compress(params, map(_IS_LEAF, params))) if grad is not None]
+        grads = held_gradients(params)
         if grads:
             self.plan_kept(node, owner, grads, GRADIENTS, into)
+        options = group_option_tensors(groups)
+        if options:
+            self.plan_kept(node, owner, options, GROUP_OPTIONS, into)
 
     def plan_kept(
         self, node: Node, owner: tuple[str, str], tensors: Sequence[torch.Tensor], key: str | None, into: StatePlan

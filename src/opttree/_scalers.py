@@ -46,7 +46,8 @@ Planned = ScalerReset | str | None
 """A scaler's reset, the reason it cannot be reset, or None where there is nothing to reset."""
 
 
-def _attributes(obj: object) -> dict[str, object]:
+def own_attributes(obj: object) -> dict[str, object]:
+    """``obj``'s instance attributes, or none where it keeps them otherwise."""
     attributes = getattr(obj, "__dict__", None)
     return attributes if isinstance(attributes, dict) else {}
 
@@ -56,7 +57,7 @@ def _nothing(scaler: object, config: object) -> Planned:
 
 
 def _dynamic(scaler: object, config: object) -> Planned:
-    mine, theirs = _attributes(scaler), _attributes(config)
+    mine, theirs = own_attributes(scaler), own_attributes(config)
     scale, min_scale = mine.get("_scale"), mine.get("min_scale")
     if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or not scale.is_floating_point():
         return f"its scale is {type(scale).__qualname__}, expected a one-element float tensor"
@@ -118,7 +119,7 @@ _HOLDERS.register_lazy("megatron.core.optimizer.optimizer.MixedPrecisionOptimize
 
 def held_scale(scaler: object) -> torch.Tensor | None:
     """The scale tensor a loss scaler holds (``_scale``), or None."""
-    scale = _attributes(scaler).get("_scale")
+    scale = own_attributes(scaler).get("_scale")
     return scale if isinstance(scale, torch.Tensor) else None
 
 
@@ -126,7 +127,7 @@ def loss_scaler(wrapper: object) -> object | None:
     """The loss scaler a wrapper holds, or None."""
     if _HOLDERS.lookup(type(wrapper)) is None:
         return None
-    return _attributes(wrapper).get("grad_scaler")
+    return own_attributes(wrapper).get("grad_scaler")
 
 
 def plan_scaler(wrapper: object) -> Planned:
@@ -138,7 +139,7 @@ def plan_scaler(wrapper: object) -> Planned:
     if planner is None:
         cls = type(scaler)
         return f"its loss scaler is a {cls.__module__}.{cls.__qualname__}: only DynamicGradScaler and ConstantGradScaler are known"
-    return planner(scaler, _attributes(wrapper).get("config"))
+    return planner(scaler, own_attributes(wrapper).get("config"))
 
 
 def scaler_text(wrapper: object) -> str:
@@ -146,5 +147,5 @@ def scaler_text(wrapper: object) -> str:
     scaler = loss_scaler(wrapper)
     if scaler is None:
         return ""
-    value = real_number(_attributes(scaler).get("_scale"))  # None for a freed, complex or nested scale, as validate reports it
+    value = real_number(own_attributes(scaler).get("_scale"))  # None for a freed, complex or nested scale, as validate reports it
     return f" loss_scale={'?' if value is None else f'{value:.8g}'} ({type(scaler).__name__})"

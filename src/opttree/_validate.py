@@ -17,12 +17,12 @@ from opttree._held import Held, held_optimizers
 from opttree._hooks import surely_known_hooks, unknown_global_step_hook, unknown_step_hook
 from opttree._identity import identity_key, identity_keys
 from opttree._adapter import TreeBuilder
-from opttree._inspect import GRADIENTS, LeafInspector, key_label, step_numbers
+from opttree._inspect import GRADIENTS, LeafInspector, held_gradients, key_label, step_numbers
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._plan import ResetPlan, StateEntry
 from opttree._preflight import Owner, duplicates, overlap, plain_torch, ranges, unique_ranges
 from opttree._problems import Problem, ProblemKind, Severity
-from opttree._scalers import ScalerReset, held_scale, loss_scaler, plan_scaler
+from opttree._scalers import ScalerReset, held_scale, loss_scaler, own_attributes, plan_scaler
 from opttree._trees import lenient_tree
 from opttree._schema import StateSchema, StepLocation
 from opttree._runs import alike_runs, sibling_groups
@@ -454,7 +454,27 @@ class ValidateVisitor(TraverserVisitor):
         inspector = LeafInspector(_NO_STATE, self._plan, self.problems, self._selection)
         params = [param for param, _ in pairs if isinstance(param, torch.Tensor)]  # anything else: see check_masters
         inspector.plan_kept(node, (node.path, cls), params, None, self._plan.state)
+        grads = held_gradients(params)
+        if grads:
+            inspector.plan_kept(node, (node.path, cls), grads, GRADIENTS, self._plan.state)
         return pairs
+
+    def _keep_own_tensors(self, node: WrapperNode) -> None:
+        """Record the tensors a wrapper holds as its own attributes (Megatron's
+        ``_scale_one``, an FP32Optimizer's ``_scale``) and those of its loss scaler (its
+        ``min_scale``, growth and backoff factors) as kept memory: history sharing it would
+        zero them. The scale a reset writes is checked with the scaler (see
+        :meth:`_check_loss_scale`)."""
+        scaler = loss_scaler(node.optimizer)
+        scale = held_scale(scaler) if scaler is not None else None
+        owned = [(name, value) for name, value in own_attributes(node.optimizer).items() if isinstance(value, torch.Tensor)]
+        owned += [("grad_scaler", value) for value in own_attributes(scaler).values() if isinstance(value, torch.Tensor) and value is not scale]
+        if not owned:
+            return
+        inspector = LeafInspector(_NO_STATE, self._plan, self.problems, self._selection)
+        owner = (node.path, type(node.optimizer).__qualname__)
+        for name, tensor in owned:
+            inspector.plan_kept(node, owner, [tensor], name, self._plan.state)
 
     def visit_wrapper(self, node: WrapperNode) -> None:
         """Check the wrapper's step unit, its own step hooks, loss scaler and a release under
@@ -466,6 +486,7 @@ class ValidateVisitor(TraverserVisitor):
         self._check_release(node)
         self._check_loss_scale(node, self._selection.tensors)
         self._keep_stepped_params(node)
+        self._keep_own_tensors(node)
         self.visit_children(node)
 
     def _check_loss_scale(self, node: WrapperNode, chosen: AbstractSet[int] | None) -> None:
