@@ -106,6 +106,8 @@ def test_a_soap_checkpoint_with_a_factor_of_another_shape_is_refused_where_megat
 
     from opttree import testing
 
+    if "soap" not in testing.available():
+        pytest.skip("this megatron-core's factory builds no SOAP (its emerging-optimizer registry came in 0.18)")
     stack = testing.build("soap")
     stack.train(0, 2)
     with stack.device:
