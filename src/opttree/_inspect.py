@@ -201,15 +201,20 @@ def _main_grad(param: torch.Tensor) -> object:
     return attributes.get("main_grad") if isinstance(attributes, dict) else None
 
 
-_PLAIN_OPTIONS = frozenset({float, int, bool, str, type(None)})
+_PLAIN_OPTIONS = frozenset({float, int, bool, str, type(None), type})
+"""Kinds of option values that hold no tensor: numbers, names, None and classes (a
+HybridDeviceOptimizer's groups name its optimizer classes)."""
 
 
 def group_option_tensors(groups: Sequence[Mapping[str, object]]) -> list[torch.Tensor]:
     """The tensors param groups hold as options (``lr``, or ``betas`` as tensors, as
     capturable and compiled steps take them), in tuples and lists too: not their ``params``,
     kept as parameters, nor a group ``step``, which a reset zeroes."""
-    values = [value for group in groups for key, value in group.items() if key != "params" and key != "step" and type(value) not in _PLAIN_OPTIONS]
-    return tensors_held(values) if values else []
+    values = [value for group in groups for key, value in group.items() if type(value) not in _PLAIN_OPTIONS and key != "params" and key != "step"]
+    if not values:
+        return []
+    # Most are tuples of numbers (betas): only the rest can hold a tensor.
+    return tensors_held([value for value in values if type(value) is not tuple or not _PLAIN_OPTIONS.issuperset(map(type, value))])
 
 
 def key_label(key: object) -> str:
