@@ -56,9 +56,9 @@ _GRAD = cast(Callable[[torch.Tensor], "torch.Tensor | None"], torch._C.TensorBas
 _IS_LEAF = cast(Callable[[torch.Tensor], bool], torch._C.TensorBase.__dict__["is_leaf"].__get__)
 
 GRADIENTS = ".grad"
-GROUP_OPTIONS = "param_groups"
-"""What the aliasing check names tensors a param group holds as options."""
 """The key under which the gradients of a leaf's parameters are kept memory."""
+GROUP_OPTIONS = "param_groups"
+"""The key under which the tensors a param group holds as options are kept memory."""
 _OPTIMIZER = operator.attrgetter("optimizer")
 
 _Param = TypeVar("_Param")
@@ -186,8 +186,8 @@ def step_numbers(values: Sequence[object]) -> list[float | None]:
 
 
 def held_gradients(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The gradients ``params`` hold for the next step: ``.grad`` of each leaf tensor (a
-    view's, which torch warns at reading, a backward never fills), and ``main_grad``, the
+    """The gradients ``params`` hold for the next step: ``.grad`` of each leaf tensor (not
+    of a view, whose ``.grad`` torch warns at reading where none is set), and ``main_grad``, the
     view of Megatron DDP's gradient buffer that a backward accumulates into and its
     optimizers read (a DistributedOptimizer's main shards' gradients are views of it too)."""
     with plain_reads():
