@@ -459,18 +459,9 @@ class ValidateVisitor(TraverserVisitor):
             inspector.plan_kept(node, (node.path, cls), grads, GRADIENTS, self._plan.state)
         return pairs
 
-    def _keep_own_tensors(self, node: WrapperNode) -> None:
-        """Record the tensors a wrapper holds as its own attributes (Megatron's
-        ``_scale_one``, an FP32Optimizer's ``_scale``) and those of its loss scaler (its
-        ``min_scale``, growth and backoff factors) as kept memory: history sharing it would
-        zero them. The scale a reset writes is checked with the scaler (see
-        :meth:`_check_loss_scale`)."""
-        scaler = loss_scaler(node.optimizer)
-        scale = held_scale(scaler) if scaler is not None else None
-        owned = [(name, value) for name, value in own_attributes(node.optimizer).items() if isinstance(value, torch.Tensor)]
-        owned += [("grad_scaler", value) for value in own_attributes(scaler).values() if isinstance(value, torch.Tensor) and value is not scale]
-        if not owned:
-            return
+    def _keep_own_tensors(self, node: WrapperNode, owned: list[tuple[str, torch.Tensor]]) -> None:
+        """Record tensors a wrapper holds (its own attributes, its loss scaler's), each
+        under its name, as kept memory: history sharing it would zero them."""
         inspector = LeafInspector(_NO_STATE, self._plan, self.problems, self._selection)
         owner = (node.path, type(node.optimizer).__qualname__)
         for name, tensor in owned:
@@ -486,7 +477,8 @@ class ValidateVisitor(TraverserVisitor):
         self._check_release(node)
         self._check_loss_scale(node, self._selection.tensors)
         self._keep_stepped_params(node)
-        self._keep_own_tensors(node)
+        # Megatron's _scale_one, an FP32Optimizer's _scale: kept memory
+        self._keep_own_tensors(node, [(name, value) for name, value in own_attributes(node.optimizer).items() if isinstance(value, torch.Tensor)])
         self.visit_children(node)
 
     def _check_loss_scale(self, node: WrapperNode, chosen: AbstractSet[int] | None) -> None:
@@ -495,7 +487,8 @@ class ValidateVisitor(TraverserVisitor):
         for all) it is left alone. A scaler met again (a wrapper twice in a chain, or above
         a subtree and again inside it) counts once. Its scale tensor is memory the reset
         writes or keeps, as history is: one sharing memory with a weight, or with history
-        the reset zeroes, is refused."""
+        the reset zeroes, is refused; the scaler's other tensors (``min_scale``, its growth
+        and backoff factors) are kept memory."""
         scaler = loss_scaler(node.optimizer)
         if scaler is None or any(scaler is seen for seen in self._scalers_seen):
             return
@@ -506,6 +499,7 @@ class ValidateVisitor(TraverserVisitor):
         if scale is not None:
             into = self._plan.state.written if planned is not None else self._plan.state.kept_ranges
             into.extend(ranges([scale]).owned((node.path, cls, "grad_scaler")))
+        self._keep_own_tensors(node, [("grad_scaler", value) for value in own_attributes(scaler).values() if isinstance(value, torch.Tensor) and value is not scale])
 
     def _planned_scaler(self, node: WrapperNode, chosen: AbstractSet[int] | None) -> ScalerReset | None:
         """The reset of ``node``'s loss scaler, or None where it is kept (counted where the
