@@ -227,33 +227,34 @@ def test_history_unlike_a_parameter_cast_after_it_was_built_is_refused(name: str
     assert not optimizer.state
 
 
-def test_a_subclass_with_its_own_update_hook_inherits_no_built_in_schema() -> None:
+def test_a_subclass_with_its_own_update_hook_or_orthogonalize_inherits_no_built_in_schema() -> None:
     """emerging-optimizers' orthogonalized optimizers call ``pre_weight_update_fn_inplace``
     and ``post_weight_update_fn_inplace`` around each update, and ``MuonHyperball`` keeps
     state there: a Muon subclass defining one may handle its state otherwise than the
     methods Muon's schema was derived from (this one halves its momentum at each update).
-    One defining only ``orthogonalize``, the extension point MOP and Scion use, builds
-    Muon's state."""
+    ``orthogonalize``, the extension point MOP and Scion use (each with a schema of its
+    own), may keep state too: this one an average of past updates in an attribute, which a
+    reset with Muon's schema would keep."""
     muon = _registry()["muon"]
 
     def halve_momentum(self: torch.optim.Optimizer, p: torch.Tensor, update: torch.Tensor) -> None:
         self.state[p]["momentum_buffer"].mul_(0.5)
 
     def orthogonalize(self: torch.optim.Optimizer, p: torch.Tensor, grad: torch.Tensor, **kwargs: object) -> object:
-        return getattr(super(plain, self), "orthogonalize")(p, grad, **kwargs)
+        averages: dict[torch.Tensor, torch.Tensor] = self.__dict__.setdefault("averages", {})
+        average = averages[p] = grad.clone() if p not in averages else averages[p].lerp_(grad, 0.5)
+        return getattr(super(averaging, self), "orthogonalize")(p, average, **kwargs)
 
     damped = type("DampedMuon", (muon,), {"pre_weight_update_fn_inplace": halve_momentum})
-    plain = type("PlainMuon", (muon,), {"orthogonalize": orthogonalize})
+    averaging = type("AveragingMuon", (muon,), {"orthogonalize": orthogonalize})
 
-    ps = params()
-    optimizer = damped(ps, lr=1e-2)
-    train(optimizer, ps, range(2))
-    problems = opttree.validate(optimizer)
-    assert [p.kind for p in problems] == [opttree.ProblemKind.UNSUPPORTED_OPTIMIZER]
-    assert "DampedMuon defines its own pre_weight_update_fn_inplace, where its base" in problems[0].message
-    with pytest.raises(opttree.UnsupportedOptimizer, match="pre_weight_update_fn_inplace"):
-        opttree.reset(optimizer)
-    assert opttree.schema_for(plain) is opttree.schema_for(muon) is not None
-    trained = plain(ps, lr=1e-2)
-    train(trained, ps, range(2))
-    assert opttree.reset(trained).tensors_zeroed == 2
+    for cls, name in ((damped, "pre_weight_update_fn_inplace"), (averaging, "orthogonalize")):
+        ps = params()
+        optimizer = cls(ps, lr=1e-2)
+        train(optimizer, ps, range(2))
+        problems = opttree.validate(optimizer)
+        assert [p.kind for p in problems] == [opttree.ProblemKind.UNSUPPORTED_OPTIMIZER]
+        assert f"{cls.__qualname__} defines its own {name}, where its base" in problems[0].message
+        with pytest.raises(opttree.UnsupportedOptimizer, match=name):
+            opttree.reset(optimizer)
+        assert opttree.schema_for(cls) is None

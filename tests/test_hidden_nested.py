@@ -5,7 +5,11 @@ holds itself, or whose own code raises, neither hangs nor raises."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
+import types
+import weakref
 
 import pytest
 import torch
@@ -72,6 +76,18 @@ def holding(hidden: torch.optim.Optimizer, layout: str) -> object:
         return {"a": [{"b": (hidden,)}]}
     if layout == "list that raises":
         return Unlistable([[hidden]])
+    if layout == "deque":
+        return collections.deque([hidden])
+    if layout == "namespace":
+        return types.SimpleNamespace(ema=hidden)
+    if layout == "dict key":
+        return {hidden: "ema"}
+    if layout == "bound method":
+        return [hidden.step]
+    if layout == "partial":
+        return functools.partial(torch.optim.AdamW.step, hidden)
+    if layout == "weak reference":
+        return weakref.ref(hidden)
     return Touchy([hidden])
 
 
@@ -93,6 +109,12 @@ def wrapper_holding(aux: object) -> tuple[FP32Optimizer, torch.optim.AdamW]:
         ("four deep", "aux['a'][0]['b'][0]"),
         ("list that raises", "aux[0][0]"),
         ("record whose __getattr__ raises", "aux.optimizers[0]"),
+        ("deque", "aux[0]"),
+        ("namespace", "aux.ema"),
+        ("dict key", "aux.keys()[0]"),
+        ("bound method", "aux[0].__self__"),
+        ("partial", "aux.args[0]"),
+        ("weak reference", "aux()"),
     ],
 )
 def test_an_optimizer_nested_in_a_wrappers_attribute_is_reported_and_refused(layout: str, label: str) -> None:
@@ -171,9 +193,17 @@ def test_tensors_and_modules_are_not_looked_into() -> None:
 
 class SlottedFP32(FP32Optimizer):
     """An FP32Optimizer subclass that keeps an extra optimizer in a slot (and a
-    private one, name-mangled), where ``__dict__`` does not show it."""
+    private one, name-mangled), where ``__dict__`` does not show it. Registered, as a
+    subclass defining anything of its own must be, as an ``.optimizer`` wrapper."""
 
     __slots__ = ("ema", "__shadow", "unset")
+
+
+def _inner_optimizer(wrapper: FP32Optimizer) -> list[tuple[str, object]]:
+    return [("optimizer", wrapper.optimizer)]
+
+
+opttree.register_wrapper(SlottedFP32, children=_inner_optimizer)
 
 
 @pytest.mark.parametrize(("slot", "label"), [("ema", "ema"), ("_SlottedFP32__shadow", "_SlottedFP32__shadow")])
@@ -204,7 +234,53 @@ def test_a_slot_descriptor_borrowed_from_another_class_is_passed_over() -> None:
     leaf = stepped(0)
     wrapper = fp32(leaf)
     borrowing = type("Borrowing", (FP32Optimizer,), {"alias": Other.__dict__["x"]})
+    opttree.register_wrapper(borrowing, children=_inner_optimizer)
     wrapper.__class__ = borrowing
 
     assert opttree.validate(wrapper) == ()
     assert opttree.reset(wrapper).leaves == 1
+
+
+class WithAux(torch.optim.AdamW):
+    """An AdamW registered with AdamW's schema that also steps an auxiliary optimizer of
+    its own, which no schema names: the registration vouches for its state, not for that."""
+
+    def __init__(self, params: list[torch.nn.Parameter], aux: torch.optim.Optimizer) -> None:
+        super().__init__(params)
+        self.aux = aux
+
+
+opttree.register_schema(WithAux, opttree.schema_for(torch.optim.AdamW))
+
+
+@pytest.mark.parametrize("how", ["registered class", "set on an instance"])
+def test_an_optimizer_a_leaf_holds_beside_its_state_is_reported_and_refused(how: str) -> None:
+    """A leaf's attributes other than torch's bookkeeping are searched as a wrapper's are:
+    a reset of the leaf kept the auxiliary optimizer's steps, in silence."""
+    hidden = stepped(1)
+    net = model(0)
+    if how == "registered class":
+        leaf: torch.optim.AdamW = WithAux(list(net.parameters()), hidden)
+    else:
+        leaf = torch.optim.AdamW(net.parameters())
+        setattr(leaf, "ema", {"slow": hidden})
+    train(net, leaf, 0, 3)
+    before = [snapshot(leaf), snapshot(hidden)]
+
+    problems = opttree.validate(leaf)
+    with pytest.raises(opttree.HiddenOptimizer, match=r"(WithAux|AdamW) at <root>: holds an AdamW in (aux|ema\['slow'\]) that the tree does not contain"):
+        opttree.reset(leaf)
+
+    assert [p.kind for p in problems] == [opttree.ProblemKind.HIDDEN_OPTIMIZER]
+    assert unchanged(leaf, before[0]) and unchanged(hidden, before[1])
+
+
+def test_a_leafs_own_bookkeeping_holds_no_optimizer_to_find() -> None:
+    """torch's own attributes (state, groups, hooks) are what a schema covers, and a leaf
+    holding an LR scheduler's patched step is no leaf holding an optimizer."""
+    net = model(0)
+    leaf = torch.optim.AdamW(net.parameters())
+    torch.optim.lr_scheduler.StepLR(leaf, 1)
+    train(net, leaf, 0, 2)
+    assert opttree.validate(leaf) == ()
+    assert opttree.reset(leaf).leaves == 1

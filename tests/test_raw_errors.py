@@ -206,3 +206,44 @@ def test_a_counter_whose_storage_was_freed_or_shrunk_is_refused_without_reading_
 
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[:1] == ["refused"], done.stdout
+
+
+def _hides_its_dict(self: object, name: str) -> object:
+    if name == "__dict__":
+        raise RuntimeError("no __dict__ here")
+    return object.__getattribute__(self, name)
+
+
+class ProxiedAdam(torch.optim.Adam):
+    """A registered Adam whose ``__getattribute__`` refuses ``__dict__`` (an instrumented
+    or proxied class): opttree reads instance attributes as ``object`` does."""
+
+    __getattribute__ = _hides_its_dict
+
+
+class Proxy:
+    """A registered wrapper that refuses ``__dict__`` the same way."""
+
+    __getattribute__ = _hides_its_dict
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+
+
+opttree.register_schema(ProxiedAdam, opttree.schema_for(torch.optim.Adam))
+opttree.register_wrapper(Proxy, children=lambda proxy: [("inner", proxy.inner)])
+
+
+def test_an_instance_whose_own_getattribute_refuses_its_dict_is_read_as_object_reads_it() -> None:
+    """``__dict__`` was read with ``getattr``, which runs a class's own ``__getattribute__``:
+    its RuntimeError escaped from ``validate``, ``describe`` and ``reset``."""
+    param = torch.nn.Parameter(torch.ones(3))
+    leaf = ProxiedAdam([param])
+    param.grad = torch.ones(3)
+    leaf.step()
+    inner = stepped_adamw(2)
+    for optimizer, zeroed in ((leaf, 2), (Proxy(inner), 4)):
+        assert opttree.validate(optimizer) == ()
+        assert "step=" in opttree.describe(optimizer)
+        assert opttree.reset(optimizer).tensors_zeroed == zeroed
+    assert torch.count_nonzero(leaf.state[param]["exp_avg"]) == 0

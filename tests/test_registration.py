@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import math
 import re
 import types
 import subprocess
@@ -17,7 +18,7 @@ from torch.utils._contextlib import _DecoratorContextManager
 
 import opttree
 from tests.copying import CopyingWrapper
-from tests.helpers import clone_model, model, snapshot, train, unchanged, weights_equal
+from tests.helpers import clone_model, model, snapshot, train, trains_as_fresh, unchanged, weights_equal
 
 
 class Lion(torch.optim.Optimizer):
@@ -673,10 +674,36 @@ class DefaultsAdam(torch.optim.Adam):
 
 
 class MethodsAdam(torch.optim.Adam):
-    """An Adam with a method of its own, building its state with Adam's own methods."""
+    """An Adam with a method of its own that reads and keeps nothing: opttree does not read
+    code, so it cannot tell this one from :class:`WarmingAdam`'s."""
 
     def learning_rates(self) -> list[float]:
         return [group["lr"] for group in self.param_groups]
+
+
+class StepCodeAdam(torch.optim.Adam):
+    """Counts its steps in ``_optimizer_step_code``, which torch's profiling hook calls
+    after every step, and warms its learning rate up by that count: a reset that kept
+    ``self.steps`` would not train as a fresh one."""
+
+    def _optimizer_step_code(self) -> None:
+        self.steps = getattr(self, "steps", 0) + 1
+        for group in self.param_groups:
+            group["lr"] = 1e-3 * min(1.0, (self.steps + 1) / 4)
+
+
+class WarmingAdam(torch.optim.Adam):
+    """Warms its learning rate up by a count kept in an attribute, each time training code
+    calls ``warm()``, a method of its own that ``step`` never calls."""
+
+    def warm(self) -> None:
+        self.warmed = getattr(self, "warmed", 0) + 1
+        for group in self.param_groups:
+            group["lr"] = 1e-3 * min(1.0, self.warmed / 4)
+
+
+class DocumentedAdam(torch.optim.Adam):
+    """A subclass whose body defines nothing but this docstring."""
 
 
 def _warm_start(step: Callable[..., Any]) -> Callable[..., Any]:
@@ -749,23 +776,42 @@ def test_a_subclass_building_state_in_init_or_taking_a_step_from_a_mixin_inherit
         opttree.schema_for(clipped)  # type: ignore[arg-type]
 
 
-def test_a_subclass_building_state_with_its_bases_methods_inherits_its_schema() -> None:
-    """Methods of its own, and torch's profiling hook, which torch sets as ``step`` on a
-    subclass's first instance, are not state building of its own."""
+def test_a_subclass_defining_nothing_of_its_own_inherits_its_schema() -> None:
+    """A docstring is no behaviour, and torch's profiling hook, which torch sets as ``step``
+    on a subclass's first instance, runs Adam's own step."""
     net = model()
-    optimizer = MethodsAdam(net.parameters())
+    optimizer = DocumentedAdam(net.parameters())
     train(net, optimizer, 0, 2)
     hooked = type("HookedAdam", (torch.optim.Adam,), {})
     setattr(hooked, "step", torch.optim.Optimizer.profile_hook_step(torch.optim.Adam.step))  # as torch's _patch_step_function does
 
-    assert opttree.schema_for(MethodsAdam) is opttree.schema_for(torch.optim.Adam) is opttree.schema_for(hooked)
+    assert opttree.schema_for(DocumentedAdam) is opttree.schema_for(torch.optim.Adam) is opttree.schema_for(hooked)
     assert opttree.schema_for(torch.optim.Adam) is not None
-    twin = clone_model(net)
-    fresh = MethodsAdam(twin.parameters())
     opttree.reset(optimizer)
-    train(net, optimizer, 2, 3)
-    train(twin, fresh, 2, 3)
-    assert weights_equal(net, twin)
+    assert trains_as_fresh(net, optimizer, lambda twin: DocumentedAdam(twin.parameters()), 2, 3)
+
+
+@pytest.mark.parametrize(("cls", "name"), [(StepCodeAdam, "_optimizer_step_code"), (WarmingAdam, "warm"), (MethodsAdam, "learning_rates")])
+def test_a_subclass_with_any_method_of_its_own_inherits_no_built_in_schema(cls: type[torch.optim.Adam], name: str) -> None:
+    """Not only the methods that build state: any method ``step`` calls, or training code
+    does, may count or change state in attributes opttree never reads (``steps``,
+    ``warmed``), which a reset with Adam's schema would keep. Refused until registered."""
+    net = model()
+    optimizer = cls(net.parameters(), lr=1e-3)
+    for start in range(2):
+        if isinstance(optimizer, WarmingAdam):
+            optimizer.warm()
+        train(net, optimizer, start, 1)
+    before = snapshot(optimizer)
+
+    problems = opttree.validate(optimizer)
+    with pytest.raises(opttree.UnsupportedOptimizer, match=rf"{cls.__qualname__} defines its own {name}, where its base torch\.optim\.adam\.Adam"):
+        opttree.reset(optimizer)
+
+    assert [p.kind for p in problems] == [opttree.ProblemKind.UNSUPPORTED_OPTIMIZER]
+    assert f"opttree.register_schema({cls.__qualname__}, opttree.schema_for(Adam))" in problems[0].message
+    assert opttree.schema_for(cls) is None
+    assert unchanged(optimizer, before)
 
 
 def test_a_subclass_with_its_own_init_or_a_decorated_step_inherits_no_built_in_schema() -> None:
@@ -902,8 +948,11 @@ def test_registrations_no_leaf_or_wrapper_could_use_are_refused() -> None:
         opttree.register_schema("builtins.int", opttree.StateSchema())
     with pytest.raises(opttree.RegistrationError, match="megatron.core.optimizer.optimizer.ChainedOptimizer is a wrapper kind opttree knows"):
         opttree.register_schema("megatron.core.optimizer.optimizer.ChainedOptimizer", opttree.StateSchema())
-    with pytest.raises(opttree.RegistrationError, match="torch.optim.optimizer.Optimizer, a base of every torch optimizer"):
-        opttree.register_wrapper("torch.optim.optimizer.Optimizer", children=lambda wrapper: [])
+    for reexported in ("torch.optim.optimizer.Optimizer", "torch.optim.Optimizer"):  # the second once let every optimizer be a wrapper
+        with pytest.raises(opttree.RegistrationError, match="torch.optim.optimizer.Optimizer, a base of every torch optimizer"):
+            opttree.register_wrapper(reexported, children=lambda wrapper: [])
+    with pytest.raises(opttree.RegistrationError, match="megatron.core.optimizer.optimizer.ChainedOptimizer is a wrapper kind opttree knows"):
+        opttree.register_schema("megatron.core.optimizer.ChainedOptimizer", opttree.StateSchema())
     param = torch.nn.Parameter(torch.ones(2))
     assert opttree.validate(torch.optim.Adam([param])) == ()
     assert [p.kind for p in opttree.validate(None)] == [opttree.ProblemKind.NOT_AN_OPTIMIZER]

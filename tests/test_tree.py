@@ -116,10 +116,14 @@ def test_tree_of_a_tree_is_itself() -> None:
 
 
 class ComparableSGD(torch.optim.SGD):
-    """An optimizer that compares by its hyper-parameters, which makes it unhashable."""
+    """An optimizer that compares by its hyper-parameters, which makes it unhashable;
+    registered, as a subclass defining anything of its own must be, with SGD's schema."""
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ComparableSGD) and self.defaults == other.defaults
+
+
+opttree.register_schema(ComparableSGD, opttree.schema_for(torch.optim.SGD))
 
 
 def test_optimizers_that_are_unhashable_or_equal_to_each_other_are_still_told_apart() -> None:

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from megatron.core.optimizer import FP32Optimizer, MegatronOptimizer
+from megatron.core.optimizer import ChainedOptimizer, FP32Optimizer, MegatronOptimizer
 
 import opttree
 from tests.helpers import clone_model, model, snapshot, train, unchanged, weights_equal
@@ -78,6 +78,61 @@ def test_a_megatron_optimizer_of_no_known_kind_is_refused_pointing_to_register_w
     kinds = [p.kind for p in opttree.validate(unknown)]
     assert kinds[0] is opttree.ProblemKind.UNKNOWN_WRAPPER
     assert "(refused: " in opttree.describe(unknown)
+
+
+class WarmupChain(ChainedOptimizer):
+    """A ChainedOptimizer that warms its members' learning rates up by a count of its own."""
+
+    def step(self) -> tuple[bool, float | None, int | None]:
+        self.warmed = getattr(self, "warmed", 0) + 1
+        for group in self.param_groups:
+            group["lr"] = 1e-3 * min(1.0, self.warmed / 4)
+        return super().step()
+
+
+class WarmupFP32(FP32Optimizer):
+    """An FP32Optimizer that does the same in the step after gradients are ready."""
+
+    def step_with_ready_grads(self) -> bool:
+        self.warmed = getattr(self, "warmed", 0) + 1
+        return bool(super().step_with_ready_grads())
+
+
+class NamedChain(ChainedOptimizer):
+    """A ChainedOptimizer subclass whose body defines nothing but this docstring."""
+
+
+@pytest.mark.parametrize(("outer", "inner", "refused"), [(WarmupChain, FP32Optimizer, "WarmupChain"), (ChainedOptimizer, WarmupFP32, "WarmupFP32")])
+def test_a_subclass_of_a_megatron_wrapper_with_methods_of_its_own_is_refused(outer: type, inner: type, refused: str) -> None:
+    """A subclass of a wrapper kind opttree knows may keep optimizers or state (a warm-up
+    count) where its base keeps none: it is refused until registered, changing nothing."""
+    _, leaf = trained_adamw(0)
+    root = chained([fp32(leaf)])
+    root.chained_optimizers[0].__class__ = inner
+    root.__class__ = outer
+    before = snapshot(leaf)
+
+    problems = opttree.validate(root)
+    with pytest.raises(opttree.UnknownWrapper, match=rf"{refused} at \S+: .*{refused} defines its own .*register_wrapper"):
+        opttree.reset(root)
+
+    assert problems[0].kind is opttree.ProblemKind.UNKNOWN_WRAPPER  # the optimizers it holds follow, as hidden ones
+    assert "(refused: " in opttree.describe(root)
+    assert unchanged(leaf, before)
+
+
+def test_a_subclass_of_a_megatron_wrapper_defining_nothing_is_its_bases_kind() -> None:
+    net, leaf = trained_adamw(0)
+    root = chained([fp32(leaf)])
+    root.__class__ = NamedChain
+    twin = clone_model(net)
+    fresh = torch.optim.AdamW(twin.parameters())
+
+    assert opttree.validate(root) == ()
+    assert opttree.reset(root).leaves == 1
+    train(net, leaf, 3, 2)
+    train(twin, fresh, 3, 2)
+    assert weights_equal(net, twin)
 
 
 class StagedWrapper:

@@ -21,7 +21,7 @@ from attrs import evolve
 from opttree import _paths
 from opttree._dispatch import LazyDispatch, is_megatron_class
 from opttree._errors import OptTreeError
-from opttree._held import instance_attributes
+from opttree._held import instance_attributes, own_attributes
 from opttree._identity import by_identity, identity_key
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode, leaves_in_bulk
 from opttree._problems import MAX_DEPTH, Problem, ProblemKind, too_deep
@@ -224,8 +224,8 @@ Expander = Callable[[TreeBuilder, object, str], Node]
 def instance_attribute(obj: object, name: str, path: str, owner: object = None) -> object:
     """``obj.name`` read from the instance dict, bypassing properties. A missing one is a
     malformed wrapper: ``owner`` (default ``obj``), the wrapper at ``path``."""
-    attributes = getattr(obj, "__dict__", {})
-    if not isinstance(attributes, dict) or name not in attributes:
+    attributes = own_attributes(obj)
+    if name not in attributes:
         what = type(obj).__qualname__
         raise refusal(ProblemKind.MALFORMED_WRAPPER, obj if owner is None else owner, path, f"{what} has no attribute {name!r}")
     return attributes[name]
@@ -288,6 +288,15 @@ def expand_unknown_megatron(builder: TreeBuilder, obj: object, path: str) -> Nod
         f"{cls.__module__}.{cls.__qualname__} is a MegatronOptimizer of no known kind: "
         "register it with opttree.register_wrapper(cls, children=...) to say where its optimizers are",
     )
+
+
+def refusing_kind(reason: str) -> Expander:
+    """The kind of a class whose objects are refused as wrappers of no known kind, for ``reason``."""
+
+    def expand_refused(builder: TreeBuilder, obj: object, path: str) -> Node:
+        raise refusal(ProblemKind.UNKNOWN_WRAPPER, obj, path, reason)
+
+    return expand_refused
 
 
 def expand_hybrid(builder: TreeBuilder, obj: object, path: str) -> Node:
@@ -409,7 +418,8 @@ MEGATRON_KINDS: dict[str, Expander] = {
     _MEGATRON + "optimizer.FP32Optimizer": expand_megatron_wrapper,
     _MEGATRON + "optimizer.Float16OptimizerWithFloat16Params": expand_megatron_wrapper,
     _MEGATRON + "distrib_optimizer.DistributedOptimizer": expand_megatron_wrapper,
-    _MEGATRON + "optimizer.ChainedOptimizer": expand_chained,  # LayerWiseDistributedOptimizer too
+    _MEGATRON + "optimizer.ChainedOptimizer": expand_chained,
+    _MEGATRON + "layer_wise_optimizer.LayerWiseDistributedOptimizer": expand_chained,
     _MEGATRON + "cpu_offloading.hybrid_optimizer.HybridDeviceOptimizer": expand_hybrid,
     "megatron.core.models.mimo.optimizer.MimoOptimizer": expand_mimo,
 }

@@ -1,17 +1,22 @@
-"""Optimizers a wrapper holds in its attributes, found without knowing its layout.
+"""Optimizers a wrapper or a leaf holds in its attributes, found without knowing its layout.
 
 A safety net under the adapter: a wrapper kind says where its children are, but a
 wrapper that also keeps an optimizer elsewhere (a list of "active" optimizers, a dict
 of per-name lists, a record of per-module records) would make a reset silently miss that
-optimizer's state. Every optimizer object reachable from a wrapper's instance attributes
-through at most :data:`DEPTH` nested containers (lists, tuples, dict values, sets,
-frozensets and dataclass fields, in any mix: ``aux['ema'][0]``) must therefore be a node
-of the tree.
+optimizer's state, and so would a leaf that steps another optimizer beside its own state.
+Every optimizer object reachable from a wrapper's instance attributes, or a leaf's other
+than torch's bookkeeping, through at most :data:`DEPTH` nested holders (lists, tuples,
+deques, dict keys and values, sets, frozensets, dataclass fields and ``SimpleNamespace``
+attributes, the object a bound method is bound to, a ``functools.partial``'s function and
+arguments, a weak reference's referent, in any mix: ``aux['ema'][0]``) must therefore be
+a node of the tree.
 
-The search never runs a container's own code: the members of a list, tuple, dict or set
-(of a subclass too) are read through the built-in class's own methods, so an overridden
-``__iter__`` is neither called nor able to hide them; only a dataclass field is read with
-``getattr``, and one whose property raises is passed over. Tensors and modules are not
+The search never runs a holder's own code: the members of a list, tuple, deque, dict or
+set (of a subclass too) are read through the built-in class's own methods, so an
+overridden ``__iter__`` is neither called nor able to hide them, and a method's, partial's
+or weak reference's through the built-in descriptors; only a dataclass field is read with
+``getattr``, and one whose property raises is passed over. Other objects' attributes are
+not looked into. Tensors and modules are not
 looked into. A container is looked into once (again only where more depth is left), so
 one that holds itself ends the search. Containers are screened level by level by the
 classes they hold, at C speed, so a list of ten thousand optimizers, or a dict of ten
@@ -20,8 +25,11 @@ thousand per-parameter dicts of tensors, costs little.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import types
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from itertools import chain, compress, islice
 from typing import cast
@@ -46,28 +54,27 @@ container held many times over would otherwise multiply the members read."""
 
 
 def _is_record(cls: type) -> bool:
-    return dataclasses.is_dataclass(cls) and isinstance(cls, type)
+    return (dataclasses.is_dataclass(cls) and isinstance(cls, type)) or issubclass(cls, types.SimpleNamespace)
 
 
 def _is_container(cls: type) -> bool:
     if issubclass(cls, (torch.Tensor, torch.nn.Module)):
         return False
-    return issubclass(cls, (list, tuple, dict, set, frozenset)) or _is_record(cls)
+    return issubclass(cls, _HOLDERS) or _is_record(cls)
 
 
-def _key_label(key: object) -> str:
+def key_text(key: object) -> str:
     """A dict key in a path: a string or an integer as such (by the built-in repr), else its class."""
     if isinstance(key, str):
         return str.__repr__(key)
     return int.__repr__(key) if isinstance(key, int) else f"<{type(key).__qualname__}>"
 
 
-def _record_values(record: object) -> list[object]:
-    return [item for _, item in _fields(record)]
-
-
 def _fields(record: object) -> list[tuple[str, object]]:
-    """A dataclass's fields that can be read; one that is missing or raises is passed over."""
+    """A dataclass's fields that can be read, one that is missing or raises passed over;
+    a ``SimpleNamespace``'s attributes."""
+    if isinstance(record, types.SimpleNamespace):
+        return list(dict.items(own_attributes(record)))
     found: list[tuple[str, object]] = []
     for field in dataclasses.fields(record):  # type: ignore[arg-type]  # a record: see _is_container
         try:
@@ -77,20 +84,96 @@ def _fields(record: object) -> list[tuple[str, object]]:
     return found
 
 
+_PARTIAL_FUNC = cast(Callable[[object], object], functools.partial.__dict__["func"].__get__)
+_PARTIAL_ARGS = cast(Callable[[object], tuple[object, ...]], functools.partial.__dict__["args"].__get__)
+_PARTIAL_KEYWORDS = cast(Callable[[object], dict[str, object]], functools.partial.__dict__["keywords"].__get__)
+_BOUND_TO = cast(Callable[[object], object], types.MethodType.__dict__["__self__"].__get__)
+_REFERENT = cast(Callable[[object], object], weakref.ref.__call__)
+
+
+_Members = Callable[[object, str], list[tuple[str, object]]]
+_Iterate = Callable[[object], Iterator[object]]
+
+
+def _indexed(iterate: _Iterate) -> _Members:
+    def members(held: object, label: str) -> list[tuple[str, object]]:
+        return [(f"{label}[{index}]", item) for index, item in enumerate(iterate(held))]
+
+    return members
+
+
+def _unordered(iterate: _Iterate) -> _Members:
+    def members(held: object, label: str) -> list[tuple[str, object]]:
+        return [(f"{label}{{...}}", item) for item in iterate(held)]
+
+    return members
+
+
+def _dict_members(held: object, label: str) -> list[tuple[str, object]]:
+    mapping = cast(dict[object, object], held)
+    keys = [(f"{label}.keys()[{index}]", key) for index, key in enumerate(dict.keys(mapping))]
+    return keys + [(f"{label}[{key_text(key)}]", item) for key, item in dict.items(mapping)]
+
+
+def _partial_members(held: object, label: str) -> list[tuple[str, object]]:
+    arguments = [(f"{label}.args[{index}]", item) for index, item in enumerate(_PARTIAL_ARGS(held))]
+    keywords = [(f"{label}.keywords[{key_text(key)}]", item) for key, item in dict.items(_PARTIAL_KEYWORDS(held))]
+    return [(f"{label}.func", _PARTIAL_FUNC(held)), *arguments, *keywords]
+
+
+def _bound_members(held: object, label: str) -> list[tuple[str, object]]:
+    return [(f"{label}.__self__", _BOUND_TO(held))]
+
+
+def _referent_members(held: object, label: str) -> list[tuple[str, object]]:
+    return [(f"{label}()", _REFERENT(held))]
+
+
+_LABELLED: tuple[tuple[type, _Members], ...] = (
+    (dict, _dict_members),
+    (list, _indexed(cast(_Iterate, list.__iter__))),
+    (tuple, _indexed(cast(_Iterate, tuple.__iter__))),
+    (collections.deque, _indexed(cast(_Iterate, collections.deque.__iter__))),
+    (set, _unordered(cast(_Iterate, set.__iter__))),
+    (frozenset, _unordered(cast(_Iterate, frozenset.__iter__))),
+    (types.MethodType, _bound_members),
+    (functools.partial, _partial_members),
+    (weakref.ref, _referent_members),
+)
+"""What each kind of holder holds, with its path, read through the built-in class's own
+methods and descriptors, which run no code of a subclass's: a dict's keys and values, the
+members of a sequence or set, the object a method is bound to, a partial's function and
+arguments, and the object a weak reference refers to (None once it is gone)."""
+
+_HOLDERS = tuple(kind for kind, _ in _LABELLED)
+
 _Reader = Callable[[object], Iterable[object]]
-_READERS: tuple[tuple[type, _Reader], ...] = (
-    (dict, cast(_Reader, dict.values)),
+_FAST_READERS: tuple[tuple[type, _Reader], ...] = (
+    (dict, cast(_Reader, lambda held: chain(dict.keys(held), dict.values(held)))),
     (list, cast(_Reader, list.__iter__)),
     (tuple, cast(_Reader, tuple.__iter__)),
     (set, cast(_Reader, set.__iter__)),
     (frozenset, cast(_Reader, frozenset.__iter__)),
 )
-"""The built-in classes' own readers of their members, which run no code of a subclass's."""
+"""Readers at C speed, for the screens, of the holders that may hold thousands."""
+
+
+def _labelled(cls: type) -> _Members:
+    return next((members for base, members in _LABELLED if issubclass(cls, base)), _record_members)
+
+
+def _record_members(record: object, label: str) -> list[tuple[str, object]]:
+    return [(f"{label}.{name}", item) for name, item in _fields(record)]
 
 
 def _reader(cls: type) -> _Reader:
-    """How the members of a container of class ``cls`` are read (a C function but for a dataclass)."""
-    return next((reader for base, reader in _READERS if issubclass(cls, base)), _record_values)
+    """How the members of a container of class ``cls`` are read: at C speed where it may
+    hold many, else through its labelled members."""
+    fast = next((reader for base, reader in _FAST_READERS if issubclass(cls, base)), None)
+    if fast is not None:
+        return fast
+    members = _labelled(cls)
+    return lambda held: [item for _, item in members(held, "")]
 
 
 def _read(container: object) -> list[object]:
@@ -103,13 +186,7 @@ def _read(container: object) -> list[object]:
 
 def _members(container: object, label: str) -> list[tuple[str, object]]:
     """A container's members with their paths (a set's with its own: ``label{...}``)."""
-    if isinstance(container, dict):
-        return [(f"{label}[{_key_label(key)}]", item) for key, item in dict.items(container)]
-    if isinstance(container, (list, tuple)):
-        return [(f"{label}[{index}]", item) for index, item in enumerate(_read(container))]
-    if isinstance(container, (set, frozenset)):
-        return [(f"{label}{{...}}", item) for item in _read(container)]
-    return [(f"{label}.{name}", item) for name, item in _fields(container)]
+    return _labelled(type(container))(container, label)
 
 
 def _level_below(level: list[object], classes: set[type], kinds: set[type], limit: int) -> list[object]:
@@ -130,19 +207,79 @@ def held_optimizers(wrapper: object, is_optimizer: IsOptimizer, *, depth: int = 
     yield from _Search(is_optimizer).search(instance_attributes(wrapper), depth)
 
 
+OPTIMIZER_BOOKKEEPING = frozenset(
+    {
+        "defaults",
+        "state",
+        "param_groups",
+        "_optimizer_step_pre_hooks",
+        "_optimizer_step_post_hooks",
+        "_optimizer_state_dict_pre_hooks",
+        "_optimizer_state_dict_post_hooks",
+        "_optimizer_load_state_dict_pre_hooks",
+        "_optimizer_load_state_dict_post_hooks",
+        "_zero_grad_profile_name",
+        "_warned_capturable_if_run_uncaptured",
+        "_opt_called",
+    }
+)
+"""The attributes torch's ``Optimizer`` and ``LRScheduler`` set on an optimizer: its
+state, groups and hooks, which opttree reads and checks on their own."""
+
+
+def held_by_leaf(optimizer: object, is_optimizer: IsOptimizer) -> Iterator[Held]:
+    """The optimizers in a leaf's instance attributes other than torch's bookkeeping (an
+    optimizer a registered class steps besides its own state, an ``aux`` set on one):
+    read only where there are any, which a torch optimizer has none of."""
+    own = own_attributes(optimizer)
+    names = own.keys() - OPTIMIZER_BOOKKEEPING
+    items = [(name, own[name]) for name in sorted(names)] + _slot_attributes(optimizer)
+    if items:
+        yield from _Search(is_optimizer).search(items, DEPTH)
+
+
+def own_attributes(instance: object) -> dict[str, object]:
+    """``instance``'s ``__dict__``, read as ``object`` reads it (a class's own
+    ``__getattribute__`` does not run); empty where it has none, or reading it raises."""
+    try:
+        attributes = object.__getattribute__(instance, "__dict__")
+    except Exception:  # noqa: BLE001  # no __dict__, or a class's own __dict__ property that raises
+        return {}
+    return attributes if isinstance(attributes, dict) else {}
+
+
 def instance_attributes(instance: object) -> list[tuple[str, object]]:
     """An instance's attributes: those of its ``__dict__`` and those its classes' ``__slots__``
     hold, each slot read through its own descriptor (no property of a subclass runs);
     a slot never set is passed over."""
-    attributes = getattr(instance, "__dict__", None)
-    found = list(dict.items(attributes)) if isinstance(attributes, dict) else []
-    for cls in type(instance).__mro__:
-        for name, descriptor in vars(cls).items():
-            if isinstance(descriptor, types.MemberDescriptorType) and name not in ("__weakref__", "__dict__"):
-                try:
-                    found.append((name, descriptor.__get__(instance, cls)))
-                except (AttributeError, TypeError):  # never set; another class's slot set on this one
-                    continue
+    return list(dict.items(own_attributes(instance))) + _slot_attributes(instance)
+
+
+_slots: weakref.WeakKeyDictionary[type, tuple[tuple[int, ...], list[tuple[str, type, types.MemberDescriptorType]]]] = weakref.WeakKeyDictionary()
+"""Each class's slot descriptors, with the sizes of its classes' namespaces they were read
+at: a class given an attribute since is read again."""
+
+
+def _slot_attributes(instance: object) -> list[tuple[str, object]]:
+    """What the slots of ``instance``'s classes hold, each read through its own descriptor
+    (no property of a subclass runs); a slot never set is passed over."""
+    cls = type(instance)
+    sizes = tuple(len(vars(klass)) for klass in cls.__mro__)
+    known = _slots.get(cls)
+    if known is None or known[0] != sizes:
+        descriptors = [
+            (name, klass, descriptor)
+            for klass in cls.__mro__
+            for name, descriptor in vars(klass).items()
+            if isinstance(descriptor, types.MemberDescriptorType) and name not in ("__weakref__", "__dict__")
+        ]
+        known = _slots[cls] = (sizes, descriptors)
+    found: list[tuple[str, object]] = []
+    for name, klass, descriptor in known[1]:
+        try:
+            found.append((name, descriptor.__get__(instance, klass)))
+        except (AttributeError, TypeError):  # never set; another class's slot set on this one
+            continue
     return found
 
 

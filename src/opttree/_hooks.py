@@ -29,6 +29,7 @@ from torch.optim import optimizer as torch_optimizer
 
 from opttree._errors import RegistrationError
 from opttree._fields import kind_of
+from opttree._held import own_attributes
 
 _HYBRID = "HybridDeviceOptimizer._register_param_copy_back_gpu_hook.<locals>."
 _BUILTIN = frozenset(
@@ -156,8 +157,7 @@ def _unknown_in(held: Callable[[str], object], attributes: tuple[tuple[str, str]
 
 def unknown_step_hook(optimizer: object) -> str | None:
     """Why ``optimizer``'s own step hooks make its reset unsafe, or None."""
-    own = getattr(optimizer, "__dict__", None)
-    return _unknown_in(own.get, _OWN, "its", "its step") if isinstance(own, dict) else None
+    return _unknown_in(own_attributes(optimizer).get, _OWN, "its", "its step")
 
 
 _DICT = operator.attrgetter("__dict__")
@@ -172,7 +172,7 @@ def surely_known_hooks(optimizers: Sequence[object]) -> bool:
     leaf by leaf, which names the hook."""
     try:
         owns = list(map(_DICT, optimizers))
-    except AttributeError:
+    except Exception:  # noqa: BLE001  # no __dict__, or a class's own __getattribute__ that raises: see unknown_step_hook
         return False
     if set(map(type, owns)) != {dict}:
         return False

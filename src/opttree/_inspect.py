@@ -18,6 +18,7 @@ from typing import TypeVar, cast
 import torch
 
 from opttree._errors import OptTreeError
+from opttree._held import own_attributes
 from opttree._nodes import LeafNode, Node
 from opttree._containers import (
     builds_missing_entries,
@@ -197,8 +198,7 @@ def held_gradients(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _main_grad(param: torch.Tensor) -> object:
-    attributes = getattr(param, "__dict__", None)
-    return attributes.get("main_grad") if isinstance(attributes, dict) else None
+    return own_attributes(param).get("main_grad")
 
 
 _PLAIN_OPTIONS = frozenset({float, int, bool, str, type(None), type})

@@ -24,6 +24,7 @@ from attrs import frozen
 
 from opttree._dispatch import LazyDispatch
 from opttree._errors import OptTreeError
+from opttree._held import own_attributes
 from opttree._nodes import LeafNode, Node
 from opttree._preflight import Extents, overlap, plain_torch, ranges, unwritable_reason
 from opttree._problems import Problem, ProblemKind
@@ -41,10 +42,11 @@ def _walk(node: Node) -> Iterator[Node]:
 def _hybrid_copies(hybrid: object, path: str) -> Iterator[tuple[torch.Tensor, Sequence[torch.Tensor]]]:
     """Besides the copies its sub-optimizers step, a ``HybridDeviceOptimizer`` updating in
     fp32 keeps ``param_to_fp32_param`` and, in its sub-optimizers' state, ``master_param``."""
-    attributes = getattr(hybrid, "__dict__", {})
+    attributes = own_attributes(hybrid)
     fp32 = attributes.get("param_to_fp32_param")
     inner = attributes.get("param_to_inner_param")
-    subs = [*attributes.get("cpu_optimizers", ()), attributes.get("gpu_optimizer")]
+    cpu = attributes.get("cpu_optimizers")
+    subs = [*(cpu if isinstance(cpu, (list, tuple)) else ()), attributes.get("gpu_optimizer")]
     if not isinstance(inner, dict):
         return
     masters = {

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import abc
 import builtins
-import os
-import types
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar, cast, overload
 
@@ -19,16 +16,19 @@ from opttree._adapter import (
     builtin_kinds,
     children_expander,
     expand_leaf,
+    expand_unknown_megatron,
     function_failed,
     is_pair,
+    refusing_kind,
     yielded_wrongly,
 )
-from opttree._dispatch import LazyDispatch, dotted_name
+from opttree._dispatch import LazyDispatch, dotted_name, imported_class
 from opttree._errors import OptTreeError, RegistrationError
 from opttree._schemas import builtin_schemas
 from opttree._schema import StateSchema, StepLocation
 from opttree._selection import INNER_PARAMS, InnerParams
 from opttree._fields import kind_of
+from opttree._overrides import definer, own_definition, own_instance_method
 
 _builtin_schemas = builtin_schemas()
 _user_schemas: LazyDispatch[StateSchema] = LazyDispatch()
@@ -36,103 +36,10 @@ _builtin_kinds = builtin_kinds()
 _user_kinds: LazyDispatch[Expander] = LazyDispatch()
 
 
-STATE_BUILDERS = ("step", "_init_group", "pre_weight_update_fn_inplace", "post_weight_update_fn_inplace", "__init__", "add_param_group")
-"""The methods in which torch's, Megatron's and emerging-optimizers' classes build their
-state, or may: the last two of the first four are the hooks emerging-optimizers'
-orthogonalized optimizers call around each update (where ``MuonHyperball`` keeps its
-radius); ``__init__`` builds Adagrad's, and a subclass's may build entries for every
-parameter before any step; ``add_param_group`` is where Adagrad builds a later group's. A
-built-in schema describes the state its class's own methods build: a subclass that defines
-one of them otherwise may build other state (other defaults set in its own ``__init__``
-included), so it inherits no built-in schema. A user's registration applies to the
-class's subclasses as it says."""
-
-INSTANCE_BUILDERS = frozenset(STATE_BUILDERS) - {"__init__"}
-"""The state-building methods an instance may hold in its own ``__dict__``, in place of
-its class's (torch's ``LRScheduler`` sets a wrapper of the class's ``step`` there)."""
-
-_TORCH_CODE = os.path.dirname(torch.__file__) + os.sep
-
-_differing: weakref.WeakKeyDictionary[type, dict[tuple[type, tuple[object, ...]], str | None]] = weakref.WeakKeyDictionary()
-
-
-def _in_torch(value: object) -> bool:
-    """Whether ``value`` is torch's own code: a function whose code lies in torch, a method
-    of an object of a torch class bound to such a function, a builtin of a torch module
-    (dynamo's ``torch._C._is_tracing``), or an object or class of a torch module
-    (``torch.no_grad``'s instance, a dynamo context)."""
-    function = getattr(value, "__func__", None)
-    if function is not None:
-        return _in_torch(function) and _in_torch(getattr(value, "__self__", None))
-    code = getattr(value, "__code__", None)
-    if isinstance(code, types.CodeType):
-        return code.co_filename.startswith(_TORCH_CODE)
-    module = getattr(value, "__module__", None) if isinstance(value, (type, types.BuiltinFunctionType)) else type(value).__module__
-    return isinstance(module, str) and (module == "torch" or module.startswith("torch."))
-
-
-def _torch_wrapper(function: object, inner: object) -> bool:
-    """Whether ``function``, which wraps ``inner``, runs torch's code alone around it: its
-    code lies in torch, and so does everything its closure holds but ``inner`` (a user's
-    subclass of torch's context decorator runs its own ``__enter__``)."""
-    code = getattr(function, "__code__", None)
-    if not isinstance(code, types.CodeType) or not code.co_filename.startswith(_TORCH_CODE):
-        return False
-    cells = getattr(function, "__closure__", None) or ()
-    plain = (type(None), bool, int, float, str, weakref.ref)
-    wrapped = (inner, getattr(inner, "__func__", inner))  # LRScheduler's holds the function of the bound step it wraps
-    for cell in cells:
-        try:
-            held: object = cell.cell_contents
-        except ValueError:  # a cell not yet filled
-            continue
-        if not (any(held is target for target in wrapped) or isinstance(held, plain) or _in_torch(held)):
-            return False
-    return True
-
-
-def _unwrapped(method: object) -> object:
-    """The function a method runs, through the wrappers torch's own code puts around it
-    (``_use_grad_for_differentiable``, the profiling hook torch sets as ``step`` on a
-    subclass, ``LRScheduler``'s, ``torch.compile``'s), and only those: a user's decorator
-    that copies ``__wrapped__`` with ``functools.wraps`` runs code of its own, and so does
-    torch's context decorator around a user's context manager."""
-    for _ in range(16):
-        function: object = getattr(method, "__func__", method)  # a bound method
-        inner: object = getattr(function, "__wrapped__", None)
-        if inner is None or not _torch_wrapper(function, inner):
-            return function
-        method = inner
-    return method
-
-
-def _own_builder(cls: type, base: type) -> str | None:
-    """The first of the methods that build ``base``'s state (see :data:`STATE_BUILDERS`)
-    that ``cls`` defines otherwise than ``base``, the class of the built-in schema that
-    would apply to it; None where it builds state with ``base``'s own methods. Kept per
-    class and the methods it has now, so that a method set on the class later is looked at
-    again, and forgotten with the class."""
-    if cls is base:
-        return None
-    names = STATE_BUILDERS
-    methods = tuple(getattr(cls, name, None) for name in names)
-    known = _differing.setdefault(cls, {})
-    try:
-        return known[(base, methods)]
-    except KeyError:
-        pass
-    differing = next(
-        (name for name, method in zip(names, methods, strict=True) if _unwrapped(method) is not _unwrapped(getattr(base, name, None))),
-        None,
-    )
-    known[(base, methods)] = differing
-    return differing
-
-
 def _applying(cls: type) -> tuple[StateSchema | None, tuple[type, str] | None]:
     """The schema that applies to ``cls``, and, where a built-in one would but ``cls``
-    builds its state with methods of its own (see :data:`STATE_BUILDERS`), the class of
-    that schema and the method, in its place. A user's registration wins; one that applies
+    defines something of its own (see :mod:`opttree._overrides`), the class of that
+    schema and the name, in its place. A user's registration wins; one that applies
     ambiguously leaves no schema."""
     users = _user_schemas.resolved(cls)
     if users is not None:
@@ -140,7 +47,7 @@ def _applying(cls: type) -> tuple[StateSchema | None, tuple[type, str] | None]:
     found = _builtin_schemas.lookup_owner(cls)
     if found is None:
         return None, None
-    method = _own_builder(cls, found[0])
+    method = own_definition(cls, found[0])
     return (found[1], None) if method is None else (None, (found[0], method))
 
 
@@ -148,8 +55,8 @@ def schema_for(cls: type) -> StateSchema | None:
     """The state schema opttree applies to a leaf optimizer class, or None.
 
     A user's registration for the class or a base of it wins; then a built-in schema of
-    the class or its nearest base, where the class builds its state with that base's own
-    methods (:data:`STATE_BUILDERS`: a subclass defining one otherwise is not known). A
+    the class or its nearest base, where the class defines no method of its own (see
+    :mod:`opttree._overrides`: a subclass that does may keep other state). A
     class that users' registrations apply to ambiguously has none. See
     :func:`opttree.register_schema`.
     """
@@ -160,20 +67,13 @@ def schema_for(cls: type) -> StateSchema | None:
 
 
 def instance_builder(optimizer: object) -> str | None:
-    """The first state-building method (:data:`INSTANCE_BUILDERS`) that ``optimizer`` holds
-    in its own ``__dict__`` otherwise than its class has it, where a built-in schema
-    applies to the class: a ``step`` set on one instance may build other state, as a
-    subclass's may. None where it holds none, or a user's registration applies."""
-    own = getattr(optimizer, "__dict__", None)
-    if not isinstance(own, dict) or INSTANCE_BUILDERS.isdisjoint(own):
+    """The first method ``optimizer`` holds in its own ``__dict__`` over its class's,
+    where a built-in schema applies to the class: a ``step`` set on one instance may keep
+    other state, as a subclass's may. None where it holds none, or a user's registration applies."""
+    method = own_instance_method(optimizer)
+    if method is None or _user_schemas.resolved(type(optimizer)) is not None:
         return None
-    cls = type(optimizer)
-    if _user_schemas.resolved(cls) is not None:
-        return None
-    return next(
-        (name for name in STATE_BUILDERS if name in own and _unwrapped(own[name]) is not _unwrapped(getattr(cls, name, None))),
-        None,
-    )
+    return method
 
 
 def instance_builder_reason(optimizer: object, method: str) -> str:
@@ -181,7 +81,7 @@ def instance_builder_reason(optimizer: object, method: str) -> str:
     cls = type(optimizer)
     return (
         f"this {cls.__qualname__} holds its own {method} on the instance, otherwise than its class {dotted_name(cls)}, "
-        "whose state opttree knows, builds its state: opttree cannot tell that it builds the same state; "
+        "whose state opttree knows, keeps its state: opttree cannot tell that it keeps the same state; "
         "set it on a subclass and register that, if it does"
     )
 
@@ -194,17 +94,20 @@ def unregistered_reason(cls: type) -> str:
     overridden = _applying(cls)[1]
     if overridden is None:
         return f"no state schema is registered for {dotted_name(cls)}"
-    base, method = overridden
-    own_method = _unwrapped(getattr(cls, method, None))  # torch sets a hook over a mixin's step on the class itself
-    definer = next((klass for klass in cls.__mro__ if vars(klass).get(method) is own_method), cls)
-    own = f"defines its own {method}" if definer is cls else f"takes its own {method} from {dotted_name(definer)}"
+    base, name = overridden
     return (
-        f"{dotted_name(cls)} {own}, where its base {dotted_name(base)}, whose state opttree knows, "
-        "builds its state: opttree cannot tell that it builds the same state"
-        f"{' (it does not read the code of an __init__, even one that only sets other defaults)' if method == '__init__' else ''}; "
-        "if it does, register it with that schema: "
+        f"{_own_text(cls, name)}, where its base {dotted_name(base)}, whose state opttree knows, "
+        "builds and keeps its state: a method of its own may build, count or change state opttree does not read"
+        f"{' (it does not read the code of an __init__, even one that only sets other defaults)' if name == '__init__' else ''}; "
+        "if it keeps the same state, register it with that schema: "
         f"opttree.register_schema({cls.__qualname__}, opttree.schema_for({base.__qualname__}))"
     )
+
+
+def _own_text(cls: type, name: str) -> str:
+    """``cls`` defines its own ``name``, or takes it from a mixin or base of its own."""
+    found = definer(cls, name)
+    return f"{dotted_name(cls)} defines its own {name}" if found is cls else f"{dotted_name(cls)} takes its own {name} from {dotted_name(found)}"
 
 
 def step_location(cls: type) -> StepLocation | None:
@@ -215,11 +118,26 @@ def step_location(cls: type) -> StepLocation | None:
 
 def kind_for(cls: type) -> Expander | None:
     """A class's wrapper kind (or leaf kind): a user's registration wins over a built-in
-    one; none where users' registrations apply to it ambiguously."""
+    one; none where users' registrations apply to it ambiguously. A subclass of a built-in
+    wrapper kind that defines anything of its own (see :mod:`opttree._overrides`) may keep
+    optimizers or state elsewhere: its kind refuses it until it is registered."""
     users = _user_kinds.resolved(cls)
-    if users is None:
-        return _builtin_kinds.lookup(cls)
-    return None if isinstance(users, str) else users[1]
+    if users is not None:
+        return None if isinstance(users, str) else users[1]
+    found = _builtin_kinds.lookup_owner(cls)
+    if found is None:
+        return None
+    base, expand = found
+    if expand is expand_leaf or expand is expand_unknown_megatron:  # leaves: their schemas say
+        return expand
+    name = own_definition(cls, base)
+    if name is None:
+        return expand
+    return refusing_kind(
+        f"{_own_text(cls, name)}, where its base {dotted_name(base)}, a wrapper kind opttree knows, keeps its optimizers "
+        "and state where opttree reads them: a method of its own may keep others; register it with "
+        "opttree.register_wrapper(cls, children=...) to say where its optimizers are"
+    )
 
 
 def _is_dotted(path: str) -> bool:
@@ -266,11 +184,17 @@ def _refuse_odd_class(function: str, cls_or_dotted: type | str) -> None:
 
 
 def _refuse_odd_path(function: str, dotted: str) -> None:
-    """:func:`_refuse_odd_class` for a class named by its dotted path, as far as the path
-    tells: Python's own classes, the wrapper kinds opttree knows, torch's optimizer bases."""
+    """:func:`_refuse_odd_class` for a class named by its dotted path: the class itself
+    where the path names one already imported (``torch.optim.Optimizer``, a re-export of
+    ``torch.optim.optimizer.Optimizer``), else as far as the path tells: Python's own
+    classes, the wrapper kinds opttree knows, torch's optimizer bases."""
     if dotted.startswith("builtins.") or dotted == "abc.ABC":
         msg = f"{function} registers an optimizer or wrapper class, got {dotted}, one of Python's own"
         raise RegistrationError(msg)
+    named = imported_class(dotted)
+    if named is not None:
+        _refuse_odd_class(function, named)
+        return
     if function == "register_schema" and dotted in MEGATRON_KINDS:
         msg = f"{dotted} is a wrapper kind opttree knows: the optimizers it holds carry the schemas"
         raise RegistrationError(msg)

@@ -23,6 +23,7 @@ import torch
 from attrs import frozen
 
 from opttree._dispatch import LazyDispatch
+from opttree._held import own_attributes
 from opttree._numbers import real_number
 from opttree._preflight import unfillable_reason, writable_ranges
 
@@ -44,12 +45,6 @@ class ScalerReset:
 
 Planned = ScalerReset | str | None
 """A scaler's reset, the reason it cannot be reset, or None where there is nothing to reset."""
-
-
-def own_attributes(obj: object) -> dict[str, object]:
-    """``obj``'s instance attributes, or none where it keeps them otherwise."""
-    attributes = getattr(obj, "__dict__", None)
-    return attributes if isinstance(attributes, dict) else {}
 
 
 def _nothing(scaler: object, config: object) -> Planned:

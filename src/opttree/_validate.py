@@ -13,7 +13,7 @@ from opttree import _registry
 from opttree._containers import PLAIN_STATES, malformed, own_writes
 from opttree._dispatch import is_megatron_class
 from opttree._errors import OptTreeError
-from opttree._held import Held, held_optimizers
+from opttree._held import Held, held_by_leaf, held_optimizers, own_attributes
 from opttree._hooks import surely_known_hooks, unknown_global_step_hook, unknown_step_hook
 from opttree._identity import identity_key, identity_keys
 from opttree._adapter import TreeBuilder
@@ -22,7 +22,7 @@ from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._plan import ResetPlan, StateEntry
 from opttree._preflight import Owner, duplicates, overlap, plain_torch, ranges, unique_ranges
 from opttree._problems import Problem, ProblemKind, Severity
-from opttree._scalers import ScalerReset, held_scale, loss_scaler, own_attributes, plan_scaler
+from opttree._scalers import ScalerReset, held_scale, loss_scaler, plan_scaler
 from opttree._trees import lenient_tree
 from opttree._schema import StateSchema, StepLocation
 from opttree._runs import alike_runs, sibling_groups
@@ -212,6 +212,11 @@ class ValidateVisitor(TraverserVisitor):
             found = self._is_optimizer[cls] = issubclass(cls, torch.optim.Optimizer) or _registry.kind_for(cls) is not None
         return found
 
+    def _record_held_by(self, leaf: LeafNode) -> None:
+        """The optimizers a leaf holds beside its state (one a registered class steps too,
+        an ``aux`` set on one), which must be nodes of the tree as a wrapper's must."""
+        self._held.extend((leaf, held) for held in held_by_leaf(leaf.optimizer, self._counts_as_optimizer))
+
     def _check_held(self) -> None:
         """Every optimizer a wrapper holds must be a node of the tree: one it hides would
         keep its state through a reset."""
@@ -222,11 +227,12 @@ class ValidateVisitor(TraverserVisitor):
                 continue
             index, first = next((i, o) for i, o in enumerate(objects) if identity_key(o) in hidden)
             where = f"{label}[{index}]" if indexed else label
-            message = (
-                f"holds {kind_of(first)} in {where} that the tree does not contain "
-                f"({len(hidden)} such): a reset would keep its state; register the wrapper with "
-                "opttree.register_wrapper(cls, children=...) naming all its optimizers"
+            advice = (
+                "register its class as a wrapper of its optimizers (opttree.register_wrapper(cls, children=...))"
+                if isinstance(node, LeafNode)
+                else "register the wrapper with opttree.register_wrapper(cls, children=...) naming all its optimizers"
             )
+            message = f"holds {kind_of(first)} in {where} that the tree does not contain ({len(hidden)} such): a reset would keep its state; {advice}"
             self.problems.append(Problem(ProblemKind.HIDDEN_OPTIMIZER, node.path, type(node.optimizer).__qualname__, message))
 
     def _check_memory(self) -> None:
@@ -319,7 +325,7 @@ class ValidateVisitor(TraverserVisitor):
         HybridDeviceOptimizer's mirror its sub-optimizers') would be kept. Refused."""
         if not isinstance(node.optimizer, torch.optim.Optimizer):
             return
-        own = getattr(node.optimizer, "__dict__", {}).get("state")  # Megatron's is a property over its inner optimizer's
+        own = own_attributes(node.optimizer).get("state")  # Megatron's is a property over its inner optimizer's
         if own is None:
             return
         cls = type(node.optimizer).__qualname__
@@ -358,6 +364,8 @@ class ValidateVisitor(TraverserVisitor):
             pooled = inspector is not None and not any(map(_registry.instance_builder, optimizers)) and surely_known_hooks(optimizers)
             if pooled and inspector is not None and inspector.inspect_alike(item):
                 self._pooled = True
+                for leaf in item:
+                    self._record_held_by(leaf)
                 continue
             for leaf in item:
                 self.visit_leaf(leaf)
@@ -603,6 +611,7 @@ class ValidateVisitor(TraverserVisitor):
         if node.shared_with is not None:
             self._plan.shared_leaves += 1
             return
+        self._record_held_by(node)
         cls = type(node.optimizer)
         own_method = _registry.instance_builder(node.optimizer)
         reason = _registry.instance_builder_reason(node.optimizer, own_method) if own_method is not None else unknown_step_hook(node.optimizer)

@@ -1,0 +1,163 @@
+"""What a subclass, or one instance, defines otherwise than the class opttree knows.
+
+A built-in schema describes the state its class's own code builds and keeps, and a
+built-in wrapper kind says where its class keeps its optimizers. A subclass that defines
+any method of its own may keep other state: any method its base's ``step`` calls (a
+capture health check, the profiling hook's ``_optimizer_step_code``, emerging-optimizers'
+``orthogonalize``) or that training code calls may start, count or change history in
+attributes opttree never reads, and a reset would keep it in silence. So a class inherits
+a built-in schema or kind only where it defines nothing but what every class body makes
+(its module, docstring and the like); a method set on one instance over its class's
+counts the same. The wrappers torch's own code puts around a method (the profiling hook
+torch sets as ``step`` on a subclass, ``_use_grad_for_differentiable``, ``LRScheduler``'s,
+``torch.compile``'s) do not count: they run the method they wrap and torch's code alone.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+import weakref
+
+import torch
+
+from opttree._held import OPTIMIZER_BOOKKEEPING, own_attributes
+
+_TORCH_CODE = os.path.dirname(torch.__file__) + os.sep
+
+CLASS_RECORDS = frozenset(
+    {
+        "__module__",
+        "__qualname__",
+        "__doc__",
+        "__dict__",
+        "__weakref__",
+        "__annotations__",
+        "__annotate__",
+        "__annotate_func__",
+        "__annotations_cache__",
+        "__firstlineno__",
+        "__static_attributes__",
+        "__orig_bases__",
+        "__parameters__",
+        "__type_params__",
+        "__abstractmethods__",
+        "_abc_impl",
+    }
+)
+"""What Python writes into every class's namespace, or a typed or abstract class's: records
+of the class, none of its behaviour."""
+
+def _in_torch(value: object) -> bool:
+    """Whether ``value`` is torch's own code: a function whose code lies in torch, a method
+    of an object of a torch class bound to such a function, a builtin of a torch module
+    (dynamo's ``torch._C._is_tracing``), or an object or class of a torch module
+    (``torch.no_grad``'s instance, a dynamo context)."""
+    function = getattr(value, "__func__", None)
+    if function is not None:
+        return _in_torch(function) and _in_torch(getattr(value, "__self__", None))
+    code = getattr(value, "__code__", None)
+    if isinstance(code, types.CodeType):
+        return code.co_filename.startswith(_TORCH_CODE)
+    module = getattr(value, "__module__", None) if isinstance(value, (type, types.BuiltinFunctionType)) else type(value).__module__
+    return isinstance(module, str) and (module == "torch" or module.startswith("torch."))
+
+
+def _torch_wrapper(function: object, inner: object) -> bool:
+    """Whether ``function``, which wraps ``inner``, runs torch's code alone around it: its
+    code lies in torch, and so does everything its closure holds but ``inner`` (a user's
+    subclass of torch's context decorator runs its own ``__enter__``)."""
+    code = getattr(function, "__code__", None)
+    if not isinstance(code, types.CodeType) or not code.co_filename.startswith(_TORCH_CODE):
+        return False
+    cells = getattr(function, "__closure__", None) or ()
+    plain = (type(None), bool, int, float, str, weakref.ref)
+    wrapped = (inner, getattr(inner, "__func__", inner))  # LRScheduler's holds the function of the bound step it wraps
+    for cell in cells:
+        try:
+            held: object = cell.cell_contents
+        except ValueError:  # a cell not yet filled
+            continue
+        if not (any(held is target for target in wrapped) or isinstance(held, plain) or _in_torch(held)):
+            return False
+    return True
+
+
+def unwrapped(method: object) -> object:
+    """The function a method runs, through the wrappers torch's own code puts around it
+    (``_use_grad_for_differentiable``, the profiling hook torch sets as ``step`` on a
+    subclass, ``LRScheduler``'s, ``torch.compile``'s), and only those: a user's decorator
+    that copies ``__wrapped__`` with ``functools.wraps`` runs code of its own, and so does
+    torch's context decorator around a user's context manager."""
+    for _ in range(16):
+        function: object = getattr(method, "__func__", method)  # a bound method
+        inner: object = getattr(function, "__wrapped__", None)
+        if inner is None or not _torch_wrapper(function, inner):
+            return function
+        method = inner
+    return method
+
+
+def _defined_below(cls: type, base: type) -> list[tuple[str, object]]:
+    """What ``cls`` and its bases that are not ``base`` or one of its bases define (a mixin
+    placed after ``base`` too), the nearest definition of each name, records of the class
+    (:data:`CLASS_RECORDS`) left out. Read raw from each class's namespace: no descriptor runs."""
+    inherited = set(base.__mro__)
+    found: dict[str, object] = {}
+    for klass in cls.__mro__:
+        if klass not in inherited:
+            for name, value in vars(klass).items():
+                if name not in CLASS_RECORDS:
+                    found.setdefault(name, value)
+    return list(found.items())
+
+
+_known: weakref.WeakKeyDictionary[type, dict[tuple[type, tuple[str, ...], tuple[int, ...]], tuple[str | None, tuple[object, ...]]]] = (
+    weakref.WeakKeyDictionary()
+)
+""":func:`own_definition`'s answers per class, keyed by the base and what the class defines
+now (each value kept alive beside its answer, so that its ``id`` is not reused): a method
+set on the class later is looked at again, and the class is forgotten with itself."""
+
+
+def own_definition(cls: type, base: type) -> str | None:
+    """The first name ``cls`` defines otherwise than ``base`` (see :func:`_defined_below`),
+    where ``base`` is the class of the built-in schema or wrapper kind that would apply to
+    it; None where it defines nothing of its own, or only torch's wrappers around ``base``'s
+    methods."""
+    if cls is base:
+        return None
+    defined = _defined_below(cls, base)
+    values = tuple(value for _, value in defined)
+    key = (base, tuple(name for name, _ in defined), tuple(map(id, values)))
+    answers = _known.setdefault(cls, {})
+    known = answers.get(key)
+    if known is not None:
+        return known[0]
+    own = next((name for name, value in defined if unwrapped(value) is not unwrapped(getattr(base, name, None))), None)
+    answers[key] = (own, values)
+    return own
+
+
+def definer(cls: type, name: str) -> type:
+    """The class in ``cls``'s MRO that defines what ``cls`` runs as ``name``: not ``cls``
+    where torch has set its profiling hook over a mixin's ``step`` on ``cls`` itself."""
+    own = unwrapped(getattr(cls, name, None))
+    return next((klass for klass in cls.__mro__ if vars(klass).get(name) is own), cls)
+
+
+def own_instance_method(instance: object) -> str | None:
+    """The first attribute ``instance`` holds in its own ``__dict__`` over a method of its
+    class, otherwise than the class has it (a ``step`` assigned to one Adam; not the wrapper
+    ``LRScheduler`` sets there over the class's own). None where it holds none, or its
+    ``__dict__`` cannot be read."""
+    own = own_attributes(instance)
+    names = own.keys() - OPTIMIZER_BOOKKEEPING
+    if not names:
+        return None
+    cls = type(instance)
+    for name in sorted(names):
+        method = getattr(cls, name, None)
+        if callable(method) and unwrapped(dict.__getitem__(own, name)) is not unwrapped(method):
+            return name
+    return None
