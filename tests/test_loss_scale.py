@@ -272,3 +272,59 @@ def test_a_kept_scale_sharing_memory_with_zeroed_history_is_refused_with_nothing
         opttree.reset(stack.optimizer, **arguments)  # type: ignore[arg-type]
 
     assert torch.equal(history.detach(), before) and float(scaler.scale) == float(before.view(-1)[0]) != 0
+
+
+MOE_FP16 = testing.Recipe("moe_fp16", "adam", fp16=True, experts=True, description="a dense and an expert fp16 wrapper, chained")
+
+
+def chain_scales(stack: testing.MegatronStack) -> list[tuple[float, int, int]]:
+    return [scaler_state(member.grad_scaler) for member in getattr(stack.optimizer, "chained_optimizers")]
+
+
+def expert(name: str) -> bool:
+    return "expert" in name
+
+
+def initial_scale(stack: testing.MegatronStack) -> float:
+    return float(getattr(stack.optimizer, "chained_optimizers")[0].config.initial_loss_scale)
+
+
+@pytest.mark.parametrize("how", ["params", "subtree"])
+def test_a_reset_of_some_of_a_chains_loss_scalers_is_refused_with_nothing_changed(how: str) -> None:
+    """A ChainedOptimizer scales its loss by its first member's scaler and each fp16 member
+    unscales by its own: resetting the expert member's alone (its steps taken by a partial
+    reset, or its subtree reset) left the scales at 16384 and 1024, and the expert
+    gradients 16 times too large from then on, in silence."""
+    stack = testing.build(MOE_FP16)
+    stack.train(0, K)
+    scales = chain_scales(stack)
+    assert scales[0] == scales[1] and scales[0][0] != initial_scale(stack)
+    before = [t.clone() for leaf in stack.leaves() for entry in leaf.state.values() for t in entry.values()]
+
+    with pytest.raises(opttree.PartialResetRefused, match=r"loss scalers, of 1 of the 2 fp16 wrappers .*keep_loss_scale=True") as caught:
+        if how == "params":
+            opttree.reset(stack.optimizer, params=expert, model=stack.model, keys=["exp_avg", "exp_avg_sq", "step"])
+        else:
+            opttree.reset(opttree.tree(stack.optimizer).children[1])
+
+    assert caught.value.problem is not None and caught.value.problem.kind is opttree.ProblemKind.PARTIAL_LOSS_SCALE
+    assert chain_scales(stack) == scales
+    after = [t for leaf in stack.leaves() for entry in leaf.state.values() for t in entry.values()]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+def test_a_chains_loss_scalers_are_reset_all_together_or_kept_all_together() -> None:
+    stack = testing.build(MOE_FP16)
+    stack.train(0, K)
+    scales = chain_scales(stack)
+
+    kept = opttree.reset(stack.optimizer, params=expert, model=stack.model, keys=["exp_avg", "exp_avg_sq", "step"], keep_loss_scale=True)
+    assert kept.loss_scales_reset == 0 and chain_scales(stack) == scales
+    assert opttree.reset(stack.optimizer).loss_scales_reset == 2
+    config = getattr(stack.optimizer, "chained_optimizers")[0].config
+    assert chain_scales(stack) == [(float(config.initial_loss_scale), 0, config.hysteresis)] * 2
+    fresh = testing.build(MOE_FP16)
+    fresh.copy_weights_from(stack)
+    stack.train(K, 3)
+    fresh.train(K, 3)
+    assert same_weights(stack, fresh)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import pytest
@@ -173,15 +173,18 @@ class AgreedResult(NamedTuple):
     changed: int
 
 
-def refused_on_one_rank() -> AgreedResult:
-    """``"step"`` for ``up`` and ``down.weight``: the rank holding ``down.weight`` but not
-    ``down.bias`` holds part of a step unit and refuses, the other holds all of its own.
-    Alone, each rank decides for itself; with ``group``, they agree."""
-    stack = testing.build("dist_fp32")
+def refused_on_one_rank(name: str = "dist_fp32") -> AgreedResult:
+    """``"step"`` for ``up`` and ``down.weight``, three of the DistributedOptimizer's four
+    parameters, which it saves one step for on all its ranks. Counted by this rank's own
+    shards, the rank holding ``down.weight`` but not ``down.bias`` refused and the other,
+    holding all of its own, reset: a checkpoint then loaded one rank's step for both. Counted
+    by the parameters every rank lists, every rank refuses alike, alone or in agreement."""
+    stack = testing.build(name)
     stack.train(0, K)
     named = dict(stack.model.named_parameters())
     chosen = [named["module.up.weight"], named["module.up.bias"], named["module.down.weight"]]
     before = [v.clone() for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values()]
+    scales = [float(member.get_loss_scale()) for member in getattr(stack.optimizer, "chained_optimizers")]
     outcomes = []
     for group in (None, dist.group.WORLD):
         try:
@@ -195,19 +198,24 @@ def refused_on_one_rank() -> AgreedResult:
                 new.copy_(old)
     after = [v for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values()]
     changed = sum(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    changed += sum(float(member.get_loss_scale()) != scale for member, scale in zip(getattr(stack.optimizer, "chained_optimizers"), scales, strict=True))
     return AgreedResult(dist.get_rank(), outcomes[0], outcomes[1], changed)
 
 
-def test_ranks_given_the_group_refuse_a_partial_reset_alike() -> None:
-    results = testing.run_ranks(refused_on_one_rank, 2)
+def refused_on_one_rank_fp16() -> AgreedResult:
+    """:func:`refused_on_one_rank` over an fp16 DistributedOptimizer, whose loss scaler
+    the rank resetting alone reset too, leaving the ranks' scales apart."""
+    return refused_on_one_rank("dist_fp16")
 
-    alone = [r.alone for r in results]
-    assert "reset" in alone and any(outcome.startswith("PartialResetRefused") for outcome in alone)  # apart
-    refusing = next(r.rank for r in results if r.alone != "reset")
+
+@pytest.mark.parametrize("ranks", [refused_on_one_rank, refused_on_one_rank_fp16], ids=["fp32", "fp16"])
+def test_ranks_refuse_a_partial_reset_of_a_step_saved_once_alike(ranks: Callable[[], AgreedResult]) -> None:
+    results = testing.run_ranks(ranks, 2)
+
     for r in results:
+        assert r.alone.startswith("PartialResetRefused") and "3 of the 4 parameters" in r.alone
         assert r.agreed.startswith("PartialResetRefused") and r.changed == 0
-        if r.rank != refusing:
-            assert f"rank {refusing}:" in r.agreed
+    assert results[0].alone.replace("rank 0", "rank 1") == results[1].alone.replace("rank 0", "rank 1")
 
 
 def failing_on_rank_one() -> tuple[int, str]:

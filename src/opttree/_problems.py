@@ -66,6 +66,9 @@ class ProblemKind(enum.Enum):
     PARTIAL_STEP = "partial-step"
     """A partial reset of step counters inside one Megatron optimizer, which checkpoints
     one step for all its parameters."""
+    PARTIAL_LOSS_SCALE = "partial-loss-scale"
+    """A reset of some of a Megatron stack's fp16 loss scalers, which must stay equal:
+    the stack scales its loss by one of them."""
     UNKNOWN_KEY = "unknown-key"
     STALE_MASTER = "stale-master"
     """A master copy a wrapper steps differs from the model parameter it stands for."""
@@ -113,6 +116,7 @@ _ERRORS: dict[ProblemKind, type[OptTreeError]] = {
     ProblemKind.UNSUPPORTED_OPTIMIZER: UnsupportedOptimizer,
     ProblemKind.PARTIAL_GROUP: PartialResetRefused,
     ProblemKind.PARTIAL_STEP: PartialResetRefused,
+    ProblemKind.PARTIAL_LOSS_SCALE: PartialResetRefused,
     ProblemKind.UNKNOWN_KEY: PartialResetRefused,
     ProblemKind.UNCHANGEABLE_HISTORY: PartialResetRefused,
     ProblemKind.CHECKPOINT_LAYOUT: UnsupportedCheckpoint,

@@ -46,6 +46,18 @@ class Selection:
     elsewhere: tuple[Node, ...] = ()
     """Wrappers that step some selected parameters on other ranks only (a shard or a whole
     parameter another rank holds): what their leaves hold is what those ranks reset."""
+    coverage: tuple[tuple[object, int, int], ...] = ()
+    """Per wrapper whose inner params list every parameter it steps, through copies or
+    shards (by the wrapper itself): how many of them are selected, of how many. Every rank
+    lists the same parameters (a DistributedOptimizer every one of its grad buffers'), so
+    what is decided by these counts is decided alike on every rank, where this rank's own
+    shards would differ from another's."""
+
+    def covered(self, wrapper: object) -> tuple[int, int] | None:
+        """How many of ``wrapper``'s parameters are selected, of how many, on every rank
+        alike; None where its inner params do not list them all (its leaves' parameters
+        are its own, or some of them are)."""
+        return next(((taken, total) for holder, taken, total in self.coverage if holder is wrapper), None)
 
     @property
     def everything(self) -> bool:
@@ -212,6 +224,7 @@ class SelectVisitor(TraverserVisitor):
         self.selected: set[int] = set()
         self.reached: set[int] = set()
         self.elsewhere: list[Node] = []
+        self.coverage: list[tuple[object, int, int]] = []
 
     def through(self, node: Node) -> None:
         optimizer = node.optimizer
@@ -222,7 +235,11 @@ class SelectVisitor(TraverserVisitor):
         outer = self.flow
         inner: _Flow = {}
         claimed: set[int] = set()
+        listed: set[int] = set()
+        copies: set[int] = set()
         for param, inner_tensors in inner_params(optimizer, node.path):
+            listed.add(id(param))
+            copies.update(map(id, inner_tensors))
             found = outer.get(id(param))
             if found is None:
                 continue
@@ -234,6 +251,8 @@ class SelectVisitor(TraverserVisitor):
             for tensor in inner_tensors:
                 inner[id(tensor)] = (tensor, found[1])
         inner.update({k: v for k, v in outer.items() if k not in claimed})
+        if copies.issuperset(map(id, tree_params(node))):  # no leaf steps a parameter of its own past the list
+            self.coverage.append((optimizer, len(claimed), len(listed)))
         self.flow = inner
         try:
             self.visit_children(node)
@@ -387,4 +406,4 @@ def select(root: Node, params: ParamsArg | None, keys: Iterable[str] | None, mod
             f"{root.path} ({len(missing)} of {len(chosen)} selected parameters unmapped)"
         )
         raise UnmappedParameter(msg)
-    return Selection(frozenset(visitor.selected), history, steps, elsewhere=tuple(visitor.elsewhere))
+    return Selection(frozenset(visitor.selected), history, steps, elsewhere=tuple(visitor.elsewhere), coverage=tuple(visitor.coverage))

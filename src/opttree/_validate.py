@@ -94,6 +94,8 @@ class ValidateVisitor(TraverserVisitor):
         self._megatron_above: list[str] = []
         """The classes of the Megatron wrappers above the node visited."""
         self._scalers_seen: list[object] = []
+        self._scalers_decided: list[tuple[Node, bool]] = []
+        """Each resettable loss scaler's wrapper, and whether the reset resets it."""
 
     def _forget_plan(self) -> None:
         """Drop the plan, and the inspectors that add to it, with every tensor they hold."""
@@ -151,6 +153,7 @@ class ValidateVisitor(TraverserVisitor):
                 self._megatron_above = [type(root.under[1]).__qualname__]
             self._contained.append(root.optimizer)
             root.accept(self)
+            self._check_loss_scales(root)
             self._check_keys(root)
             self._check_held()
             found = len(self.problems)
@@ -512,20 +515,54 @@ class ValidateVisitor(TraverserVisitor):
     def _planned_scaler(self, node: WrapperNode, chosen: AbstractSet[int] | None) -> ScalerReset | None:
         """The reset of ``node``'s loss scaler, or None where it is kept (counted where the
         reset reaches its wrapper: with ``keep_loss_scale``, or steps kept, as by a partial
-        reset, ``prune`` and ``scale``) or a problem with it is reported."""
-        if chosen is not None and not any(id(p) in chosen for p in tree_params(node)):
-            return None
-        if self._keep_loss_scale or not self._selection.steps:
-            self._plan.scalers_kept += 1
-            return None
+        reset, ``prune`` and ``scale``) or a problem with it is reported. Whether the reset
+        reaches the wrapper is decided by its parameters on every rank alike, where its
+        inner params list them all (a DistributedOptimizer's shards of one parameter lie on
+        some ranks only)."""
         planned = plan_scaler(node.optimizer)
+        if self._keep_loss_scale or not self._selection.steps:
+            if chosen is None or self._takes_any(node, chosen):
+                self._plan.scalers_kept += 1
+            return None
         if isinstance(planned, str):
             cls = type(node.optimizer).__qualname__
             self.problems.append(Problem(ProblemKind.UNSUPPORTED_STATE, node.path, cls, planned, "grad_scaler"))
             return None
-        if planned is not None:
-            self._plan.scalers.append(planned)
+        if planned is None:
+            return None
+        taken = chosen is None or self._takes_any(node, chosen)
+        self._scalers_decided.append((node, taken))
+        if not taken:
+            return None
+        self._plan.scalers.append(planned)
         return planned
+
+    def _takes_any(self, node: Node, chosen: AbstractSet[int]) -> bool:
+        covered = self._selection.covered(node.optimizer)
+        if covered is not None:
+            return covered[0] > 0
+        return any(id(p) in chosen for p in tree_params(node))
+
+    def _check_loss_scales(self, root: Node) -> None:
+        """A Megatron stack scales its loss by one loss scaler (a ChainedOptimizer's and a
+        MimoOptimizer's by their first member's), and each fp16 wrapper unscales its
+        gradients by its own: a reset that resets some of the stack's scalers and keeps
+        others leaves them unequal, and the gradients of the others' parameters scaled
+        wrong from then on. A fresh stack's are all equal. Refused, naming both ways out."""
+        decided = self._scalers_decided
+        reset = [node for node, taken in decided if taken]
+        if not reset or len(reset) == len(decided):
+            return
+        kept = [node for node, taken in decided if not taken]
+        message = (
+            f"the reset takes the steps, and so the loss scalers, of {len(reset)} of the {len(decided)} fp16 wrappers "
+            f"({', '.join(node.path for node in reset)}) and keeps those of the others ({', '.join(node.path for node in kept)}); "
+            "the stack scales its loss by one of them and each wrapper unscales its gradients by its own, so unequal "
+            "scales would scale the kept ones' gradients wrong: pass keep_loss_scale=True to keep every scaler, "
+            "or select every wrapper's parameters"
+        )
+        path, holder = root.under if root.under is not None else (root.path, root.optimizer)
+        self.problems.append(Problem(ProblemKind.PARTIAL_LOSS_SCALE, path, type(holder).__qualname__, message, "grad_scaler"))
 
     def _check_release(self, node: Node) -> None:
         """A release under a Megatron wrapper is refused, once, at the outermost one: an
@@ -594,7 +631,7 @@ class ValidateVisitor(TraverserVisitor):
             )
             self.problems.append(Problem(ProblemKind.UNEQUAL_STEPS, node.path, type(node.optimizer).__qualname__, message, "step"))
         chosen = self._selection.tensors
-        split = _split_step_unit(node, chosen) if chosen is not None and self._selection.steps else None
+        split = _split_step_unit(node, chosen, self._selection.covered(node.optimizer)) if chosen is not None and self._selection.steps else None
         if split is not None:
             taken, total = split
             message = (
@@ -639,16 +676,22 @@ _NO_STATE = StateSchema()
 parameters it keeps."""
 
 
-def _split_step_unit(node: Node, chosen: frozenset[int] | set[int]) -> tuple[int, int] | None:
+def _split_step_unit(node: Node, chosen: frozenset[int] | set[int], covered: tuple[int, int] | None = None) -> tuple[int, int] | None:
     """Where ``node`` is a Megatron step unit (see :data:`~opttree._selection.STEP_UNITS`)
     whose parameters counting steps ``chosen`` takes some but not all of: how many it
-    takes, of how many."""
+    takes, of how many. ``covered``: how many of the wrapper's parameters are selected,
+    of how many, counted alike on every rank (see :meth:`Selection.covered`), which
+    decides in place of this rank's own shards: a DistributedOptimizer saves one step for
+    all of its ranks' shards."""
     locations = STEP_UNITS.lookup(type(node.optimizer))
     if locations is None:
         return None
-    params = tree_params(node, lambda leaf: _registry.step_location(type(leaf)) in locations)
-    taken = sum(id(p) in chosen for p in params)
-    return (taken, len(params)) if 0 < taken < len(params) else None
+    if covered is not None:
+        taken, total = covered
+    else:
+        params = tree_params(node, lambda leaf: _registry.step_location(type(leaf)) in locations)
+        taken, total = sum(id(p) in chosen for p in params), len(params)
+    return (taken, total) if 0 < taken < total else None
 
 
 def _unit_steps(node: Node) -> set[float]:
