@@ -490,3 +490,19 @@ def test_messages_name_a_class_with_the_article_it_is_said_with() -> None:
         optimizer = cls([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
         with pytest.raises(opttree.OptTreeError, match=f"ChainedNode.path must be a str, got {said}$"):
             opttree.ChainedNode(path=optimizer, optimizer=None, members=())
+
+
+class UnhashableName(str):
+    """A state key name whose own ``__hash__`` raises."""
+
+    def __hash__(self) -> int:
+        raise RuntimeError("no hash")
+
+
+@pytest.mark.parametrize("change", ["reset", "prune"])
+def test_key_names_of_a_str_subclass_are_read_as_plain_strings(change: str) -> None:
+    """Their own ``__hash__`` once escaped raw from building the set of selected keys."""
+    optimizer = stepped_adamw(2)
+    keys = [UnhashableName("exp_avg")]
+    report = opttree.reset(optimizer, keys=keys) if change == "reset" else opttree.prune(optimizer, 1.0, keys=keys)
+    assert report.tensors_zeroed == 2 and report.kept_keys == ("exp_avg_sq", "step")

@@ -229,10 +229,17 @@ def test_history_a_reset_deletes_rather_than_writes_is_refused_by_prune_and_scal
     assert all(torch.equal(entry["acc"], old) for entry, old in zip(optimizer.state.values(), before, strict=True))
 
 
+class UnprintableFactor:
+    """An argument whose own ``__repr__`` raises: the refusal names its class instead."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
 @pytest.mark.parametrize(
     "factor",
-    [-0.5, float("nan"), float("inf"), 10**400, True, "0.5", torch.tensor([0.5, 0.5])],
-    ids=["negative", "nan", "inf", "int-beyond-float", "bool", "str", "two-element-tensor"],
+    [-0.5, float("nan"), float("inf"), 10**400, True, "0.5", torch.tensor([0.5, 0.5]), UnprintableFactor()],
+    ids=["negative", "nan", "inf", "int-beyond-float", "bool", "str", "two-element-tensor", "unprintable"],
 )
 def test_scale_refuses_a_factor_that_would_break_the_next_step(factor: object) -> None:
     _, optimizer = trained()
@@ -240,6 +247,17 @@ def test_scale_refuses_a_factor_that_would_break_the_next_step(factor: object) -
     with pytest.raises(opttree.PartialResetRefused, match="factor must be a finite number >= 0"):
         opttree.scale(optimizer, factor)  # type: ignore[arg-type]  # as above
     assert bits(history(optimizer)) == bits(before)
+
+
+@pytest.mark.parametrize("factor", [0.0, -0.0, 0])
+def test_scale_by_zero_leaves_zeros_as_a_fresh_optimizer_holds_them(factor: float) -> None:
+    """Multiplied by zero, a negative first moment became -0.0 (and by -0.0, which passes
+    ">= 0", every element did), a zero whose sign bit a fresh optimizer's history never has."""
+    _, optimizer = trained()
+    assert any(bool(torch.signbit(tensor).any()) for tensor in history(optimizer))
+    opttree.scale(optimizer, factor)
+    for tensor in history(optimizer):
+        assert not torch.signbit(tensor).any() and not tensor.any()
 
 
 def pruned_shard_matches_its_own_quantile() -> tuple[int, int, bool]:

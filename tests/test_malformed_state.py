@@ -84,6 +84,15 @@ def test_malformed_state_is_reported_described_and_refused(name: str) -> None:
     assert caught.value.problem == problems[0]
 
 
+@pytest.mark.parametrize(("key", "named"), [("global_step", "'global_step', a str"), (7, "7, an int"), (None, "a NoneType"), (1.5, "a float")])
+def test_a_state_key_that_is_not_a_tensor_is_named(key: object, named: str) -> None:
+    optimizer = stepped()
+    optimizer.state[key] = {"step": torch.tensor(2.0)}  # type: ignore[index]
+    problems = opttree.validate(optimizer)
+    assert [p.kind for p in problems] == [opttree.ProblemKind.MALFORMED_STATE]
+    assert f"state is keyed by something other than tensors (by {named}: " in problems[0].message
+
+
 def test_sparse_history_is_reported_and_described() -> None:
     optimizer = stepped()
     entry = next(iter(optimizer.state.values()))

@@ -341,3 +341,25 @@ def test_a_model_whose_parameters_the_stack_does_not_step_is_reported_and_not_sy
     other = torch.nn.Linear(2, 2)  # its own optimizer steps it
     fresh = testing.build(name)
     assert opttree.validate(fresh.optimizer, model=torch.nn.ModuleList([fresh.model, other])) == ()
+
+
+def test_a_whole_copy_shaped_otherwise_than_its_parameter_is_not_known() -> None:
+    """A copy of as many elements as its parameter but another shape (masters swapped in a
+    Float16 wrapper's list, a transposed one) was compared element by element at the same
+    flat places, and a sync wrote it reshaped, or Megatron's reload raised half-way. Which
+    element stands for which is not known: it is reported, and a sync refuses, writing
+    nothing. A flat copy (a DistributedOptimizer's shard of a whole parameter) is compared."""
+    params = [torch.nn.Parameter(torch.ones(2, 3)), torch.nn.Parameter(torch.ones(6))]
+    transposed, flat = torch.zeros(3, 2), torch.zeros(6)
+    holder = CopyingWrapper(params, [transposed, flat])
+    model = torch.nn.ParameterList(params)
+
+    problems = opttree.validate(holder, model=model)
+    with pytest.raises(opttree.OptTreeError, match=r"cannot tell which part of 0 its copy of 6 elements shaped \(3, 2\) stands for"):
+        opttree.sync_masters(holder, model=model)
+
+    assert [p.kind for p in problems] == [opttree.ProblemKind.UNCHECKED_MASTER, opttree.ProblemKind.STALE_MASTER]
+    assert not transposed.any() and not flat.any()
+    flat_only = CopyingWrapper(params[1:], [flat])
+    assert opttree.sync_masters(flat_only, model=torch.nn.ParameterList(params[1:])).stale == 1
+    assert flat.tolist() == [1.0] * 6

@@ -516,7 +516,7 @@ def test_a_starting_value_beyond_a_float_is_refused_naming_its_key() -> None:
     before = snapshot(optimizer)
 
     (problem,) = opttree.validate(optimizer)
-    with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'sum': its starting value cannot be worked out: TypeError: its fill gave an int, expected a real number a float holds"):
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'sum': its starting value cannot be worked out: TypeError: its fill gave an int beyond a float, expected a real number a float holds"):
         opttree.reset(optimizer)
 
     assert (problem.kind, problem.key) == (opttree.ProblemKind.UNSUPPORTED_STATE, "sum")

@@ -449,8 +449,9 @@ def _number_scale(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: st
         (opttree.StateSchema(zero={"sum"}, scale_of=_number_scale, step=opttree.StepLocation.PER_PARAMETER), "sum", "its schema's scale_of gave a float, expected the scale tensor"),
         (opttree.StateSchema(zero={"sum"}, shape_of={"sum": _raising_shape}, step=opttree.StepLocation.PER_PARAMETER), "sum", "its schema's shape_of raised IndexError: no such dimension"),
         (opttree.StateSchema(fill={"sum": lambda group, defaults: "1"}, step=opttree.StepLocation.PER_PARAMETER), "sum", "its starting value cannot be worked out: TypeError: its fill gave a str"),
+        (opttree.StateSchema(fill={"sum": lambda group, defaults: math.nan}, step=opttree.StepLocation.PER_PARAMETER), "sum", "its starting value cannot be worked out: TypeError: its fill gave nan, expected a real number a float holds, not NaN"),
     ],
-    ids=["fill-raises", "scale-of-raises", "scale-of-gives-a-number", "shape-of-raises", "fill-gives-a-str"],
+    ids=["fill-raises", "scale-of-raises", "scale-of-gives-a-number", "shape-of-raises", "fill-gives-a-str", "fill-gives-nan"],
 )
 def test_a_registered_function_that_fails_is_reported_at_its_key(schema: opttree.StateSchema, key: str, reason: str) -> None:
     """A schema's own functions run while planning: what they raise or give that is not

@@ -217,6 +217,7 @@ DIFFERENTIABLE: list[tuple[str, Callable[[list[torch.Tensor]], torch.optim.Optim
     ("Adam", lambda ps: torch.optim.Adam(ps, lr=0.01, differentiable=True), "release"),
     ("RMSprop", lambda ps: torch.optim.RMSprop(ps, lr=0.01, differentiable=True), "release"),
     ("SGD", lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9, differentiable=True), "reset"),
+    ("ASGD", lambda ps: torch.optim.ASGD(ps, lr=0.01, t0=1.0, differentiable=True), "reset"),  # entries deleted, as by a release
 ]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -253,10 +254,13 @@ def test_a_step_counter_that_is_not_a_number_is_refused_and_nothing_changes(wher
     assert [p.key for p in opttree.validate(optimizer)] == ["step"]
 
 
-def test_a_step_tensor_shared_by_several_parameters_is_counted_once_with_a_warning_and_unshared() -> None:
+@pytest.mark.parametrize("inference", [False, True], ids=["grad-mode", "inference-mode"])
+def test_a_step_tensor_shared_by_several_parameters_is_counted_once_with_a_warning_and_unshared(inference: bool) -> None:
     """Megatron's CPU load path leaves parameters on one step tensor: torch's Adam then
     advances it once per parameter and step. A reset gives each parameter a step of its
-    own, and training then matches a fresh optimizer's; zeroing the one in place would not."""
+    own, and training then matches a fresh optimizer's; zeroing the one in place would not.
+    Those steps are normal tensors even where the reset runs in inference mode (as an RL
+    rollout does): an inference tensor cannot be stepped outside it."""
     net, optimizer = trained()
     entries = list(optimizer.state.values())
     shared = entries[0]["step"]
@@ -266,10 +270,12 @@ def test_a_step_tensor_shared_by_several_parameters_is_counted_once_with_a_warni
     fresh = torch.optim.AdamW(twin.parameters())
 
     problems = opttree.validate(optimizer)
-    report = opttree.reset(optimizer)
+    with torch.inference_mode(inference):
+        report = opttree.reset(optimizer)
 
     assert [(p.kind, p.severity) for p in problems] == [(opttree.ProblemKind.SHARED_STEP, opttree.Severity.WARNING)]
     assert f"({len(entries) - 1} repeats)" in problems[0].message
+    assert not any(entry["step"].is_inference() for entry in entries)
     assert report.steps == 1 and not shared.any()
     assert entries[0]["step"] is shared and len({id(entry["step"]) for entry in entries}) == len(entries)
     assert all(not entry["exp_avg"].any() for entry in entries)
@@ -292,6 +298,25 @@ def sparse_adam_train(net: torch.nn.Embedding, optimizer: torch.optim.Optimizer,
         generator = torch.Generator().manual_seed(i)
         (net(torch.randint(0, 10, (6,), generator=generator)) - 0.5).pow(2).mean().backward()
         optimizer.step()
+
+
+@pytest.mark.parametrize("held", [np.int64(3), np.float64(3.0), 3.0], ids=["numpy-int", "numpy-float", "float"])
+def test_a_number_step_of_any_real_kind_is_reset_to_the_int_the_optimizer_starts_from(held: float) -> None:
+    """A NumPy integer step (as a loader may leave it) was refused as "an int64, expected
+    a number", where a float was reset: every real number is one."""
+    net, optimizer = sparse_adam_trained(range(3))
+    for entry in optimizer.state.values():
+        entry["step"] = held
+    fresh_net = torch.nn.Embedding(10, 3, sparse=True)
+    fresh_net.load_state_dict(net.state_dict())
+
+    assert opttree.validate(optimizer) == ()
+    assert opttree.reset(optimizer).steps == 1
+    assert all(type(entry["step"]) is int and entry["step"] == 0 for entry in optimizer.state.values())
+    fresh = torch.optim.SparseAdam(fresh_net.parameters(), lr=0.1)
+    sparse_adam_train(net, optimizer, range(3, 5))
+    sparse_adam_train(fresh_net, fresh, range(3, 5))
+    assert torch.equal(net.weight, fresh_net.weight)
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["opttree", "zeroed-in-place"])

@@ -15,6 +15,7 @@ from typing import NamedTuple, TypeVar, cast
 
 import torch
 from opttree._fields import kind_of
+from opttree._held import key_text
 
 
 def _tensor_classes(classes: set[type]) -> bool:
@@ -145,7 +146,9 @@ def malformed_outline(optimizer: torch.optim.Optimizer) -> str | None:
 @_guarded
 def malformed_state(state: Mapping[torch.Tensor, object]) -> str | None:
     if not _tensor_classes(set(map(type, state))):
-        return "state is keyed by something other than tensors (a state_dict's layout?)"
+        key: object = next(key for key in state if not isinstance(key, torch.Tensor))
+        named = f"{key_text(key)}, {kind_of(key)}" if isinstance(key, (str, int)) else kind_of(key)
+        return f"state is keyed by something other than tensors (by {named}: a state_dict's layout?)"
     entries = set(map(type, state.values()))
     if entries != {dict} and not all(issubclass(cls, MutableMapping) for cls in entries):
         wrong = next(cls for cls in entries if not issubclass(cls, MutableMapping))

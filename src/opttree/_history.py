@@ -103,7 +103,11 @@ _FLOATS = ("floating-point or complex", _SCALABLE.__contains__)
 
 
 def _described(value: object) -> str:
-    return f"{value!r} ({kind_of(value)})"
+    try:
+        shown = repr(value)
+    except Exception:  # noqa: BLE001  # an argument's own __repr__ may raise anything
+        return kind_of(value)
+    return f"{shown} ({kind_of(value)})"
 
 
 def _tensors(plan: ResetPlan) -> list[torch.Tensor]:
@@ -239,7 +243,8 @@ def scale(
     """Multiply each selected history tensor by ``factor`` in place (a run that halved its
     first moment after a spike: ``keys=["exp_avg"], factor=0.5``); step counters are kept.
     ``factor`` must be a finite number >= 0: a negative second moment, or a NaN one, makes
-    the next step's update NaN. It is refused where the product would not be finite: a
+    the next step's update NaN. A factor of zero zeroes history as a reset does (multiplied,
+    a negative element would become -0.0). It is refused where the product would not be finite: a
     factor or an element carried past the largest value of the history's dtype, or
     history that holds inf or NaN already. With ``group`` (collective) the ranks agree to
     scale or refuse, as ``reset`` does."""
@@ -258,7 +263,9 @@ def scale(
 
     ratio, plan, tensors = _distributed.agreed(group, planned)
     with plain_torch(), torch.no_grad():
-        if tensors:
+        if tensors and ratio == 0.0:  # -0.0 too: multiplied, negative history would become -0.0, which a fresh one never holds
+            torch._foreach_zero_(tensors)
+        elif tensors:
             torch._foreach_mul_(tensors, ratio)
     return evolve(plan.report(), action="scale")
 

@@ -10,6 +10,7 @@ error changes nothing.
 from __future__ import annotations
 
 import operator
+from numbers import Integral, Real
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from itertools import chain, compress, repeat
@@ -166,7 +167,7 @@ def step_number(value: object) -> float | None:
                 return float(value.max()) if value.numel() else None
         except Exception:  # noqa: BLE001  # a subclass's __torch_dispatch__ may raise anything
             return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, Real):
         return None
     try:
         return float(value)
@@ -228,11 +229,11 @@ def key_label(key: object) -> str:
 
 
 def _zero_like(value: object) -> int | float | None:
-    """The zero that replaces a step counter kept as a Python number: the int 0 or the
-    float 0.0 a fresh optimizer starts from, whatever subclass of them it held."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """The zero that replaces a step counter kept as a number: the int 0 or the float 0.0
+    a fresh optimizer starts from, whatever subclass of them, or NumPy scalar, it held."""
+    if isinstance(value, bool) or not isinstance(value, Real):
         return None
-    return 0 if isinstance(value, int) else 0.0
+    return 0 if isinstance(value, Integral) else 0.0
 
 
 def _which(bad: int, count: int, verb: str) -> str:
@@ -346,13 +347,16 @@ class LeafInspector:
             return
         if self.schema.indivisible and self.takes_part(node, in_groups, state):
             return
-        if not self.selection.release and _differentiable(optimizer.param_groups) and _carries_history(state, self.actions):
+        release = self.selection.release
+        starts_again = not release and self.schema.starts_at_first_step and self.starts_again(node)
+        deletes = release or starts_again  # entries deleted take their autograd history along
+        if not deletes and _differentiable(optimizer.param_groups) and _carries_history(state, self.actions):
             self.problem(node, ProblemKind.UNWRITABLE_STATE, _DIFFERENTIABLE)
             return
         plan.leaves += self.selection.reaches(in_groups)
-        if self.selection.release:
+        if release:
             self.plan_release(node, plan.state)
-        elif self.schema.starts_at_first_step and self.starts_again(node):
+        elif starts_again:
             self.plan_release(node, plan.state, _NOT_EXACT_IN_PLACE)
         else:
             self.inspect_state(node, in_groups, plan.state)

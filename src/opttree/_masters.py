@@ -110,8 +110,12 @@ def _pairs(node: Node) -> Iterator[tuple[torch.Tensor, Sequence[torch.Tensor | _
 
 def _model_slice(wrapper: object, param: torch.Tensor, copy: torch.Tensor) -> torch.Tensor | None:
     """The part of ``param`` that ``copy`` stands for: all of it, or, for a shard, the
-    range ``DistributedOptimizer`` keeps on this rank; None where that is not known."""
+    range ``DistributedOptimizer`` keeps on this rank; None where that is not known (a
+    whole copy shaped otherwise than its parameter, and not flat as a shard is: a
+    transposed one, whose elements stand for others than those at their places)."""
     if copy.numel() == param.numel():
+        if copy.shape != param.shape and copy.dim() != 1:
+            return None
         return param.detach().reshape(copy.shape)
     range_map = getattr(wrapper, "_get_model_param_range_map", None)
     if range_map is None:
@@ -284,7 +288,7 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
                 except Exception:  # noqa: BLE001  # as in _differing
                     part = None
                 if part is None:
-                    message = f"cannot tell which part of {name} its copy of {_elements(copy)} stands for"
+                    message = f"cannot tell which part of {name} its copy of {_elements(copy)}{_shaped(copy)} stands for"
                     problems.append(Problem(ProblemKind.UNCHECKED_MASTER, node.path, cls, message))
                     continue
                 compared.append(_Pair(node.path, cls, name, param, copy, part))
@@ -322,6 +326,13 @@ def _check_held(
             "model is not its; its copies cannot be told to stand for the model's weights"
         )
         problems.append(Problem(ProblemKind.UNCHECKED_MASTER, root.path, type(root.optimizer).__qualname__, message))
+
+
+def _shaped(tensor: torch.Tensor) -> str:
+    try:
+        return f" shaped {tuple(tensor.shape)}"
+    except Exception:  # noqa: BLE001  # as in _differing
+        return ""
 
 
 def _elements(tensor: torch.Tensor) -> str:
@@ -402,7 +413,12 @@ def sync_masters(root: Node, model: torch.nn.Module | None) -> SyncReport:
     reload = getattr(root.optimizer, "reload_model_params", None)
     reloaded = False
     if before.stale and callable(reload):
-        reload()
+        try:
+            reload()
+        except Exception as error:  # past opttree's checks: Megatron's own code, on a stack opttree does not know all of
+            cls = type(root.optimizer).__qualname__
+            msg = f"{cls} at {root.path}: its reload_model_params() raised {type(error).__name__}: {error}; the masters it wrote before are written"
+            raise OptTreeError(msg) from error
         reloaded = True
         after = check_masters(root, model)
         writes = _refuse(after)

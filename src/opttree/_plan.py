@@ -133,7 +133,8 @@ class ResetPlan:
     def execute(self) -> ResetReport:
         state = self.state
         with plain_torch(), torch.no_grad():
-            own_steps = [torch.zeros_like(cast(torch.Tensor, entry[key])) for entry, key in state.unshared]  # before any write
+            with torch.inference_mode(False):  # a reset called in inference mode (a rollout's) must not make the next step's counters inference tensors
+                own_steps = [torch.zeros_like(cast(torch.Tensor, entry[key])) for entry, key in state.unshared]  # before any write
             zero_lists(list(state.lists.values()), total_bytes=state.bytes_reset)
             for (_, value), tensors in state.fills.items():
                 for tensor in tensors:  # as full_like makes it: complex history is (v, v)

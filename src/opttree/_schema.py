@@ -451,8 +451,8 @@ class StateSchema:
         value = self._fill_by_key[key]
         given = value(group, defaults) if callable(value) else value
         number = real_number(given)
-        if number is None:
-            msg = f"its fill gave {kind_of(given)}, expected a real number a float holds"
+        if number is None or math.isnan(number):  # as a fill given as a number is refused at registration
+            msg = f"its fill gave {_what(given)}, expected a real number a float holds, not NaN"
             raise TypeError(msg)
         return number
 

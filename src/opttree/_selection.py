@@ -350,9 +350,10 @@ def resolve_params(params: ParamsArg, model: torch.nn.Module | None) -> list[tor
 
 
 def key_names(keys: Iterable[str]) -> frozenset[str]:
-    """The state keys ``keys`` names: one key, or an iterable of them."""
+    """The state keys ``keys`` names: one key, or an iterable of them, as plain strings
+    (a ``str`` subclass's own ``__hash__`` or ``__eq__`` never runs in a lookup)."""
     if isinstance(keys, str):
-        return frozenset([keys])
+        return frozenset([str.__str__(keys)])
     if not isinstance(cast(object, keys), Iterable):
         msg = f"keys must be a state key or a list of them, got {kind_of(keys)}"
         raise OptTreeError(msg)
@@ -361,7 +362,7 @@ def key_names(keys: Iterable[str]) -> frozenset[str]:
         if not isinstance(cast(object, name), str):
             msg = f"keys must be names of state keys, got {kind_of(name)}"
             raise OptTreeError(msg)
-    return frozenset(names)
+    return frozenset(map(str.__str__, names))
 
 
 def unnamed_param(param: torch.Tensor) -> str:
