@@ -16,6 +16,7 @@ import torch
 from megatron.core.optimizer import FP32Optimizer
 
 import opttree
+from tests import megatron_parts
 from tests.helpers import model, snapshot, train, unchanged
 from opttree.testing import cuda_on_cpu
 from tests.megatron_parts import config, fp32
@@ -284,3 +285,24 @@ def test_a_leafs_own_bookkeeping_holds_no_optimizer_to_find() -> None:
     train(net, leaf, 0, 2)
     assert opttree.validate(leaf) == ()
     assert opttree.reset(leaf).leaves == 1
+
+
+def test_an_optimizer_one_of_a_thousand_alike_leaves_holds_is_found() -> None:
+    """A HybridDeviceOptimizer's sub-optimizers are checked as one pooled run where none
+    holds anything beyond torch's bookkeeping; one that does is checked on its own."""
+    optimizer, params, device = megatron_parts.hybrid([4] * 1000)
+    with device:
+        for param in params:
+            param.grad = torch.ones_like(param)
+        optimizer.step()
+    assert opttree.validate(optimizer) == ()
+    hidden = stepped(1)
+    setattr(optimizer.cpu_optimizers[617], "ema", [hidden])
+    before = snapshot(hidden)
+
+    problems = opttree.validate(optimizer)
+    with pytest.raises(opttree.HiddenOptimizer, match=r"AdamW at sub_optimizers\[617\]: holds an AdamW in ema\[0\]"):
+        opttree.reset(optimizer)
+
+    assert [p.kind for p in problems] == [opttree.ProblemKind.HIDDEN_OPTIMIZER]
+    assert unchanged(hidden, before)

@@ -30,7 +30,7 @@ import dataclasses
 import functools
 import types
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import chain, compress, islice
 from typing import cast
 
@@ -227,15 +227,29 @@ OPTIMIZER_BOOKKEEPING = frozenset(
 state, groups and hooks, which opttree reads and checks on their own."""
 
 
-def held_by_leaf(optimizer: object, is_optimizer: IsOptimizer) -> Iterator[Held]:
+def held_by_leaf(optimizer: object, is_optimizer: IsOptimizer) -> list[Held]:
     """The optimizers in a leaf's instance attributes other than torch's bookkeeping (an
     optimizer a registered class steps besides its own state, an ``aux`` set on one):
     read only where there are any, which a torch optimizer has none of."""
+    items = beyond_bookkeeping(optimizer)
+    return list(_Search(is_optimizer).search(items, DEPTH)) if items else []
+
+
+def beyond_bookkeeping(optimizer: object) -> list[tuple[str, object]]:
+    """A leaf's instance attributes other than torch's bookkeeping, and its slots'."""
     own = own_attributes(optimizer)
     names = own.keys() - OPTIMIZER_BOOKKEEPING
-    items = [(name, own[name]) for name in sorted(names)] + _slot_attributes(optimizer)
-    if items:
-        yield from _Search(is_optimizer).search(items, DEPTH)
+    return [(name, own[name]) for name in sorted(names)] + _slot_attributes(optimizer)
+
+
+def only_bookkeeping(optimizers: Sequence[object]) -> bool:
+    """Whether none of ``optimizers`` (a run of sibling leaves) holds any attribute beyond
+    torch's bookkeeping, nor a slot: read over the run at once, most of it at C speed; then
+    none holds a method of its own or an optimizer beside its state."""
+    dicts = list(map(own_attributes, optimizers))
+    if not OPTIMIZER_BOOKKEEPING.issuperset(set().union(*map(dict.keys, dicts))):
+        return False
+    return not any(map(_slot_attributes, optimizers))
 
 
 def own_attributes(instance: object) -> dict[str, object]:
@@ -255,27 +269,26 @@ def instance_attributes(instance: object) -> list[tuple[str, object]]:
     return list(dict.items(own_attributes(instance))) + _slot_attributes(instance)
 
 
-_slots: weakref.WeakKeyDictionary[type, tuple[tuple[int, ...], list[tuple[str, type, types.MemberDescriptorType]]]] = weakref.WeakKeyDictionary()
-"""Each class's slot descriptors, with the sizes of its classes' namespaces they were read
-at: a class given an attribute since is read again."""
+_slots: weakref.WeakKeyDictionary[type, list[tuple[str, type, types.MemberDescriptorType]]] = weakref.WeakKeyDictionary()
+"""Each class's slot descriptors, read once: slots are made with their class. A slot
+descriptor set on a class later is another class's (reading it raises, and it is passed
+over) or a base's (read already as that base's)."""
 
 
 def _slot_attributes(instance: object) -> list[tuple[str, object]]:
     """What the slots of ``instance``'s classes hold, each read through its own descriptor
     (no property of a subclass runs); a slot never set is passed over."""
     cls = type(instance)
-    sizes = tuple(len(vars(klass)) for klass in cls.__mro__)
     known = _slots.get(cls)
-    if known is None or known[0] != sizes:
-        descriptors = [
+    if known is None:
+        known = _slots[cls] = [
             (name, klass, descriptor)
             for klass in cls.__mro__
             for name, descriptor in vars(klass).items()
             if isinstance(descriptor, types.MemberDescriptorType) and name not in ("__weakref__", "__dict__")
         ]
-        known = _slots[cls] = (sizes, descriptors)
     found: list[tuple[str, object]] = []
-    for name, klass, descriptor in known[1]:
+    for name, klass, descriptor in known:
         try:
             found.append((name, descriptor.__get__(instance, klass)))
         except (AttributeError, TypeError):  # never set; another class's slot set on this one

@@ -194,12 +194,15 @@ def held_gradients(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     optimizers read (a DistributedOptimizer's main shards' gradients are views of it too)."""
     with plain_reads():
         grads = [grad for grad in map(_GRAD, compress(params, map(_IS_LEAF, params))) if grad is not None]
-    mains = [grad for grad in map(_main_grad, params) if isinstance(grad, torch.Tensor)]
+    try:
+        attributes = list(map(_TENSOR_DICT, params))  # torch's own reader: no subclass's __getattribute__ runs
+    except Exception:  # noqa: BLE001  # a tensor subclass whose own __dict__ cannot be read
+        attributes = list(map(own_attributes, params))
+    mains = [grad for grad in map(dict.get, attributes, repeat("main_grad")) if isinstance(grad, torch.Tensor)]
     return grads + mains
 
 
-def _main_grad(param: torch.Tensor) -> object:
-    return own_attributes(param).get("main_grad")
+_TENSOR_DICT = cast(Callable[[torch.Tensor], dict[str, object]], vars(torch.Tensor)["__dict__"].__get__)
 
 
 _PLAIN_OPTIONS = frozenset({float, int, bool, str, type(None), type})

@@ -13,7 +13,7 @@ from opttree import _registry
 from opttree._containers import PLAIN_STATES, malformed, own_writes
 from opttree._dispatch import is_megatron_class
 from opttree._errors import OptTreeError
-from opttree._held import Held, held_by_leaf, held_optimizers, own_attributes
+from opttree._held import Held, held_by_leaf, held_optimizers, only_bookkeeping, own_attributes
 from opttree._hooks import surely_known_hooks, unknown_global_step_hook, unknown_step_hook
 from opttree._identity import identity_key, identity_keys
 from opttree._adapter import TreeBuilder
@@ -364,11 +364,9 @@ class ValidateVisitor(TraverserVisitor):
                 continue
             inspector = self._inspector_for(type(item[0].optimizer)) if self._pooling else None
             optimizers = list(map(_OPTIMIZER, item))
-            pooled = inspector is not None and not any(map(_registry.instance_builder, optimizers)) and surely_known_hooks(optimizers)
+            pooled = inspector is not None and only_bookkeeping(optimizers) and surely_known_hooks(optimizers)
             if pooled and inspector is not None and inspector.inspect_alike(item):
-                self._pooled = True
-                for leaf in item:
-                    self._record_held_by(leaf)
+                self._pooled = True  # none holds a method of its own or an optimizer beside its state
                 continue
             for leaf in item:
                 self.visit_leaf(leaf)
