@@ -247,3 +247,31 @@ def test_an_instance_whose_own_getattribute_refuses_its_dict_is_read_as_object_r
         assert "step=" in opttree.describe(optimizer)
         assert opttree.reset(optimizer).tensors_zeroed == zeroed
     assert torch.count_nonzero(leaf.state[param]["exp_avg"]) == 0
+
+
+class RefusesReads:
+    """An object whose every attribute read raises, as a lazy proxy's may."""
+
+    def __getattr__(self, name: str) -> object:
+        raise RuntimeError(f"no {name} here")
+
+
+class ProxyHoldingAdam(torch.optim.Adam):
+    proxy = RefusesReads()
+
+
+def test_an_attribute_whose_own_reads_raise_is_a_definition_of_its_own_not_a_raw_error() -> None:
+    """Telling torch's wrappers from a class's or instance's own code reads ``__func__`` and
+    ``__wrapped__``: an object whose ``__getattr__`` raises made validate raise raw."""
+    param = torch.nn.Parameter(torch.ones(2))
+    param.grad = torch.ones(2)
+    by_class = ProxyHoldingAdam([param])
+    by_instance = torch.optim.Adam([param])
+    setattr(by_instance, "zero_grad", RefusesReads())
+    for optimizer, name in ((by_class, "defines its own proxy"), (by_instance, "holds its own zero_grad on the instance")):
+        optimizer.step()
+        (problem,) = opttree.validate(optimizer)
+        assert problem.kind is opttree.ProblemKind.UNSUPPORTED_OPTIMIZER and name in problem.message
+        assert "step=1" in opttree.describe(optimizer)
+        with pytest.raises(opttree.UnsupportedOptimizer):
+            opttree.reset(optimizer)

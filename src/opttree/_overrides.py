@@ -88,12 +88,16 @@ def unwrapped(method: object) -> object:
     (``_use_grad_for_differentiable``, the profiling hook torch sets as ``step`` on a
     subclass, ``LRScheduler``'s, ``torch.compile``'s), and only those: a user's decorator
     that copies ``__wrapped__`` with ``functools.wraps`` runs code of its own, and so does
-    torch's context decorator around a user's context manager."""
+    torch's context decorator around a user's context manager. An object whose own
+    attribute reads raise is what it runs itself."""
     for _ in range(16):
-        function: object = getattr(method, "__func__", method)  # a bound method
-        inner: object = getattr(function, "__wrapped__", None)
-        if inner is None or not _torch_wrapper(function, inner):
-            return function
+        try:
+            function: object = getattr(method, "__func__", method)  # a bound method
+            inner: object = getattr(function, "__wrapped__", None)
+            if inner is None or not _torch_wrapper(function, inner):
+                return function
+        except Exception:  # noqa: BLE001  # an attribute value's own __getattr__ may raise anything
+            return method
         method = inner
     return method
 
@@ -142,7 +146,10 @@ def own_definition(cls: type, base: type) -> str | None:
 def definer(cls: type, name: str) -> type:
     """The class in ``cls``'s MRO that defines what ``cls`` runs as ``name``: not ``cls``
     where torch has set its profiling hook over a mixin's ``step`` on ``cls`` itself."""
-    own = unwrapped(getattr(cls, name, None))
+    try:
+        own = unwrapped(getattr(cls, name, None))
+    except Exception:  # noqa: BLE001  # a class attribute's own __get__ may raise anything
+        return cls
     return next((klass for klass in cls.__mro__ if vars(klass).get(name) is own), cls)
 
 
@@ -157,7 +164,10 @@ def own_instance_method(instance: object) -> str | None:
         return None
     cls = type(instance)
     for name in sorted(names):
-        method = getattr(cls, name, None)
+        try:
+            method = getattr(cls, name, None)
+        except Exception:  # noqa: BLE001  # a metaclass's own __getattr__ may raise anything
+            return name
         if callable(method) and unwrapped(dict.__getitem__(own, name)) is not unwrapped(method):
             return name
     return None
