@@ -194,8 +194,9 @@ def refused_on_one_rank(name: str = "dist_fp32") -> AgreedResult:
             outcomes.append(f"{type(error).__name__}: {error}")
         if group is None:  # put it back, to try again in agreement
             after = [v for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values()]
-            for old, new in zip(before, after, strict=True):
-                new.copy_(old)
+            with torch.no_grad():
+                for old, new in zip(before, after, strict=True):
+                    new.copy_(old)
     after = [v for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values()]
     changed = sum(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
     changed += sum(float(member.get_loss_scale()) != scale for member, scale in zip(getattr(stack.optimizer, "chained_optimizers"), scales, strict=True))
@@ -208,7 +209,16 @@ def refused_on_one_rank_fp16() -> AgreedResult:
     return refused_on_one_rank("dist_fp16")
 
 
-@pytest.mark.parametrize("ranks", [refused_on_one_rank, refused_on_one_rank_fp16], ids=["fp32", "fp16"])
+def refused_on_one_rank_offloaded() -> AgreedResult:
+    """:func:`refused_on_one_rank` over a precision-aware DistributedOptimizer over a
+    HybridDeviceOptimizer, whose leaves step the hybrid's copies of its shards: counted by
+    this rank's shards, one rank reset its steps and the other refused, or kept them."""
+    return refused_on_one_rank("offload_0.75")
+
+
+@pytest.mark.parametrize(
+    "ranks", [refused_on_one_rank, refused_on_one_rank_fp16, refused_on_one_rank_offloaded], ids=["fp32", "fp16", "offloaded"]
+)
 def test_ranks_refuse_a_partial_reset_of_a_step_saved_once_alike(ranks: Callable[[], AgreedResult]) -> None:
     results = testing.run_ranks(ranks, 2)
 

@@ -10,7 +10,8 @@ import types
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+import typing
+from typing import Any, Generic, TypeVar, cast
 
 import pytest
 import torch
@@ -1049,3 +1050,71 @@ def test_a_lazily_loaded_module_is_not_imported_by_a_lookup() -> None:
         assert opttree.validate(torch.optim.Adam([param])) == ()
     finally:
         del sys.modules["opttree_lazy_pkg"]
+
+
+_REAL_DICT = vars(torch.optim.Optimizer)["__dict__"]
+
+
+class FilteredDictAdam(torch.optim.Adam):
+    """A ``__dict__`` property that hides what the instance holds: opttree read it, and saw
+    neither a step set on the instance nor an optimizer kept beside the state."""
+
+    __dict__ = property(lambda self: {k: v for k, v in _REAL_DICT.__get__(self).items() if k not in ("step", "ema")})
+
+
+def _warming_step(self: torch.optim.Adam, closure: None = None) -> None:
+    self.__dict__["warmed"] = self.__dict__.get("warmed", 0) + 1
+    torch.optim.Adam.step(self, closure)
+
+
+HidingNamespace = type("HidingNamespace", (type,), {"__dict__": property(lambda cls: {"__module__": __name__, "__doc__": None})})
+"""A metaclass whose ``__dict__`` shows none of its classes' methods."""
+
+HiddenStepAdam: type[torch.optim.Adam] = HidingNamespace("HiddenStepAdam", (torch.optim.Adam,), {"step": _warming_step})
+
+
+@pytest.mark.parametrize(("cls", "name"), [(FilteredDictAdam, "__dict__"), (HiddenStepAdam, "__class__ (its metaclass")])
+def test_a_class_that_hides_its_namespace_or_its_instances_attributes_defines_its_own(cls: type[torch.optim.Adam], name: str) -> None:
+    """opttree reads namespaces and instance dicts through the descriptors Python makes,
+    and a ``__dict__`` property, or a metaclass of the class's own, is code of its own."""
+    net = model()
+    optimizer = cls(net.parameters(), lr=1e-3)
+    train(net, optimizer, 0, 2)
+    assert opttree.schema_for(cls) is None
+    with pytest.raises(opttree.UnsupportedOptimizer, match=re.escape(f"{cls.__qualname__} defines its own {name}")):
+        opttree.reset(optimizer)
+
+
+_Wrapped = TypeVar("_Wrapped")
+
+
+class GenericAdam(torch.optim.Adam, Generic[_Wrapped]):
+    """Typing machinery only: typing's and abc's bases hold no optimizer behaviour."""
+
+
+class AbstractAdam(torch.optim.Adam, abc.ABC):
+    pass
+
+
+class SlotlessAdam(torch.optim.Adam):
+    __slots__ = ()
+
+
+def test_typed_abstract_and_slotless_subclasses_inherit_their_schema() -> None:
+    for cls in (GenericAdam, AbstractAdam, SlotlessAdam, typing.final(type("FinalAdam", (torch.optim.Adam,), {}))):
+        assert opttree.schema_for(cls) is opttree.schema_for(torch.optim.Adam), cls
+
+
+@pytest.mark.parametrize("how", ["scheduler", "compiled"])
+def test_a_step_copied_from_another_optimizer_onto_an_instance_is_its_own(how: str) -> None:
+    """``b.step = a.step`` where ``a``'s step is LRScheduler's wrapper (whose weak reference
+    names ``a``) or a compiled one: torch's wrapper, but of another optimizer's step, which
+    ``b.step()`` steps; a reset of ``b`` then trained unlike a fresh one."""
+    source, copy = torch.optim.Adam(model().parameters()), torch.optim.Adam(model().parameters())
+    if how == "scheduler":
+        torch.optim.lr_scheduler.StepLR(source, 1)
+        setattr(copy, "step", source.step)
+    else:
+        setattr(copy, "step", torch.compile(source.step))
+    (problem,) = opttree.validate(copy)
+    assert problem.kind is opttree.ProblemKind.UNSUPPORTED_OPTIMIZER and "holds its own step on the instance" in problem.message

@@ -198,3 +198,25 @@ def test_megatrons_real_wrappers_hide_nothing() -> None:
     root = chained([fp32(trained_adamw(0)[1], shared), fp32(None, shared)])
     assert isinstance(root.chained_optimizers[0], FP32Optimizer)
     assert opttree.validate(root) == ()
+
+
+def test_a_method_of_its_own_set_on_a_megatron_wrapper_instance_is_refused() -> None:
+    """A ``step`` warming the lr up by a count of its own, set on one ChainedOptimizer: the
+    wrapper's kind says nothing of it, and a reset kept the count."""
+    _, leaf = trained_adamw(0)
+    root = chained([fp32(leaf)])
+    warmed = [0]
+
+    def warming_step() -> object:
+        warmed[0] += 1
+        return ChainedOptimizer.step(root)
+
+    setattr(root, "step", warming_step)
+    before = snapshot(leaf)
+
+    problems = opttree.validate(root)
+    with pytest.raises(opttree.UnknownWrapper, match=r"ChainedOptimizer at <root>: this ChainedOptimizer holds its own step on the instance"):
+        opttree.reset(root)
+
+    assert [p.kind for p in problems] == [opttree.ProblemKind.UNKNOWN_WRAPPER]
+    assert unchanged(leaf, before)

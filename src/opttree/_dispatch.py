@@ -48,8 +48,17 @@ def is_megatron_class(cls: type) -> bool:
         return found
 
 
-_CLASS_NAMESPACE = cast(Callable[[type], Mapping[str, object]], type.__dict__["__dict__"].__get__)
+class_namespace = cast(Callable[[type], Mapping[str, object]], type.__dict__["__dict__"].__get__)
 """A class's own namespace, read without running a metaclass's ``__getattribute__``."""
+
+class_mro = cast(Callable[[type], tuple[type, ...]], type.__dict__["__mro__"].__get__)
+"""A class's MRO, read without running a metaclass's ``__getattribute__``."""
+
+
+def static_attribute(cls: type, name: str) -> object:
+    """What ``cls``'s namespaces hold as ``name``, the nearest first, or None: read raw,
+    running no descriptor and no metaclass code (which could hide a method, or raise)."""
+    return next((namespace[name] for namespace in map(class_namespace, class_mro(cls)) if name in namespace), None)
 
 
 def imported_class(dotted: str) -> type | None:
@@ -66,7 +75,7 @@ def imported_class(dotted: str) -> type | None:
             return None
         found = module.__dict__.get(parts[split])
         for name in parts[split + 1 :]:
-            found = _CLASS_NAMESPACE(found).get(name) if isinstance(found, type) else None
+            found = class_namespace(found).get(name) if isinstance(found, type) else None
         return found if isinstance(found, type) else None
     return None
 

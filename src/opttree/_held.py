@@ -36,6 +36,8 @@ from typing import cast
 
 import torch
 
+from opttree._dispatch import class_mro, class_namespace
+
 IsOptimizer = Callable[[type], bool]
 Held = tuple[str, list[object], bool]
 """An attribute path (``module_infos['vision'].optimizer``), the optimizers found there,
@@ -253,13 +255,41 @@ def only_bookkeeping(optimizers: Sequence[object]) -> bool:
 
 
 def own_attributes(instance: object) -> dict[str, object]:
-    """``instance``'s ``__dict__``, read as ``object`` reads it (a class's own
-    ``__getattribute__`` does not run); empty where it has none, or reading it raises."""
+    """``instance``'s ``__dict__``, read through the descriptor Python made for it: neither a
+    class's own ``__getattribute__`` nor a ``__dict__`` property a class body defines (which
+    could show attributes of its choosing) runs. Empty where it has none."""
+    cls = type(instance)
+    reader = _dict_readers.get(cls)
+    if reader is None:
+        reader = _dict_readers[cls] = next((found for found in map(_dict_descriptor, class_mro(cls)) if found is not None), _no_dict)
     try:
-        attributes = object.__getattribute__(instance, "__dict__")
-    except Exception:  # noqa: BLE001  # no __dict__, or a class's own __dict__ property that raises
+        attributes = reader.__get__(instance, cls)
+    except Exception:  # noqa: BLE001  # a C type's own reader may refuse
         return {}
     return attributes if isinstance(attributes, dict) else {}
+
+
+def _dict_descriptor(klass: type) -> types.GetSetDescriptorType | types.MemberDescriptorType | None:
+    """The descriptor Python made for ``klass``'s instances' ``__dict__`` (a getset one, or
+    a member one for a C type such as ``SimpleNamespace``), or None: not one of another
+    class's set in a class body, nor a property."""
+    found = class_namespace(klass).get("__dict__")
+    if isinstance(found, (types.GetSetDescriptorType, types.MemberDescriptorType)) and found.__objclass__ is klass:
+        return found
+    return None
+
+
+class _NoDict:
+    """The reader of a class whose instances have no ``__dict__``."""
+
+    def __get__(self, instance: object, owner: type) -> dict[str, object]:
+        return {}
+
+
+_no_dict = _NoDict()
+_dict_readers: weakref.WeakKeyDictionary[type, types.GetSetDescriptorType | types.MemberDescriptorType | _NoDict] = weakref.WeakKeyDictionary()
+"""Each class's reader of its instances' ``__dict__``: the namespace entry Python makes
+with a class cannot be replaced later (a class's ``__dict__`` is not writable)."""
 
 
 def instance_attributes(instance: object) -> list[tuple[str, object]]:
@@ -283,8 +313,8 @@ def _slot_attributes(instance: object) -> list[tuple[str, object]]:
     if known is None:
         known = _slots[cls] = [
             (name, klass, descriptor)
-            for klass in cls.__mro__
-            for name, descriptor in vars(klass).items()
+            for klass in class_mro(cls)
+            for name, descriptor in class_namespace(klass).items()
             if isinstance(descriptor, types.MemberDescriptorType) and name not in ("__weakref__", "__dict__")
         ]
     found: list[tuple[str, object]] = []

@@ -8,10 +8,12 @@ unhashable or equal to one another, are keyed by ``id()``.
 
 from __future__ import annotations
 
+from opttree._dispatch import static_attribute
+
 
 def by_identity(cls: type) -> bool:
     """Whether instances of ``cls`` hash and compare by identity, as ``object``'s do."""
-    return getattr(cls, "__hash__", None) is object.__hash__ and getattr(cls, "__eq__", None) is object.__eq__
+    return static_attribute(cls, "__hash__") is object.__hash__ and static_attribute(cls, "__eq__") is object.__eq__
 
 
 def identity_key(obj: object) -> object:

@@ -15,12 +15,14 @@ torch sets as ``step`` on a subclass, ``_use_grad_for_differentiable``, ``LRSche
 
 from __future__ import annotations
 
+import abc
 import os
 import types
 import weakref
 
 import torch
 
+from opttree._dispatch import class_mro, class_namespace, static_attribute
 from opttree._held import OPTIMIZER_BOOKKEEPING, own_attributes
 
 _TORCH_CODE = os.path.dirname(torch.__file__) + os.sep
@@ -30,8 +32,6 @@ CLASS_RECORDS = frozenset(
         "__module__",
         "__qualname__",
         "__doc__",
-        "__dict__",
-        "__weakref__",
         "__annotations__",
         "__annotate__",
         "__annotate_func__",
@@ -43,6 +43,7 @@ CLASS_RECORDS = frozenset(
         "__type_params__",
         "__abstractmethods__",
         "_abc_impl",
+        "__final__",
     }
 )
 """What Python writes into every class's namespace, or a typed or abstract class's: records
@@ -63,38 +64,47 @@ def _in_torch(value: object) -> bool:
     return isinstance(module, str) and (module == "torch" or module.startswith("torch."))
 
 
-def _torch_wrapper(function: object, inner: object) -> bool:
+def _torch_wrapper(function: object, inner: object, owner: object | None) -> bool:
     """Whether ``function``, which wraps ``inner``, runs torch's code alone around it: its
     code lies in torch, and so does everything its closure holds but ``inner`` (a user's
-    subclass of torch's context decorator runs its own ``__enter__``)."""
+    subclass of torch's context decorator runs its own ``__enter__``). With ``owner``, a
+    weak reference it holds must be to ``owner``: ``LRScheduler``'s wrapper steps the
+    optimizer its reference names, another's where it was copied from another."""
     code = getattr(function, "__code__", None)
     if not isinstance(code, types.CodeType) or not code.co_filename.startswith(_TORCH_CODE):
         return False
     cells = getattr(function, "__closure__", None) or ()
-    plain = (type(None), bool, int, float, str, weakref.ref)
+    plain = (type(None), bool, int, float, str)
     wrapped = (inner, getattr(inner, "__func__", inner))  # LRScheduler's holds the function of the bound step it wraps
     for cell in cells:
         try:
             held: object = cell.cell_contents
         except ValueError:  # a cell not yet filled
             continue
-        if not (any(held is target for target in wrapped) or isinstance(held, plain) or _in_torch(held)):
+        if isinstance(held, weakref.ref):
+            if owner is not None and held() is not owner:
+                return False
+        elif not (any(held is target for target in wrapped) or isinstance(held, plain) or _in_torch(held)):
             return False
     return True
 
 
-def unwrapped(method: object) -> object:
+def unwrapped(method: object, owner: object | None = None) -> object:
     """The function a method runs, through the wrappers torch's own code puts around it
     (``_use_grad_for_differentiable``, the profiling hook torch sets as ``step`` on a
     subclass, ``LRScheduler``'s, ``torch.compile``'s), and only those: a user's decorator
     that copies ``__wrapped__`` with ``functools.wraps`` runs code of its own, and so does
-    torch's context decorator around a user's context manager. An object whose own
+    torch's context decorator around a user's context manager. With ``owner`` (for a
+    method held by an instance), a method bound to another object, or a wrapper of one
+    (another optimizer's step, compiled), is what it runs itself. An object whose own
     attribute reads raise is what it runs itself."""
     for _ in range(16):
         try:
+            if owner is not None and isinstance(method, types.MethodType) and method.__self__ is not owner:
+                return method
             function: object = getattr(method, "__func__", method)  # a bound method
             inner: object = getattr(function, "__wrapped__", None)
-            if inner is None or not _torch_wrapper(function, inner):
+            if inner is None or not _torch_wrapper(function, inner, owner):
                 return function
         except Exception:  # noqa: BLE001  # an attribute value's own __getattr__ may raise anything
             return method
@@ -102,55 +112,66 @@ def unwrapped(method: object) -> object:
     return method
 
 
+_NEUTRAL_MODULES = frozenset({"typing", "typing_extensions", "abc"})
+"""Modules whose classes (``Generic``, ``Protocol``, ``ABC``) a typed or abstract subclass
+takes as bases: their namespaces hold typing machinery, no optimizer's behaviour."""
+_NEUTRAL_METACLASSES = (type, abc.ABCMeta)
+
+
 def _defined_below(cls: type, base: type) -> list[tuple[str, object]]:
     """What ``cls`` and its bases that are not ``base`` or one of its bases define (a mixin
     placed after ``base`` too), the nearest definition of each name, records of the class
-    (:data:`CLASS_RECORDS`) left out. Read raw from each class's namespace: no descriptor runs."""
-    inherited = set(base.__mro__)
+    left out (see :func:`_is_record`), and nothing of typing's and abc's own bases. Read
+    raw from each class's namespace: no descriptor and no metaclass code runs."""
+    inherited = set(class_mro(base))
     found: dict[str, object] = {}
-    for klass in cls.__mro__:
-        if klass not in inherited:
-            for name, value in vars(klass).items():
-                if name not in CLASS_RECORDS:
-                    found.setdefault(name, value)
+    for klass in class_mro(cls):
+        namespace = class_namespace(klass)
+        if klass in inherited or namespace.get("__module__") in _NEUTRAL_MODULES:
+            continue
+        for name, value in namespace.items():
+            if not _is_record(klass, name, value):
+                found.setdefault(name, value)
     return list(found.items())
 
 
-_known: weakref.WeakKeyDictionary[type, dict[tuple[type, tuple[str, ...], tuple[int, ...]], tuple[str | None, tuple[object, ...]]]] = (
-    weakref.WeakKeyDictionary()
-)
-""":func:`own_definition`'s answers per class, keyed by the base and what the class defines
-now (each value kept alive beside its answer, so that its ``id`` is not reused): a method
-set on the class later is looked at again, and the class is forgotten with itself."""
+def _is_record(klass: type, name: str, value: object) -> bool:
+    """Whether a class namespace's ``name`` is a record Python makes of every class (or a
+    typed, abstract or final one): ``__dict__`` and ``__weakref__`` only as the descriptors
+    Python makes (a property of that name would show opttree an instance's attributes of its
+    choosing), ``__slots__`` only where it adds none."""
+    if name in ("__dict__", "__weakref__"):
+        return isinstance(value, types.GetSetDescriptorType) and value.__objclass__ is klass
+    if name == "__slots__":
+        return value == () or value == []
+    return name in CLASS_RECORDS
 
 
 def own_definition(cls: type, base: type) -> str | None:
     """The first name ``cls`` defines otherwise than ``base`` (see :func:`_defined_below`),
     where ``base`` is the class of the built-in schema or wrapper kind that would apply to
     it; None where it defines nothing of its own, or only torch's wrappers around ``base``'s
-    methods."""
+    methods. A metaclass of its own (but ``ABCMeta``) counts: it decides what the class's
+    attribute reads give. Read afresh each time: a method set on the class later, or a
+    wrapper's closure changed in place, is looked at again."""
     if cls is base:
         return None
-    defined = _defined_below(cls, base)
-    values = tuple(value for _, value in defined)
-    key = (base, tuple(name for name, _ in defined), tuple(map(id, values)))
-    answers = _known.setdefault(cls, {})
-    known = answers.get(key)
-    if known is not None:
-        return known[0]
-    own = next((name for name, value in defined if unwrapped(value) is not unwrapped(getattr(base, name, None))), None)
-    answers[key] = (own, values)
-    return own
+    metaclass = type(cls)
+    if metaclass is not type(base) and metaclass not in _NEUTRAL_METACLASSES:
+        return f"__class__ (its metaclass {metaclass.__module__}.{metaclass.__qualname__})"
+    return next(
+        (name for name, value in _defined_below(cls, base) if unwrapped(value) is not unwrapped(static_attribute(base, name))),
+        None,
+    )
 
 
 def definer(cls: type, name: str) -> type:
     """The class in ``cls``'s MRO that defines what ``cls`` runs as ``name``: not ``cls``
     where torch has set its profiling hook over a mixin's ``step`` on ``cls`` itself."""
-    try:
-        own = unwrapped(getattr(cls, name, None))
-    except Exception:  # noqa: BLE001  # a class attribute's own __get__ may raise anything
-        return cls
-    return next((klass for klass in cls.__mro__ if vars(klass).get(name) is own), cls)
+    own = unwrapped(static_attribute(cls, name))
+    namespaces = [(klass, class_namespace(klass)) for klass in class_mro(cls)]
+    exact = next((klass for klass, namespace in namespaces if namespace.get(name) is own), None)  # under torch's hook, the mixin's
+    return exact or next((klass for klass, namespace in namespaces if unwrapped(namespace.get(name)) is own), cls)
 
 
 def own_instance_method(instance: object) -> str | None:
@@ -164,10 +185,11 @@ def own_instance_method(instance: object) -> str | None:
         return None
     cls = type(instance)
     for name in sorted(names):
-        try:
-            method = getattr(cls, name, None)
-        except Exception:  # noqa: BLE001  # a metaclass's own __getattr__ may raise anything
-            return name
-        if callable(method) and unwrapped(dict.__getitem__(own, name)) is not unwrapped(method):
+        method = static_attribute(cls, name)
+        if _is_method(method) and unwrapped(dict.__getitem__(own, name), instance) is not unwrapped(method):
             return name
     return None
+
+
+def _is_method(value: object) -> bool:
+    return callable(value) or isinstance(value, (classmethod, staticmethod))

@@ -76,6 +76,16 @@ def instance_builder(optimizer: object) -> str | None:
     return method
 
 
+def wrapper_instance_method(wrapper: object) -> str | None:
+    """The first method a wrapper of a built-in kind holds in its own ``__dict__`` over its
+    class's (a ``step`` that warms the lr up, set on one ChainedOptimizer): where its kind
+    is a user's registration, the registration says what it keeps."""
+    method = own_instance_method(wrapper)
+    if method is None or _user_kinds.resolved(type(wrapper)) is not None:
+        return None
+    return method
+
+
 def instance_builder_reason(optimizer: object, method: str) -> str:
     """Why a leaf whose instance holds its own ``method`` is refused."""
     cls = type(optimizer)

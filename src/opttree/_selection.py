@@ -212,6 +212,26 @@ def tree_params(node: Node, counts: Callable[[torch.optim.Optimizer], bool] = la
     """The parameters of every leaf under ``node`` that ``counts`` accepts."""
     return [p for leaf in tree_leaves(node, counts) for group in leaf.param_groups for p in group["params"]]
 
+def _stand_for(node: Node, copies: set[int]) -> bool:
+    """Whether every parameter the leaves under ``node`` step stands for one of the
+    parameters ``node`` lists: is one of their ``copies``, or a copy of those a wrapper
+    further in steps (a HybridDeviceOptimizer's, under a DistributedOptimizer's shards),
+    wrappers met outer first. Not where a leaf steps a parameter of its own past the list."""
+    reached = set(copies)
+    pending = list(node.children)
+    while pending:
+        child = pending.pop(0)
+        inner_params = INNER_PARAMS.lookup(type(child.optimizer))
+        if inner_params is not None:
+            try:
+                pairs = list(inner_params(child.optimizer, child.path))
+            except OptTreeError:
+                return False
+            reached.update(id(tensor) for param, tensors in pairs if id(param) in reached for tensor in tensors)
+        pending.extend(child.children)
+    return reached.issuperset(map(id, tree_params(node)))
+
+
 # id(tensor at this depth) -> (that tensor, index of the user's parameter it stands for)
 _Flow = dict[int, tuple[torch.Tensor, int]]
 
@@ -251,7 +271,7 @@ class SelectVisitor(TraverserVisitor):
             for tensor in inner_tensors:
                 inner[id(tensor)] = (tensor, found[1])
         inner.update({k: v for k, v in outer.items() if k not in claimed})
-        if copies.issuperset(map(id, tree_params(node))):  # no leaf steps a parameter of its own past the list
+        if _stand_for(node, copies):
             self.coverage.append((optimizer, len(claimed), len(listed)))
         self.flow = inner
         try:

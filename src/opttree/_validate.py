@@ -11,7 +11,7 @@ import torch
 
 from opttree import _registry
 from opttree._containers import PLAIN_STATES, malformed, own_writes
-from opttree._dispatch import is_megatron_class
+from opttree._dispatch import dotted_name, is_megatron_class
 from opttree._errors import OptTreeError
 from opttree._held import Held, held_by_leaf, held_optimizers, only_bookkeeping, own_attributes
 from opttree._hooks import surely_known_hooks, unknown_global_step_hook, unknown_step_hook
@@ -285,12 +285,23 @@ class ValidateVisitor(TraverserVisitor):
         self._inspectors[cls] = inspector
         return inspector
 
-    def _check_own_hooks(self, node: Node) -> None:
+    def _check_own_code(self, node: Node) -> None:
         """A wrapper that is a torch optimizer (a HybridDeviceOptimizer, a registered kind)
-        runs its own step hooks around its inner optimizers' steps, as a leaf runs its own."""
+        runs its own step hooks around its inner optimizers' steps, as a leaf runs its own;
+        and a wrapper of a built-in kind holding a method of its own on the instance (a
+        ``step`` warming the lr up by a count of its own) may keep what its kind does not say."""
+        cls = type(node.optimizer)
         hook = unknown_step_hook(node.optimizer)
         if hook is not None:
-            self.problems.append(Problem(ProblemKind.UNSUPPORTED_OPTIMIZER, node.path, type(node.optimizer).__qualname__, hook))
+            self.problems.append(Problem(ProblemKind.UNSUPPORTED_OPTIMIZER, node.path, cls.__qualname__, hook))
+        method = _registry.wrapper_instance_method(node.optimizer)
+        if method is not None:
+            message = (
+                f"this {cls.__qualname__} holds its own {method} on the instance, otherwise than its class "
+                f"{dotted_name(cls)}, a wrapper kind opttree knows: it may keep optimizers or state its kind does not "
+                "say; set it on a subclass and register that with opttree.register_wrapper(cls, children=...)"
+            )
+            self.problems.append(Problem(ProblemKind.UNKNOWN_WRAPPER, node.path, cls.__qualname__, message))
 
     def _entering(self, node: Node) -> bool:
         """Whether ``node`` is to be visited: not where a tree built by hand nests deeper
@@ -375,7 +386,7 @@ class ValidateVisitor(TraverserVisitor):
         """Check the chain's step unit, its own step hooks and a release under it, then its members."""
         if not self._entering(node):
             return
-        self._check_own_hooks(node)
+        self._check_own_code(node)
         self._check_step_unit(node)
         self._check_release(node)
         self._keep_stepped_params(node)
@@ -386,7 +397,7 @@ class ValidateVisitor(TraverserVisitor):
         groups count, then its sub-optimizers."""
         if not self._entering(node):
             return
-        self._check_own_hooks(node)
+        self._check_own_code(node)
         self._check_release(node)
         pairs = self._keep_stepped_params(node)
         if self._selection.resets("step") and pairs is not None:
@@ -481,16 +492,16 @@ class ValidateVisitor(TraverserVisitor):
         it, then its inner optimizers."""
         if not self._entering(node):
             return
-        self._check_own_hooks(node)
+        self._check_own_code(node)
         self._check_step_unit(node)
         self._check_release(node)
-        self._check_loss_scale(node, self._selection.tensors)
+        self._check_loss_scale(node, self._selection.tensors, self._selection)
         self._keep_stepped_params(node)
         # Megatron's _scale_one, an FP32Optimizer's _scale: kept memory
         self._keep_own_tensors(node, [(name, value) for name, value in own_attributes(node.optimizer).items() if isinstance(value, torch.Tensor)])
         self.visit_children(node)
 
-    def _check_loss_scale(self, node: WrapperNode, chosen: AbstractSet[int] | None) -> None:
+    def _check_loss_scale(self, node: WrapperNode, chosen: AbstractSet[int] | None, counted: Selection) -> None:
         """An fp16 wrapper's loss scaler is reset with its steps: all of them, as the step
         unit check requires, so with none of its parameters ``chosen`` (by ``id``; None
         for all) it is left alone. A scaler met again (a wrapper twice in a chain, or above
@@ -503,14 +514,14 @@ class ValidateVisitor(TraverserVisitor):
             return
         self._scalers_seen.append(scaler)
         cls = type(node.optimizer).__qualname__
-        planned = self._planned_scaler(node, chosen)
+        planned = self._planned_scaler(node, chosen, counted)
         scale = planned.scale if planned is not None else held_scale(scaler)
         if scale is not None:
             into = self._plan.state.written if planned is not None else self._plan.state.kept_ranges
             into.extend(ranges([scale]).owned((node.path, cls, "grad_scaler")))
         self._keep_own_tensors(node, [("grad_scaler", value) for value in own_attributes(scaler).values() if isinstance(value, torch.Tensor) and value is not scale])
 
-    def _planned_scaler(self, node: WrapperNode, chosen: AbstractSet[int] | None) -> ScalerReset | None:
+    def _planned_scaler(self, node: WrapperNode, chosen: AbstractSet[int] | None, counted: Selection) -> ScalerReset | None:
         """The reset of ``node``'s loss scaler, or None where it is kept (counted where the
         reset reaches its wrapper: with ``keep_loss_scale``, or steps kept, as by a partial
         reset, ``prune`` and ``scale``) or a problem with it is reported. Whether the reset
@@ -519,7 +530,7 @@ class ValidateVisitor(TraverserVisitor):
         some ranks only)."""
         planned = plan_scaler(node.optimizer)
         if self._keep_loss_scale or not self._selection.steps:
-            if chosen is None or self._takes_any(node, chosen):
+            if chosen is None or _takes_any(node, chosen, counted):
                 self._plan.scalers_kept += 1
             return None
         if isinstance(planned, str):
@@ -528,18 +539,12 @@ class ValidateVisitor(TraverserVisitor):
             return None
         if planned is None:
             return None
-        taken = chosen is None or self._takes_any(node, chosen)
+        taken = chosen is None or _takes_any(node, chosen, counted)
         self._scalers_decided.append((node, taken))
         if not taken:
             return None
         self._plan.scalers.append(planned)
         return planned
-
-    def _takes_any(self, node: Node, chosen: AbstractSet[int]) -> bool:
-        covered = self._selection.covered(node.optimizer)
-        if covered is not None:
-            return covered[0] > 0
-        return any(id(p) in chosen for p in tree_params(node))
 
     def _check_loss_scales(self, root: Node) -> None:
         """A Megatron stack scales its loss by one loss scaler (a ChainedOptimizer's and a
@@ -599,19 +604,20 @@ class ValidateVisitor(TraverserVisitor):
         outer = TreeBuilder(_registry.kind_for, []).build(wrapper, path)  # what it refuses outside the subtree is not the subtree's
         mine = set(map(id, tree_params(root)))
         chosen = mine if selection.tensors is None else mine & selection.tensors
+        counted = _subtree_coverage(outer, root, chosen) if selection.tensors is None else EVERYTHING
         pending: list[Node] = [outer]
         while pending:
             node = pending.pop()
             pending.extend(node.children)
             if isinstance(node, WrapperNode):
-                self._check_loss_scale(node, chosen)
-            split = _split_step_unit(node, chosen)
+                self._check_loss_scale(node, chosen, counted)
+            split = _split_step_unit(node, chosen, counted)
             if split is not None:
                 taken, total = split
                 message = (
                     f"a subtree under {type(wrapper).__qualname__} at {path}, whose {type(node.optimizer).__qualname__} at "
                     f"{node.path} saves one step for {total} parameters, of which the reset takes {taken}: a checkpoint of "
-                    "unequal steps fails to save; reset all of them, or leave 'step' out of keys"
+                    "unequal steps fails to save or to load; reset all of them, or leave 'step' out of keys"
                 )
                 self.problems.append(Problem(ProblemKind.PARTIAL_STEP, root.path, cls, message, "step"))
                 return
@@ -629,13 +635,13 @@ class ValidateVisitor(TraverserVisitor):
             )
             self.problems.append(Problem(ProblemKind.UNEQUAL_STEPS, node.path, type(node.optimizer).__qualname__, message, "step"))
         chosen = self._selection.tensors
-        split = _split_step_unit(node, chosen, self._selection.covered(node.optimizer)) if chosen is not None and self._selection.steps else None
+        split = _split_step_unit(node, chosen, self._selection) if chosen is not None and self._selection.steps else None
         if split is not None:
             taken, total = split
             message = (
                 f"{taken} of the {total} parameters whose steps it saves as one are selected with 'step' "
                 "in keys: Megatron saves one step for all of them, and a checkpoint of unequal steps fails "
-                "to save; select all of them, or leave 'step' out of keys"
+                "to save or to load; select all of them, or leave 'step' out of keys"
             )
             self.problems.append(Problem(ProblemKind.PARTIAL_STEP, node.path, type(node.optimizer).__qualname__, message, "step"))
 
@@ -674,22 +680,82 @@ _NO_STATE = StateSchema()
 parameters it keeps."""
 
 
-def _split_step_unit(node: Node, chosen: frozenset[int] | set[int], covered: tuple[int, int] | None = None) -> tuple[int, int] | None:
+def _takes_any(node: Node, chosen: AbstractSet[int], counted: Selection) -> bool:
+    """Whether a reset takes any of ``node``'s parameters: as ``counted`` counts them on
+    every rank alike, where it does (see :meth:`Selection.covered`)."""
+    covered = counted.covered(node.optimizer)
+    if covered is not None:
+        return covered[0] > 0
+    return any(id(p) in chosen for p in tree_params(node))
+
+
+def _subtree_coverage(outer: Node, root: Node, chosen: AbstractSet[int]) -> Selection:
+    """How much of each wrapper of ``outer`` that steps copies or shards the subtree
+    ``root`` takes, told by the subtree's leaves, which every rank's tree holds alike, and
+    not by this rank's shards (a rank may hold none of a wrapper's): all of its parameters
+    where all its leaves lie in the subtree, none where none does, else some (this rank's
+    count, kept between one and all but one)."""
+    inside = identity_keys(cast(list[object], tree_leaves(root)))
+    coverage: list[tuple[object, int, int]] = []
+    pending = [outer]
+    while pending:
+        node = pending.pop()
+        pending.extend(node.children)
+        inner_params = INNER_PARAMS.lookup(type(node.optimizer))
+        if inner_params is None:
+            continue
+        try:
+            total = len({id(param) for param, _ in inner_params(node.optimizer, node.path)})
+        except OptTreeError:  # its pairs cannot be read: reported where its own checks read them
+            continue
+        leaves = [identity_key(leaf) in inside for leaf in tree_leaves(node)]
+        if all(leaves) and leaves:
+            coverage.append((node.optimizer, total, total))
+        elif not any(leaves):
+            coverage.append((node.optimizer, 0, total))
+        elif total > 1:
+            local = sum(id(p) in chosen for p in tree_params(node))
+            coverage.append((node.optimizer, min(max(local, 1), total - 1), total))
+    return Selection(coverage=tuple(coverage))
+
+
+def _split_step_unit(node: Node, chosen: frozenset[int] | set[int], selection: Selection = EVERYTHING) -> tuple[int, int] | None:
     """Where ``node`` is a Megatron step unit (see :data:`~opttree._selection.STEP_UNITS`)
     whose parameters counting steps ``chosen`` takes some but not all of: how many it
-    takes, of how many. ``covered``: how many of the wrapper's parameters are selected,
-    of how many, counted alike on every rank (see :meth:`Selection.covered`), which
-    decides in place of this rank's own shards: a DistributedOptimizer saves one step for
-    all of its ranks' shards."""
+    takes, of how many."""
+    counted = _unit_count(node, chosen, selection)
+    if counted is None:
+        return None
+    taken, total = counted
+    return (taken, total) if 0 < taken < total else None
+
+
+def _unit_count(node: Node, chosen: frozenset[int] | set[int], selection: Selection) -> tuple[int, int] | None:
+    """How many of the parameters whose steps a Megatron step unit saves as one ``chosen``
+    takes, of how many; None where ``node`` is no unit. A wrapper whose parameters
+    ``selection`` counts on every rank alike (see :meth:`Selection.covered`) counts so: a
+    DistributedOptimizer saves one step for all of its ranks' shards. A ChainedOptimizer
+    counts its members that save their steps per group too: a DistributedOptimizer's
+    checkpoint writes its one step into each group, and the chain's load asserts those of
+    all its members equal (``_synchronize_steps``)."""
     locations = STEP_UNITS.lookup(type(node.optimizer))
     if locations is None:
         return None
+    covered = selection.covered(node.optimizer)
     if covered is not None:
-        taken, total = covered
-    else:
+        return covered
+    if not isinstance(node, ChainedNode):
         params = tree_params(node, lambda leaf: _registry.step_location(type(leaf)) in locations)
-        taken, total = sum(id(p) in chosen for p in params), len(params)
-    return (taken, total) if 0 < taken < total else None
+        return sum(id(p) in chosen for p in params), len(params)
+    taken = total = 0
+    for member in node.children:
+        inner = STEP_UNITS.lookup(type(member.optimizer))
+        counted = _unit_count(member, chosen, selection) if inner is not None and StepLocation.PER_GROUP in inner else None
+        if counted is None:
+            params = tree_params(member, lambda leaf: _registry.step_location(type(leaf)) in locations)
+            counted = (sum(id(p) in chosen for p in params), len(params))
+        taken, total = taken + counted[0], total + counted[1]
+    return taken, total
 
 
 def _unit_steps(node: Node) -> set[float]:
