@@ -48,7 +48,7 @@ import torch
 from opttree import _registry
 from opttree._trees import tree
 from opttree._checkpoint_layouts import STEP_KEY, Load, check_history_apart, layout_error, walk
-from opttree._nodes import LeafNode, Node
+from opttree._nodes import LeafNode, Node, tree_nodes
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import StepType
 from opttree._selection import tree_leaves
@@ -177,10 +177,7 @@ def _restore_group_steps(root: Node, group_steps: dict[int, float]) -> None:
     holding the step its saved param groups hold: Megatron's load puts every parameter on
     one tensor, and its ``dp_reshardable`` load leaves in it the loading optimizer's own
     step (the 1 of its dummy-state init where 2 was saved, measured on 0.19.2)."""
-    pending = [root]
-    while pending:
-        node = pending.pop()
-        pending.extend(node.children)
+    for node in tree_nodes(root):
         saved = group_steps.get(id(node.optimizer))
         if saved is None:
             continue

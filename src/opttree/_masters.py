@@ -25,18 +25,12 @@ from attrs import frozen
 from opttree._dispatch import LazyDispatch
 from opttree._errors import OptTreeError
 from opttree._held import own_attributes
-from opttree._nodes import LeafNode, Node
+from opttree._nodes import LeafNode, Node, tree_nodes
 from opttree._preflight import Extents, overlap, plain_torch, ranges, unwritable_reason
 from opttree._problems import Problem, ProblemKind
 from opttree._registry import schema_for
 from opttree._selection import INNER_PARAMS, InnerParams, model_parameters, tree_params, unnamed_param
 from opttree._fields import kind_of
-
-
-def _walk(node: Node) -> Iterator[Node]:
-    yield node
-    for child in node.children:
-        yield from _walk(child)
 
 
 def _hybrid_copies(hybrid: object, path: str) -> Iterator[tuple[torch.Tensor, Sequence[torch.Tensor]]]:
@@ -249,7 +243,7 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
     compared: list[_Pair] = []
     params: dict[int, tuple[str, torch.Tensor]] = {}
     readable = True
-    for node in _walk(root):
+    for node in tree_nodes(root):
         cls = type(node.optimizer).__qualname__
         try:
             pairs = list(_pairs(node))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice, repeat
 from typing import TYPE_CHECKING, TypeVar
 
@@ -225,3 +225,13 @@ def leaves_in_bulk(paths: Sequence[str], optimizers: Sequence[torch.optim.Optimi
         slot = getattr(LeafNode, name)  # the slot's member descriptor, which a frozen class's __setattr__ does not guard
         deque(map(slot.__set__, islice(nodes, 1, None), islice(values[name], 1, None)), maxlen=0)
     return nodes
+
+
+def tree_nodes(root: Node) -> Iterator[Node]:
+    """``root`` and every node below it, in tree order (each before its children, children
+    in order), without recursion (a tree built by hand may nest deeper than Python recurses)."""
+    pending = [root]
+    while pending:
+        node = pending.pop()
+        pending.extend(reversed(node.children))
+        yield node

@@ -18,7 +18,7 @@ from opttree._hooks import surely_known_hooks, unknown_global_step_hook, unknown
 from opttree._identity import identity_key, identity_keys
 from opttree._adapter import TreeBuilder
 from opttree._inspect import GRADIENTS, LeafInspector, held_gradients, key_label, step_numbers
-from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
+from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode, tree_nodes
 from opttree._plan import ResetPlan, StateEntry
 from opttree._preflight import Owner, duplicates, overlap, plain_torch, ranges, unique_ranges
 from opttree._problems import Problem, ProblemKind, Severity
@@ -605,10 +605,7 @@ class ValidateVisitor(TraverserVisitor):
         mine = set(map(id, tree_params(root)))
         chosen = mine if selection.tensors is None else mine & selection.tensors
         counted = _subtree_coverage(outer, root, chosen) if selection.tensors is None else EVERYTHING
-        pending: list[Node] = [outer]
-        while pending:
-            node = pending.pop()
-            pending.extend(node.children)
+        for node in tree_nodes(outer):
             if isinstance(node, WrapperNode):
                 self._check_loss_scale(node, chosen, counted)
             split = _split_step_unit(node, chosen, counted)
@@ -697,10 +694,7 @@ def _subtree_coverage(outer: Node, root: Node, chosen: AbstractSet[int]) -> Sele
     count, kept between one and all but one)."""
     inside = identity_keys(cast(list[object], tree_leaves(root)))
     coverage: list[tuple[object, int, int]] = []
-    pending = [outer]
-    while pending:
-        node = pending.pop()
-        pending.extend(node.children)
+    for node in tree_nodes(outer):
         inner_params = INNER_PARAMS.lookup(type(node.optimizer))
         if inner_params is None:
             continue
