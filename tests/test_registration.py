@@ -1105,6 +1105,32 @@ def test_typed_abstract_and_slotless_subclasses_inherit_their_schema() -> None:
         assert opttree.schema_for(cls) is opttree.schema_for(torch.optim.Adam), cls
 
 
+class _SlotsThatCannotBeCompared:
+    """An iterable of no slot names (Python accepts it as ``__slots__``) whose ``==`` raises."""
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("not comparable")
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class HostileSlotsAdam(torch.optim.Adam):
+    __slots__ = _SlotsThatCannotBeCompared()  # type: ignore[assignment]
+
+
+def test_slots_of_a_kind_other_than_an_empty_tuple_or_list_are_its_own_and_never_compared() -> None:
+    """``__slots__`` adding no slot is a record only as an empty tuple or list; anything else
+    is the class's own, found without calling its ``==``."""
+    optimizer = HostileSlotsAdam(model().parameters())
+    (problem,) = opttree.validate(optimizer)
+    assert problem.kind is opttree.ProblemKind.UNSUPPORTED_OPTIMIZER and "defines its own __slots__" in problem.message
+    with pytest.raises(opttree.UnsupportedOptimizer, match="defines its own __slots__"):
+        opttree.reset(optimizer)
+
+
 @pytest.mark.parametrize("how", ["scheduler", "compiled"])
 def test_a_step_copied_from_another_optimizer_onto_an_instance_is_its_own(how: str) -> None:
     """``b.step = a.step`` where ``a``'s step is LRScheduler's wrapper (whose weak reference

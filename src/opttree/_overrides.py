@@ -143,7 +143,7 @@ def _is_record(klass: type, name: str, value: object) -> bool:
     if name in ("__dict__", "__weakref__"):
         return isinstance(value, types.GetSetDescriptorType) and value.__objclass__ is klass
     if name == "__slots__":
-        return value == () or value == []
+        return type(value) in (tuple, list) and not value  # by type first: a hostile object's __eq__ could raise
     return name in CLASS_RECORDS
 
 

@@ -70,18 +70,19 @@ def instance_builder(optimizer: object) -> str | None:
     """The first method ``optimizer`` holds in its own ``__dict__`` over its class's,
     where a built-in schema applies to the class: a ``step`` set on one instance may keep
     other state, as a subclass's may. None where it holds none, or a user's registration applies."""
-    method = own_instance_method(optimizer)
-    if method is None or _user_schemas.resolved(type(optimizer)) is not None:
-        return None
-    return method
+    return _unregistered_instance_method(optimizer, _user_schemas)
 
 
 def wrapper_instance_method(wrapper: object) -> str | None:
     """The first method a wrapper of a built-in kind holds in its own ``__dict__`` over its
     class's (a ``step`` that warms the lr up, set on one ChainedOptimizer): where its kind
     is a user's registration, the registration says what it keeps."""
-    method = own_instance_method(wrapper)
-    if method is None or _user_kinds.resolved(type(wrapper)) is not None:
+    return _unregistered_instance_method(wrapper, _user_kinds)
+
+
+def _unregistered_instance_method(obj: object, registrations: LazyDispatch[StateSchema] | LazyDispatch[Expander]) -> str | None:
+    method = own_instance_method(obj)
+    if method is None or registrations.resolved(type(obj)) is not None:
         return None
     return method
 
