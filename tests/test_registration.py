@@ -1118,7 +1118,7 @@ class _SlotsThatCannotBeCompared:
 
 
 class HostileSlotsAdam(torch.optim.Adam):
-    __slots__ = _SlotsThatCannotBeCompared()  # type: ignore[assignment]
+    __slots__ = _SlotsThatCannotBeCompared()
 
 
 def test_slots_of_a_kind_other_than_an_empty_tuple_or_list_are_its_own_and_never_compared() -> None:
