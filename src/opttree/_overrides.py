@@ -16,11 +16,16 @@ torch sets as ``step`` on a subclass, ``_use_grad_for_differentiable``, ``LRSche
 from __future__ import annotations
 
 import abc
+import functools
 import os
+import sys
 import types
 import weakref
 
 import torch
+
+from collections.abc import Iterable
+from typing import cast
 
 from opttree._dispatch import class_mro, class_namespace, static_attribute
 from opttree._held import OPTIMIZER_BOOKKEEPING, own_attributes
@@ -71,7 +76,7 @@ def _torch_wrapper(function: object, inner: object, owner: object | None) -> boo
     weak reference it holds must be to ``owner``: ``LRScheduler``'s wrapper steps the
     optimizer its reference names, another's where it was copied from another."""
     code = getattr(function, "__code__", None)
-    if not isinstance(code, types.CodeType) or not code.co_filename.startswith(_TORCH_CODE):
+    if not isinstance(code, types.CodeType) or not (code.co_filename.startswith(_TORCH_CODE) or code in _deprecation_wrappers()):
         return False
     cells = getattr(function, "__closure__", None) or ()
     plain = (type(None), bool, int, float, str)
@@ -84,9 +89,35 @@ def _torch_wrapper(function: object, inner: object, owner: object | None) -> boo
         if isinstance(held, weakref.ref):
             if owner is not None and held() is not owner:
                 return False
-        elif not (any(held is target for target in wrapped) or isinstance(held, plain) or _in_torch(held)):
+        elif not (any(held is target for target in wrapped) or isinstance(held, plain) or _in_torch(held) or _is_warning(held)):
             return False
     return True
+
+
+def _is_warning(value: object) -> bool:
+    """Whether ``value`` is one of Python's own warning classes, as a deprecation wrapper holds."""
+    return isinstance(value, type) and issubclass(value, Warning) and value.__module__ == "builtins"
+
+
+@functools.cache
+def _deprecation_wrappers() -> frozenset[types.CodeType]:
+    """The code of the wrapper ``typing_extensions.deprecated`` (torch's own methods use it:
+    ``Optimizer._cuda_graph_capture_health_check``) and ``warnings.deprecated`` put around a
+    function: it warns, then runs the function it wraps, and nothing else."""
+    import typing_extensions  # a dependency of torch
+
+    makers = [typing_extensions.deprecated, getattr(__import__("warnings"), "deprecated", None)]
+    found: set[types.CodeType] = set()
+    for maker in makers:
+        if maker is not None:
+            code = getattr(maker("")(_sample), "__code__", None)
+            if isinstance(code, types.CodeType):
+                found.add(code)
+    return frozenset(found)
+
+
+def _sample() -> None:
+    """A function to wrap, to find the code a decorator wraps functions with."""
 
 
 def unwrapped(method: object, owner: object | None = None) -> object:
@@ -193,3 +224,89 @@ def own_instance_method(instance: object) -> str | None:
 
 def _is_method(value: object) -> bool:
     return callable(value) or isinstance(value, (classmethod, staticmethod))
+
+
+def foreign_method(cls: type) -> tuple[type, str, str] | None:
+    """The first method that ``cls`` or one of its bases holds in its namespace as code
+    from outside the package that defines that class: a patch (``torch.optim.Adam.step =
+    counting_step``), which may build, count or change state opttree does not read. As the
+    class, the name and the file of that code. Methods are functions, class and static
+    methods and properties, read through the wrappers torch puts around a method and
+    deprecation wrappers (see :func:`unwrapped`). A base's own method is not foreign to a
+    class below it: torch sets its profiling hook around a base's ``step`` on the class it
+    builds (Megatron's ``TensorParallelMuon`` over emerging-optimizers' ``step``), and the
+    base is read as its own package's. Python's own classes, and those of a package that
+    lies nowhere on disk (a module made in memory), are not placed."""
+    mro = class_mro(cls)
+    for index, klass in enumerate(mro):
+        namespace = class_namespace(klass)
+        places = _package_places(namespace.get("__module__"))
+        if not places:
+            continue
+        for name, value in namespace.items():
+            for function in _functions_of(value):
+                found = _code_of(function)
+                if found is None or found[1].startswith(places):
+                    continue
+                if not any(unwrapped(class_namespace(base).get(name)) is found[0] for base in mro[index + 1 :]):
+                    return klass, name, found[1]
+    return None
+
+
+def _functions_of(value: object) -> tuple[object, ...]:
+    """What a class namespace's ``value`` runs when called or read: a class or static
+    method's function, a property's accessors, or the value itself (not a class)."""
+    if isinstance(value, (classmethod, staticmethod)):
+        return (value.__func__,)
+    if isinstance(value, property):
+        return tuple(f for f in (value.fget, value.fset, value.fdel) if f is not None)
+    return () if isinstance(value, type) else (value,)
+
+
+def _code_of(function: object) -> tuple[object, str] | None:
+    """The Python function ``function`` runs and the file of its code, through torch's and
+    deprecation wrappers, and through any other wrapper without code of its own
+    (``functools.lru_cache``'s) to the function it wraps; None where it runs none (a
+    builtin, a typing alias)."""
+    for _ in range(16):
+        found = unwrapped(function)
+        code = getattr(found, "__code__", None) if isinstance(found, types.FunctionType) else None
+        if isinstance(code, types.CodeType):
+            return found, code.co_filename
+        inner = own_attributes(found).get("__wrapped__")
+        if inner is None:
+            return None
+        function = inner
+    return None
+
+
+def _package_places(module: object) -> tuple[str, ...]:
+    """Where the top-level package of the module named ``module`` lies on disk: its
+    directories (several for a namespace package), or a lone module's file; none where it
+    is Python's own, not imported, or lies nowhere on disk."""
+    if not isinstance(module, str) or module in ("builtins", *_NEUTRAL_MODULES):
+        return ()
+    name = module.partition(".")[0]
+    places = _places.get(name)
+    if places is None:
+        places = _places_on_disk(sys.modules.get(name))
+        if places:  # a package imported stays where it was found
+            _places[name] = places
+    return places
+
+
+def _places_on_disk(top: object) -> tuple[str, ...]:
+    if top is None:
+        return ()
+    attributes = own_attributes(top)
+    paths = attributes.get("__path__")
+    if paths is not None:
+        try:
+            return tuple(os.path.join(str(path), "") for path in list(cast(Iterable[object], paths)))
+        except Exception:  # noqa: BLE001  # a namespace path recomputed from an odd sys.path
+            return ()
+    file = attributes.get("__file__")
+    return (file,) if isinstance(file, str) else ()
+
+
+_places: dict[str, tuple[str, ...]] = {}

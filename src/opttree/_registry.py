@@ -28,7 +28,7 @@ from opttree._schemas import builtin_schemas
 from opttree._schema import StateSchema, StepLocation
 from opttree._selection import INNER_PARAMS, InnerParams
 from opttree._fields import kind_of
-from opttree._overrides import definer, own_definition, own_instance_method
+from opttree._overrides import definer, foreign_method, own_definition, own_instance_method
 
 _builtin_schemas = builtin_schemas()
 _user_schemas: LazyDispatch[StateSchema] = LazyDispatch()
@@ -85,6 +85,47 @@ def _unregistered_instance_method(obj: object, registrations: LazyDispatch[State
     if method is None or registrations.resolved(type(obj)) is not None:
         return None
     return method
+
+
+def patched_schema_reason(cls: type) -> str | None:
+    """Why a leaf class whose built-in schema applies is refused: the class the schema is
+    for, or a base of it, holds a method patched in from outside its package (see
+    :func:`~opttree._overrides.foreign_method`); None where none is, or a user's
+    registration applies, which is the user's word for what the class keeps."""
+    if _user_schemas.resolved(cls) is not None:
+        return None
+    found = _builtin_schemas.lookup_owner(cls)
+    patch = None if found is None else foreign_method(found[0])
+    if patch is None:
+        return None
+    return (
+        f"{_patch_text(patch)}: a patch of a class whose state opttree knows may build, count or change state it does "
+        f"not read; if it keeps none, register the schema yourself: opttree.register_schema({cls.__qualname__}, "
+        f"opttree.schema_for({cls.__qualname__}))"
+    )
+
+
+def patched_kind_reason(cls: type) -> str | None:
+    """:func:`patched_schema_reason` for a wrapper of a built-in kind: a patched method
+    may keep optimizers or state its kind does not say."""
+    if _user_kinds.resolved(cls) is not None:
+        return None
+    found = _builtin_kinds.lookup_owner(cls)
+    if found is None or found[1] in (expand_leaf, expand_unknown_megatron):  # a leaf's schema says; an unknown one is refused
+        return None
+    patch = foreign_method(found[0])
+    if patch is None:
+        return None
+    return (
+        f"{_patch_text(patch)}: a patch of a wrapper kind opttree knows may keep optimizers or state the kind does not "
+        "say; undo the patch, or, if it keeps none, register the class with opttree.register_wrapper(cls, children=...), "
+        "naming its optimizers (children=lambda w: [(\"optimizer\", w.optimizer)] for one over a single optimizer)"
+    )
+
+
+def _patch_text(patch: tuple[type, str, str]) -> str:
+    klass, name, file = patch
+    return f"{dotted_name(klass)}.{name} runs code from {file}, outside the package that defines {klass.__qualname__}"
 
 
 def instance_builder_reason(optimizer: object, method: str) -> str:

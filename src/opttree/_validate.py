@@ -88,6 +88,7 @@ class ValidateVisitor(TraverserVisitor):
         """What :meth:`check` found, in the order it found it."""
         self._plan = ResetPlan()
         self._inspectors: dict[type, LeafInspector | None] = {}
+        self._patches: dict[tuple[type, bool], str | None] = {}
         self._contained: list[object] = []
         self._held: list[tuple[Node, Held]] = []
         self._release_refused = False
@@ -280,10 +281,18 @@ class ValidateVisitor(TraverserVisitor):
     def _inspector_for(self, cls: type) -> LeafInspector | None:
         if cls in self._inspectors:
             return self._inspectors[cls]
-        schema = _registry.schema_for(cls)
+        schema = _registry.schema_for(cls) if self._patch_of(cls) is None else None
         inspector = None if schema is None else LeafInspector(schema, self._plan, self.problems, self._selection)
         self._inspectors[cls] = inspector
         return inspector
+
+    def _patch_of(self, cls: type, *, wrapper: bool = False) -> str | None:
+        """Why a leaf class's built-in schema, or a wrapper class's built-in kind, does not
+        apply, patched: read once a walk."""
+        key = (cls, wrapper)
+        if key not in self._patches:
+            self._patches[key] = (_registry.patched_kind_reason if wrapper else _registry.patched_schema_reason)(cls)
+        return self._patches[key]
 
     def _check_own_code(self, node: Node) -> None:
         """A wrapper that is a torch optimizer (a HybridDeviceOptimizer, a registered kind)
@@ -294,6 +303,9 @@ class ValidateVisitor(TraverserVisitor):
         hook = unknown_step_hook(node.optimizer)
         if hook is not None:
             self.problems.append(Problem(ProblemKind.UNSUPPORTED_OPTIMIZER, node.path, cls.__qualname__, hook))
+        patched = self._patch_of(cls, wrapper=True)
+        if patched is not None:
+            self.problems.append(Problem(ProblemKind.UNKNOWN_WRAPPER, node.path, cls.__qualname__, patched))
         method = _registry.wrapper_instance_method(node.optimizer)
         if method is not None:
             message = (
@@ -653,6 +665,7 @@ class ValidateVisitor(TraverserVisitor):
         cls = type(node.optimizer)
         own_method = _registry.instance_builder(node.optimizer)
         reason = _registry.instance_builder_reason(node.optimizer, own_method) if own_method is not None else unknown_step_hook(node.optimizer)
+        reason = reason or self._patch_of(cls)
         if reason is not None:
             self.problems.append(Problem(ProblemKind.UNSUPPORTED_OPTIMIZER, node.path, cls.__qualname__, reason))
             return

@@ -1,0 +1,173 @@
+"""A class opttree knows, patched in place (``torch.optim.AdamW.step = warmed_step``): the
+code it runs is no longer the code whose state its schema or wrapper kind describes."""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+import textwrap
+import weakref
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+import opttree
+from opttree.testing import build, is_available
+from tests.helpers import model, snapshot, train, unchanged
+
+_ORIGINAL_STEP = torch.optim.AdamW.step
+_calls: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+
+
+@functools.wraps(_ORIGINAL_STEP)
+def warmed_step(self: torch.optim.AdamW, closure: Callable[[], float] | None = None) -> float | None:
+    """A warm-up kept outside the optimizer's state: its first two steps at a tenth of the lr."""
+    count = _calls.get(self, 0)
+    _calls[self] = count + 1
+    scale = 0.1 if count < 2 else 1.0
+    for group in self.param_groups:
+        group["lr"] *= scale
+    try:
+        loss: float | None = _ORIGINAL_STEP(self, closure)
+        return loss
+    finally:
+        for group in self.param_groups:
+            group["lr"] /= scale
+
+
+@pytest.fixture
+def patched_adamw(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(torch.optim.AdamW, "step", warmed_step)
+    yield
+
+
+def by_hand(optimizer: torch.optim.Optimizer) -> None:
+    """What a reset of AdamW's state does, written out: its moments and steps zeroed."""
+    with torch.no_grad():
+        for entry in optimizer.state.values():
+            for value in entry.values():
+                value.zero_()
+
+
+@pytest.mark.usefixtures("patched_adamw")
+def test_a_patched_step_of_a_known_class_is_refused_with_nothing_changed() -> None:
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    train(net, optimizer, 0, 3)
+    before = snapshot(optimizer)
+
+    (problem,) = opttree.validate(optimizer)
+    assert problem.kind is opttree.ProblemKind.UNSUPPORTED_OPTIMIZER
+    assert "torch.optim.adamw.AdamW.step runs code from" in problem.message and __file__ in problem.message
+    with pytest.raises(opttree.UnsupportedOptimizer, match="a patch of a class whose state opttree knows"):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before)
+
+
+@pytest.mark.usefixtures("patched_adamw")
+def test_the_patch_keeps_state_that_a_reset_of_the_schemas_keys_would_keep() -> None:
+    """Why it is refused: the state of the optimizer's own keys reset, a patched optimizer
+    still trains unlike a fresh one (its warm-up is spent)."""
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    train(net, optimizer, 0, 3)
+    by_hand(optimizer)
+    twin = model()
+    twin.load_state_dict(net.state_dict())
+    fresh = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    train(net, optimizer, 3, 2)
+    train(twin, fresh, 3, 2)
+    assert not all(torch.equal(a, b) for a, b in zip(net.parameters(), twin.parameters(), strict=True))
+
+
+def test_a_patched_method_of_a_base_refuses_every_class_below_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = torch.optim.Optimizer.zero_grad
+
+    def counted_zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        original(self, set_to_none)
+
+    monkeypatch.setattr(torch.optim.Optimizer, "zero_grad", counted_zero_grad)
+    for cls in (torch.optim.SGD, torch.optim.Adam):
+        optimizer = cls(model().parameters(), lr=1e-2)
+        (problem,) = opttree.validate(optimizer)
+        assert "torch.optim.optimizer.Optimizer.zero_grad runs code from" in problem.message
+
+
+@pytest.mark.skipif(not is_available("fp32"), reason="no Megatron optimizer in this lane")
+def test_a_patched_method_of_a_megatron_wrapper_kind_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    stack = build("fp32")
+    stack.train(0, 2)
+    wrapper = type(stack.optimizer)
+    original = wrapper.step
+
+    def step(self: object) -> object:
+        return original(self)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(wrapper, "step", step)
+    problems = opttree.validate(stack.optimizer)
+    assert [p.kind for p in problems] == [opttree.ProblemKind.UNKNOWN_WRAPPER]
+    assert f"{wrapper.__module__}.{wrapper.__qualname__}.step runs code from" in problems[0].message
+    with pytest.raises(opttree.UnknownWrapper, match="a patch of a wrapper kind opttree knows"):
+        opttree.reset(stack.optimizer)
+
+
+def test_torchs_own_deprecation_wrapper_is_not_a_patch() -> None:
+    """``Optimizer._cuda_graph_capture_health_check`` is wrapped by
+    ``typing_extensions.deprecated``, whose code lies outside torch: it warns, then runs
+    torch's function."""
+    method = vars(torch.optim.Optimizer).get("_cuda_graph_capture_health_check")
+    wrapped = getattr(method, "__wrapped__", None)
+    if wrapped is None:
+        pytest.skip("this torch does not wrap it")
+    assert "typing_extensions" in method.__code__.co_filename  # type: ignore[union-attr]
+    assert opttree.validate(torch.optim.Adam(model().parameters())) == ()
+
+
+def test_a_patched_class_registered_by_the_user_is_reset_exactly() -> None:
+    """The refusal names the way out: the user's registration of the class's schema (or,
+    for a wrapper, of its kind), their word that the patch keeps no state. Registrations
+    last the process, so it runs apart."""
+    script = textwrap.dedent(
+        """
+        import functools, torch, opttree
+        from tests.helpers import model, train, trains_as_fresh
+        original = torch.optim.AdamW.step
+
+        @functools.wraps(original)
+        def logged_step(self, closure=None):
+            return original(self, closure)
+
+        torch.optim.AdamW.step = logged_step
+        net = model()
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        train(net, optimizer, 0, 3)
+        assert opttree.validate(optimizer)
+        opttree.register_schema(torch.optim.AdamW, opttree.schema_for(torch.optim.AdamW))
+        assert opttree.validate(optimizer) == ()
+        opttree.reset(optimizer)
+        assert trains_as_fresh(net, optimizer, lambda twin: torch.optim.AdamW(twin.parameters(), lr=1e-2), 3, 3)
+        print("ok")
+
+        from opttree.testing import build
+        stack = build("dist_fp32")
+        stack.train(0, 2)
+        member = type(stack.optimizer.chained_optimizers[0])
+        member_step = member.step
+        member.step = lambda self: member_step(self)
+        assert [p.kind.value for p in opttree.validate(stack.optimizer)] == ["unknown-wrapper"]
+        opttree.register_wrapper(member, children=lambda w: [("optimizer", w.optimizer)])
+        assert opttree.validate(stack.optimizer) == ()
+        opttree.reset(stack.optimizer)
+        fresh = build("dist_fp32")
+        fresh.copy_weights_from(stack)
+        stack.train(2, 2)
+        fresh.train(2, 2)
+        assert all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))
+        print("ok")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["ok", "ok"]
