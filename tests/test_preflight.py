@@ -4,8 +4,13 @@ the reset refuses, names the leaf and key, and changes nothing; validate reports
 from __future__ import annotations
 
 import copy
+import os
+import tempfile
 import warnings
 from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
 
 import pytest
 import torch
@@ -65,6 +70,19 @@ def leaked_from_grad(like: torch.Tensor) -> torch.Tensor:
     return leaked[0]
 
 
+def read_only_map(like: torch.Tensor) -> torch.Tensor:
+    """History loaded through a read-only memory map, as ``np.load(..., mmap_mode="r")``
+    gives: zeroing it killed the process with SIGSEGV."""
+    fd, path = tempfile.mkstemp()
+    os.close(fd)
+    np.ones(like.numel(), dtype=np.float32).tofile(path)
+    mapped = np.memmap(path, mode="r", dtype=np.float32, shape=tuple(like.shape))
+    os.unlink(path)  # the mapping outlives the name
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that the array is not writable
+        return torch.from_numpy(mapped)
+
+
 class Traced(torch.Tensor):
     """A tensor subclass with its own dispatch, which opttree cannot vouch for."""
 
@@ -98,6 +116,7 @@ BAD: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "expanded": lambda like: torch.ones(1).expand(like.numel()),
     "functional": lambda like: torch._to_functional_tensor(torch.ones_like(like)),
     "functorch": leaked_from_grad,
+    "read-only-map": read_only_map,
 }
 REASON = {
     "inference": "an inference tensor",
@@ -115,6 +134,7 @@ REASON = {
     "expanded": "elements share or may share memory",
     "functional": "shows no memory of its own",
     "functorch": "memory cannot be read",
+    "read-only-map": "memory the process cannot write",
 }
 
 
@@ -135,6 +155,42 @@ def test_an_unwritable_tensor_on_the_last_parameter_is_refused_before_any_write(
     (problem,) = opttree.validate(optimizer)
     assert problem.kind is opttree.ProblemKind.UNWRITABLE_STATE and problem.key == "exp_avg_sq"
     assert "AdamW" in opttree.describe(optimizer)
+
+
+def test_history_in_writable_memory_torch_did_not_allocate_is_reset_exactly(tmp_path: Path) -> None:
+    """A checkpoint loaded with ``torch.load(mmap=True)`` leaves history in a private (copy
+    on write) file mapping, and ``torch.from_numpy`` in NumPy's memory: storages torch
+    cannot resize, in memory the process may write."""
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    train(net, optimizer, 0, 3)
+    torch.save(optimizer.state_dict(), tmp_path / "optimizer.pt")
+    optimizer.load_state_dict(torch.load(tmp_path / "optimizer.pt", mmap=True))
+    entries = list(optimizer.state.values())
+    entries[0]["exp_avg"] = torch.from_numpy(entries[0]["exp_avg"].numpy().copy())
+    assert not any(v.untyped_storage().resizable() for e in entries for v in e.values())
+
+    assert opttree.validate(optimizer) == ()
+    opttree.reset(optimizer)
+    twin = model()
+    twin.load_state_dict(net.state_dict())
+    fresh = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    train(net, optimizer, 3, 3)
+    train(twin, fresh, 3, 3)
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), twin.parameters(), strict=True))
+
+
+def test_memory_torch_did_not_allocate_is_refused_where_its_mappings_cannot_be_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``/proc/self/maps`` (not Linux), whether such memory may be written cannot be told."""
+    monkeypatch.setattr("opttree._mappings._MAPS", "/nonexistent/maps")
+    optimizer = big_adamw()
+    assert opttree.validate(optimizer) == ()  # memory torch allocated is not looked up
+    entry = last_entry(optimizer)
+    exp_avg = entry["exp_avg"]
+    assert isinstance(exp_avg, torch.Tensor)
+    entry["exp_avg"] = torch.from_numpy(exp_avg.numpy().copy())
+    (problem,) = opttree.validate(optimizer)
+    assert problem.key == "exp_avg" and "cannot tell it can" in problem.message
 
 
 def test_inference_state_is_reset_inside_inference_mode() -> None:

@@ -28,6 +28,7 @@ from attrs import define, field
 from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 
 from opttree._fields import article
+from opttree._mappings import Mappings
 
 _Tensor = torch._C.TensorBase
 _IS_WRAPPER: Callable[[object], bool] = is_traceable_wrapper_subclass  # a plain bool, not a narrowing guard
@@ -53,6 +54,8 @@ _IS_CONJ = cast(Callable[[torch.Tensor], bool], _Tensor.is_conj)
 _STORAGE = cast(Callable[[torch.Tensor], torch.UntypedStorage], _Tensor.untyped_storage)
 _STORAGE_START = torch.UntypedStorage.data_ptr
 _STORAGE_NBYTES = torch.UntypedStorage.nbytes
+_RESIZABLE = torch.UntypedStorage.resizable
+_STORAGE_DEVICE = cast(Callable[[torch.UntypedStorage], torch.device], vars(torch._C.StorageBase)["device"].__get__)
 _INTERNAL_OVERLAP = cast(Callable[[torch.Tensor], int], torch._debug_has_internal_overlap)
 _QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
 _COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
@@ -139,6 +142,11 @@ def _unwritable_reason(tensor: torch.Tensor, *, copied: bool) -> str | None:
     missing = _missing_memory(tensor)
     if missing is not None:
         return missing
+    if not copied and not _in_writable_memory([tensor], Mappings()):
+        return (
+            "a tensor in memory the process cannot write, or cannot tell it can (a read-only memory map, as "
+            "np.load(mmap_mode='r') gives: zeroing it would kill the process)"
+        )
     if not copied and _overlaps_itself(tensor):
         return "a tensor whose elements share or may share memory (an expanded or overlapping strided view: an in-place step through it is not a fresh one's)"
     return None
@@ -354,6 +362,7 @@ def _surely_writable(tensors: Sequence[torch.Tensor]) -> Extents | None:
         return None
     outside_inference = not torch.is_inference_mode_enabled()
     found = Extents()
+    mappings = Mappings()  # read where there is memory torch did not allocate, once
     for chunk in _chunks(tensors):
         try:
             starts = list(map(_DATA_PTR, chunk))
@@ -379,11 +388,34 @@ def _surely_writable(tensors: Sequence[torch.Tensor]) -> Extents | None:
         ends = list(map(operator.add, starts, sizes if contiguous else map(_span, chunk)))
         if any(map(operator.gt, map(operator.sub, ends, bases), capacities)):
             return None
+        if not all(map(_RESIZABLE, storages)) and not _in_writable_memory(chunk, mappings, storages, starts, ends):
+            return None
         found.starts.extend(starts)
         found.ends.extend(ends)
         found.nbytes += sum(sizes)
         found.dtypes.extend(chunk_dtypes)
     return found
+
+
+def _in_writable_memory(
+    tensors: Sequence[torch.Tensor],
+    mappings: Mappings,
+    storages: Sequence[torch.UntypedStorage] | None = None,
+    starts: Sequence[int] | None = None,
+    ends: Sequence[int] | None = None,
+) -> bool:
+    """Whether the elements of ``tensors`` whose storages torch did not allocate (it
+    cannot resize them), in CPU memory, lie in memory the process may write (see
+    :mod:`opttree._mappings`); device memory is not mapped read-only. ``storages``,
+    ``starts`` and ``ends``, where given, are the tensors' own, already read."""
+    storages = list(map(_STORAGE, tensors)) if storages is None else storages
+    fixed = [i for i, resizable in enumerate(map(_RESIZABLE, storages)) if not resizable and _STORAGE_DEVICE(storages[i]).type == "cpu"]
+    if not fixed:
+        return True
+    if starts is None or ends is None:
+        starts = [_DATA_PTR(tensors[i]) for i in range(len(tensors))]
+        ends = [start + _span(tensor) for start, tensor in zip(starts, tensors, strict=True)]
+    return mappings.first_unwritable([starts[i] for i in fixed], [ends[i] for i in fixed]) is None
 
 
 def identities(objects: Sequence[object]) -> Extents:
