@@ -140,6 +140,45 @@ def test_a_users_registered_wrapper_allows_a_release() -> None:
     assert report.entries_released == 4 and not optimizer.state
 
 
+class MirroringWrapper(torch.optim.Optimizer):
+    """A registered wrapper that steps an inner Adam and keeps its entries in its own
+    ``state`` after each step (the same dicts), as HybridDeviceOptimizer mirrors its
+    sub-optimizers'; a load puts them back into the inner optimizer."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(params, {"lr": 1e-2})
+        self.inner = torch.optim.Adam(params, lr=1e-2)
+        self.param_groups = self.inner.param_groups
+        self.register_load_state_dict_post_hook(MirroringWrapper._push)
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        self.inner.step(closure)
+        self.state = collections.defaultdict(dict, self.inner.state)
+
+    @staticmethod
+    def _push(wrapper: torch.optim.Optimizer) -> None:
+        assert isinstance(wrapper, MirroringWrapper)
+        wrapper.inner.state = collections.defaultdict(dict, wrapper.state)
+
+
+opttree.register_wrapper(MirroringWrapper, children=lambda wrapper: [("inner", wrapper.inner)])
+
+
+def test_a_release_under_a_wrapper_mirroring_the_entries_is_refused_with_nothing_changed() -> None:
+    """Deleted from the inner optimizer only, the entries lived on in the mirror: their
+    memory was not freed, and a checkpoint saved right after resumed the old history."""
+    net = model()
+    wrapper = MirroringWrapper(list(net.parameters()))
+    train(net, wrapper, 0, 3)
+    entries = len(wrapper.inner.state)
+
+    with pytest.raises(opttree.ReleaseRefused, match="a mirror of them"):
+        opttree.reset(wrapper, release=True)
+    assert len(wrapper.inner.state) == entries
+    opttree.reset(wrapper)  # in place, the mirror's entries are the ones reset
+    assert all(not value.any() for entry in wrapper.state.values() for value in entry.values())
+
+
 @pytest.mark.parametrize("name", [n for n in ("fp32", "bf16", "dist_bf16", "moe", "offload_0.75") if n in testing.available()])
 def test_under_megatron_wrappers_a_release_is_refused_with_nothing_changed(name: str) -> None:
     stack = testing.build(name)

@@ -366,6 +366,12 @@ class ValidateVisitor(TraverserVisitor):
             return
         theirs = set(map(object.__hash__, _all_values(states)))
         values = _values(own)
+        if self._selection.release and not theirs.isdisjoint(map(object.__hash__, values)):
+            message = (
+                "its own state holds its optimizers' entries (a mirror of them): release=True deletes them from the "
+                "optimizers only, and the mirror would keep them, their memory and their history; reset without release"
+            )
+            self.problems.append(Problem(ProblemKind.UNRELEASABLE_STATE, node.path, cls, message))
         if len(values) == len(own) and theirs.issuperset(map(object.__hash__, values)):
             return
         # an empty entry holds nothing to keep: a read of the wrapper's defaultdict made it
