@@ -70,6 +70,9 @@ class ProblemKind(enum.Enum):
     """A reset of some of a Megatron stack's fp16 loss scalers, which must stay equal:
     the stack scales its loss by one of them."""
     UNKNOWN_KEY = "unknown-key"
+    DETACHED_SHARD = "detached-shard"
+    """A shard of a model parameter that a Megatron wrapper steps in place, no longer a view
+    of the model's weights: its steps no longer reach the model."""
     STALE_MASTER = "stale-master"
     """A master copy a wrapper steps differs from the model parameter it stands for."""
     UNCHECKED_MASTER = "unchecked-master"
@@ -111,6 +114,7 @@ _ERRORS: dict[ProblemKind, type[OptTreeError]] = {
     ProblemKind.UNKNOWN_WRAPPER: UnknownWrapper,
     ProblemKind.OPTIMIZER_CYCLE: OptimizerCycle,
     ProblemKind.MALFORMED_WRAPPER: MalformedWrapper,
+    ProblemKind.DETACHED_SHARD: MalformedWrapper,
     ProblemKind.FOREIGN_TREE: MalformedWrapper,
     ProblemKind.HIDDEN_OPTIMIZER: HiddenOptimizer,
     ProblemKind.UNSUPPORTED_OPTIMIZER: UnsupportedOptimizer,

@@ -83,7 +83,7 @@ class Selection:
 EVERYTHING = Selection()
 
 
-def _pairs(wrapper: object, path: str, outer: str, inner: str) -> Iterable[tuple[torch.Tensor, Sequence[torch.Tensor]]]:
+def paired(wrapper: object, path: str, outer: str, inner: str) -> Iterable[tuple[torch.Tensor, Sequence[torch.Tensor]]]:
     outer_groups, inner_groups = sequence_attribute(wrapper, outer, path), sequence_attribute(wrapper, inner, path)
     if len(outer_groups) != len(inner_groups):
         msg = f"{type(wrapper).__qualname__} at {path}: {outer} and {inner} differ in length"
@@ -98,7 +98,7 @@ def _pairs(wrapper: object, path: str, outer: str, inner: str) -> Iterable[tuple
 
 def float16_inner(wrapper: object, path: str) -> Iterable[tuple[torch.Tensor, Sequence[torch.Tensor]]]:
     """Float16OptimizerWithFloat16Params steps fp32 copies of its fp16/bf16 parameters."""
-    return _pairs(wrapper, path, "float16_groups", "fp32_from_float16_groups")
+    return paired(wrapper, path, "float16_groups", "fp32_from_float16_groups")
 
 
 def distributed_inner(wrapper: object, path: str) -> Iterable[tuple[torch.Tensor, Sequence[torch.Tensor]]]:
@@ -112,7 +112,7 @@ def distributed_inner(wrapper: object, path: str) -> Iterable[tuple[torch.Tensor
         ("model_float16_groups", "shard_float16_groups"),
         ("model_fp32_groups", "shard_fp32_groups"),
     ):
-        for o, (i,) in _pairs(wrapper, path, outer_name, inner_name):
+        for o, (i,) in paired(wrapper, path, outer_name, inner_name):
             inner.setdefault(id(o), []).append(i)
     local = list(cast(dict[torch.Tensor, object], mapping_attribute(wrapper, "model_param_gbuf_map", path)))
     covered = [param for buffer in sequence_attribute(wrapper, "buffers", path) for param in _buffer_params(buffer, wrapper, path)]

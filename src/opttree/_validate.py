@@ -13,6 +13,7 @@ from opttree import _registry
 from opttree._containers import PLAIN_STATES, malformed, own_writes
 from opttree._dispatch import dotted_name, is_megatron_class
 from opttree._errors import OptTreeError
+from opttree._shards import detached_shards
 from opttree._held import Held, held_by_leaf, held_optimizers, only_bookkeeping, own_attributes
 from opttree._hooks import surely_known_hooks, unknown_global_step_hook, unknown_step_hook
 from opttree._identity import identity_key, identity_keys
@@ -405,6 +406,9 @@ class ValidateVisitor(TraverserVisitor):
         if not self._entering(node):
             return
         self._check_own_code(node)
+        detached = detached_shards(node)
+        if detached is not None:
+            self.problems.append(detached)
         self._check_step_unit(node)
         self._check_release(node)
         self._keep_stepped_params(node)
@@ -511,6 +515,9 @@ class ValidateVisitor(TraverserVisitor):
         if not self._entering(node):
             return
         self._check_own_code(node)
+        detached = detached_shards(node)
+        if detached is not None:
+            self.problems.append(detached)
         self._check_step_unit(node)
         self._check_release(node)
         self._check_loss_scale(node, self._selection.tensors, self._selection)
