@@ -193,6 +193,65 @@ def test_memory_torch_did_not_allocate_is_refused_where_its_mappings_cannot_be_r
     assert problem.key == "exp_avg" and "cannot tell it can" in problem.message
 
 
+class KeepsAux(torch.optim.Optimizer):
+    """A momentum ``m`` it builds lazily, and whatever a test keeps under ``aux``."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                entry = self.state[p]
+                if "m" not in entry:
+                    entry["m"] = torch.zeros_like(p)
+                entry["m"].add_(p.grad)
+
+
+opttree.register_schema(KeepsAux, opttree.StateSchema(zero={"m"}, keep={"aux"}))
+
+
+def nested(value: object, depth: int) -> object:
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("depth", [1, 9, 2_000])
+@pytest.mark.parametrize("where", ["state", "group"])
+def test_history_sharing_memory_with_a_tensor_kept_at_any_depth_is_refused(depth: int, where: str) -> None:
+    """Kept lists nested deeper than eight were passed over, and the reset zeroed the kept
+    tensor inside them."""
+    param = torch.nn.Parameter(torch.randn(4))
+    optimizer = KeepsAux([param])
+    param.grad = torch.ones(4)
+    optimizer.step()
+    kept = optimizer.state[param]["m"][:2]
+    if where == "state":
+        optimizer.state[param]["aux"] = nested(kept, depth)
+    else:
+        optimizer.param_groups[0]["my_option"] = nested(kept, depth)
+    (problem,) = opttree.validate(optimizer)
+    assert problem.kind is opttree.ProblemKind.ALIASED_STATE and problem.key == "m"
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="shares memory with"):
+        opttree.reset(optimizer)
+    assert kept.tolist() == [1.0, 1.0]
+
+
+def test_a_kept_list_that_holds_itself_is_read_once() -> None:
+    param = torch.nn.Parameter(torch.randn(4))
+    optimizer = KeepsAux([param])
+    param.grad = torch.ones(4)
+    optimizer.step()
+    loop: list[object] = [torch.ones(2)]
+    loop.append(loop)
+    optimizer.state[param]["aux"] = loop
+    assert opttree.validate(optimizer) == ()
+    report = opttree.reset(optimizer)
+    assert report.tensors_zeroed == 1 and torch.equal(loop[0], torch.ones(2))  # type: ignore[arg-type]
+
+
 def test_inference_state_is_reset_inside_inference_mode() -> None:
     optimizer = big_adamw()
     entry = last_entry(optimizer)

@@ -31,25 +31,24 @@ def tensors_in(values: list[object]) -> list[torch.Tensor]:
 
 
 def tensors_held(values: list[object]) -> list[torch.Tensor]:
-    """The tensors among ``values`` and inside those that are lists, tuples or dicts, to
-    :data:`HELD_DEPTH` levels (LBFGS keeps its past directions in lists): the memory that
-    state dropped or kept holds. Containers are read by the built-in types' own methods,
-    which a subclass's ``__iter__`` or ``values`` does not replace."""
+    """The tensors among ``values`` and inside those that are lists, tuples or dicts, at
+    any depth (LBFGS keeps its past directions in lists): the memory that state dropped or
+    kept holds; a kept tensor passed over would let a reset zero memory it keeps. Read
+    level by level, without recursion, each container once (a list that holds itself ends
+    there), by the built-in types' own methods, which a subclass's ``__iter__`` or
+    ``values`` does not replace."""
     tensors = tensors_in(values)
     if len(tensors) == len(values):
         return tensors
     found = list(tensors)
-    for _ in range(HELD_DEPTH):
-        values = list(chain.from_iterable(map(_items, values)))
-        if not values:
-            break
+    seen: set[int] = set()
+    while values:
+        containers = [value for value in values if isinstance(value, (dict, list, tuple))]
+        fresh = [value for value in containers if object.__hash__(value) not in seen]
+        seen.update(map(object.__hash__, fresh))
+        values = list(chain.from_iterable(map(_items, fresh)))
         found.extend(tensors_in(values))
     return found
-
-
-HELD_DEPTH = 8
-"""How deep :func:`tensors_held` looks into nested containers; a list that holds itself
-ends there."""
 
 
 def _items(value: object) -> list[object]:
