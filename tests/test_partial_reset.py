@@ -558,3 +558,44 @@ def test_a_step_reset_of_one_distributed_member_of_a_chain_is_refused_as_megatro
     fresh = testing.build(DISTRIBUTED_MOE)
     with fresh.device, pytest.raises(AssertionError, match=r"steps: \[0\.0, 3\.0\]"):
         fresh.optimizer.load_state_dict(saved)
+
+
+class FlatMaster:
+    """A registered wrapper stepping one flat fp32 master for all its bf16 parameters, as
+    flat-buffer mixed-precision optimizers do: ``inner_params`` names the flat master as
+    each parameter's copy."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.flat = torch.nn.Parameter(torch.cat([p.detach().float().reshape(-1) for p in params]))
+        self.inner = torch.optim.Adam([self.flat], lr=1e-2)
+
+    def step(self) -> None:
+        self.flat.grad = torch.cat([p.grad.float().reshape(-1) for p in self.params if p.grad is not None])
+        self.inner.step()
+
+
+opttree.register_wrapper(
+    FlatMaster,
+    children=lambda wrapper: [("inner", wrapper.inner)],
+    inner_params=lambda wrapper, path: [(p, [wrapper.flat]) for p in wrapper.params],
+)
+
+
+def test_a_copy_stepped_for_a_selected_and_an_unselected_parameter_is_refused() -> None:
+    """Selecting the weight reset the flat master's whole history, the bias's with it."""
+    weight, bias = torch.nn.Parameter(torch.randn(4, 3).bfloat16()), torch.nn.Parameter(torch.randn(3).bfloat16())
+    wrapper = FlatMaster([weight, bias])
+    for i in range(3):
+        generator = torch.Generator().manual_seed(i)
+        weight.grad = torch.randn(4, 3, generator=generator).bfloat16()
+        bias.grad = torch.randn(3, generator=generator).bfloat16()
+        wrapper.step()
+    before = snapshot(wrapper.inner)
+
+    with pytest.raises(opttree.PartialResetRefused, match="steps one copy for a selected parameter and one it does not select"):
+        opttree.reset(wrapper, params=[weight])
+    assert unchanged(wrapper.inner, before)
+    opttree.reset(wrapper, params=[weight, bias])  # every parameter of the copy; a partial reset keeps steps
+    entry = wrapper.inner.state[wrapper.flat]
+    assert not entry["exp_avg"].any() and not entry["exp_avg_sq"].any() and float(entry["step"]) == 3

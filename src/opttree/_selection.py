@@ -232,15 +232,16 @@ def _stand_for(node: Node, copies: set[int]) -> bool:
     return reached.issuperset(map(id, tree_params(node)))
 
 
-# id(tensor at this depth) -> (that tensor, index of the user's parameter it stands for)
-_Flow = dict[int, tuple[torch.Tensor, int]]
+# id(tensor at this depth) -> (that tensor, indices of the user's parameters it stands for:
+# several where one copy is stepped for several, a flat master)
+_Flow = dict[int, tuple[torch.Tensor, frozenset[int]]]
 
 
 class SelectVisitor(TraverserVisitor):
     """Carries the selected tensors down the tree, through each wrapper's inner params."""
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
-        self.flow: _Flow = {id(p): (p, i) for i, p in enumerate(params)}
+        self.flow: _Flow = {id(p): (p, frozenset({i})) for i, p in enumerate(params)}
         self.selected: set[int] = set()
         self.reached: set[int] = set()
         self.elsewhere: list[Node] = []
@@ -257,19 +258,30 @@ class SelectVisitor(TraverserVisitor):
         claimed: set[int] = set()
         listed: set[int] = set()
         copies: set[int] = set()
+        unselected: set[int] = set()  # copies of parameters the reset does not select
         for param, inner_tensors in inner_params(optimizer, node.path):
             listed.add(id(param))
             copies.update(map(id, inner_tensors))
             found = outer.get(id(param))
             if found is None:
+                unselected.update(id(tensor) for tensor in inner_tensors if isinstance(tensor, torch.Tensor))  # not a None placeholder
                 continue
             claimed.add(id(param))
             if not inner_tensors:  # stepped on another rank; copies it names are reached only where a leaf holds them
-                self.reached.add(found[1])
+                self.reached.update(found[1])
                 if not any(node is other for other in self.elsewhere):
                     self.elsewhere.append(node)
             for tensor in inner_tensors:
-                inner[id(tensor)] = (tensor, found[1])
+                earlier = inner.get(id(tensor))
+                inner[id(tensor)] = (tensor, found[1] if earlier is None else earlier[1] | found[1])
+        shared = unselected.intersection(inner)
+        if shared:
+            msg = (
+                f"{type(optimizer).__qualname__} at {node.path} steps one copy for a selected parameter and one it does not "
+                f"select ({len(shared)} such copies; a flat master of several parameters): its state would be reset for "
+                "both; select every parameter of that copy, or reset all of them"
+            )
+            raise PartialResetRefused(msg)
         inner.update({k: v for k, v in outer.items() if k not in claimed})
         if _stand_for(node, copies):
             self.coverage.append((optimizer, len(claimed), len(listed)))
@@ -297,7 +309,7 @@ class SelectVisitor(TraverserVisitor):
                 found = self.flow.get(id(param))
                 if found is not None:
                     self.selected.add(id(param))
-                    self.reached.add(found[1])
+                    self.reached.update(found[1])
 
 
 ParamsArg = Iterable[torch.Tensor] | Callable[[str], bool]
