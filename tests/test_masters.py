@@ -6,6 +6,7 @@ a reset trains like a stack freshly built over the new weights."""
 from __future__ import annotations
 
 import types
+from collections.abc import Callable, Mapping
 
 import pytest
 import torch
@@ -363,3 +364,46 @@ def test_a_whole_copy_shaped_otherwise_than_its_parameter_is_not_known() -> None
     flat_only = CopyingWrapper(params[1:], [flat])
     assert opttree.sync_masters(flat_only, model=torch.nn.ParameterList(params[1:])).stale == 1
     assert flat.tolist() == [1.0] * 6
+
+
+class MasterInState(torch.optim.Optimizer):
+    """Steps an fp32 master it keeps in its state under ``master`` and copies it into the bf16 parameter."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                entry = self.state[p]
+                if not entry:
+                    entry["master"] = p.detach().float().clone()
+                    entry["momentum"] = torch.zeros_like(entry["master"])
+                entry["momentum"].mul_(0.9).add_(p.grad.float())
+                entry["master"].add_(entry["momentum"], alpha=-group["lr"])
+                p.copy_(entry["master"])
+
+
+def _master(optimizer: torch.optim.Optimizer, param: torch.Tensor, entry: Mapping[str, object]) -> torch.Tensor | None:
+    master = entry.get("master")
+    return master if isinstance(master, torch.Tensor) else None
+
+
+opttree.register_schema(MasterInState, opttree.StateSchema(zero={"momentum", "master"}, master_of=_master))
+
+
+def test_a_master_copy_its_schema_also_zeroes_is_refused_with_nothing_changed() -> None:
+    """A schema listing its master among the keys it zeroes: the reset zeroed the master,
+    and the next step wrote zeros into the model."""
+    param = torch.nn.Parameter(torch.full((4,), 3.0, dtype=torch.bfloat16))
+    optimizer = MasterInState([param])
+    param.grad = torch.ones_like(param)
+    optimizer.step()
+    master = optimizer.state[param]["master"].clone()
+
+    (problem,) = opttree.validate(optimizer)
+    assert problem.kind is opttree.ProblemKind.ALIASED_STATE and problem.key == "master" and "master_of" in problem.message
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="shares memory with 'master_of'"):
+        opttree.reset(optimizer)
+    assert torch.equal(optimizer.state[param]["master"], master)

@@ -47,7 +47,7 @@ from opttree._preflight import (
     writable_ranges,
 )
 from opttree._problems import Problem, ProblemKind
-from opttree._schema import BuiltFor, KeyAction, ScaleLookup, StateSchema, StepLocation, StepType
+from opttree._schema import BuiltFor, KeyAction, MasterOf, ScaleLookup, StateSchema, StepLocation, StepType
 from opttree._selection import EVERYTHING, Selection
 from opttree._fields import article, kind_of
 
@@ -401,6 +401,8 @@ class LeafInspector:
         groups, params, states, held, entries = found
         if any(map(operator.contains, groups, repeat("step"))):
             return None
+        if self.schema.master_of is not None:
+            return None  # master_of is asked with each entry's own optimizer
         if _differentiable(groups):
             return None  # its state may carry autograd history: looked at leaf by leaf
         with plain_reads():
@@ -589,6 +591,8 @@ class LeafInspector:
         for key, applies in self.schema.built_for:
             if counts[key] < len(entries):
                 self.unbuilt_entries(node, key, None, held, entries, groups, applies)
+        if self.schema.master_of is not None:
+            self.plan_masters(node, owner, self.schema.master_of, held, entries, into)
         for key, count in counts.items():
             action = self.actions.get(key)
             if action is None:
@@ -788,6 +792,23 @@ class LeafInspector:
             self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
             return None
         return found
+
+    def plan_masters(
+        self, node: LeafNode, owner: tuple[str, str], master_of: MasterOf, held: list[torch.Tensor], entries: list[StateEntry], into: StatePlan
+    ) -> None:
+        """Record the master copies the schema's ``master_of`` names as memory a reset keeps:
+        history sharing it (a schema listing the master among the keys it zeroes) would
+        zero the weights the next step writes back into the model."""
+        try:
+            masters = [master_of(node.optimizer, param, cast(Mapping[str, object], entry)) for param, entry in zip(held, entries, strict=True)]
+        except OptTreeError:
+            return  # an FP8 or scaled master: the stale-master check says why it is not compared
+        except Exception as error:  # noqa: BLE001  # a registered function may raise anything
+            self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"its schema's master_of raised {type(error).__name__}: {error}")
+            return
+        kept = [master for master in masters if isinstance(master, torch.Tensor)]
+        if kept:
+            self.plan_kept(node, owner, kept, "master_of", into)
 
     def plan_unselected(self, node: LeafNode, owner: tuple[str, str], entries: list[StateEntry], into: StatePlan) -> None:
         """A partial reset keeps the state of the parameters it does not select: its memory
