@@ -1144,3 +1144,41 @@ def test_a_step_copied_from_another_optimizer_onto_an_instance_is_its_own(how: s
         setattr(copy, "step", torch.compile(source.step))
     (problem,) = opttree.validate(copy)
     assert problem.kind is opttree.ProblemKind.UNSUPPORTED_OPTIMIZER and "holds its own step on the instance" in problem.message
+
+
+class JudgedSGD(torch.optim.SGD):
+    """The class the hooks below refuse to judge."""
+
+
+class JudgedByWrapperHook(torch.optim.SGD):
+    pass
+
+
+def _hook_raising(error: type[Exception], target: type) -> type:
+    class Hooked(abc.ABC):
+        @classmethod
+        def __subclasshook__(cls, other: type) -> bool:
+            if other is target:
+                raise error("this hook cannot judge it")
+            return cast(bool, NotImplemented)
+
+    return Hooked
+
+
+opttree.register_schema(_hook_raising(ValueError, JudgedSGD), opttree.StateSchema(drop={"momentum_buffer"}))
+opttree.register_schema(_hook_raising(RuntimeError, JudgedSGD), opttree.StateSchema(drop={"momentum_buffer"}))
+opttree.register_wrapper(_hook_raising(ValueError, JudgedByWrapperHook), children=lambda wrapper: [])
+
+
+@pytest.mark.parametrize(("cls", "kind"), [(JudgedSGD, "UNSUPPORTED_OPTIMIZER"), (JudgedByWrapperHook, "UNKNOWN_WRAPPER")])
+def test_a_registered_abc_whose_subclass_hook_raises_is_reported_not_raised(cls: type[torch.optim.SGD], kind: str) -> None:
+    """singledispatch asks each registered ABC's ``__subclasshook__``; one that raised
+    (a RuntimeError too, which singledispatch's own "Ambiguous dispatch" is) escaped
+    validate, describe and reset raw."""
+    optimizer = cls(model().parameters(), lr=0.1, momentum=0.9)
+    (problem,) = opttree.validate(optimizer)
+    assert problem.kind is getattr(opttree.ProblemKind, kind)
+    assert "cannot be told: its subclass check raised" in problem.message and "this hook cannot judge it" in problem.message
+    assert cls.__qualname__ in opttree.describe(optimizer)
+    with pytest.raises(opttree.OptTreeError, match="cannot be told"):
+        opttree.reset(optimizer)

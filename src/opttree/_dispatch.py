@@ -159,6 +159,26 @@ class LazyDispatch(Generic[V]):
             with self._lock:
                 return self._resolve(cls)
 
+    def _unresolved(self, cls: type, error: Exception) -> str:
+        """Under the lock: why ``cls`` has no value where singledispatch raised ``error``: a
+        registered ABC whose ``__subclasshook__`` (or ``__instancecheck__``-side code) raises
+        for it cannot tell whether it applies; else two registrations apply, neither nearer."""
+        applying: list[type] = []
+        for registered in self._values:
+            try:
+                if issubclass(cls, registered):
+                    applying.append(registered)
+            except Exception as raised:  # noqa: BLE001  # a user's hook may raise anything
+                return (
+                    f"whether the registration of {dotted_name(registered)} applies to {dotted_name(cls)} cannot be told: "
+                    f"its subclass check raised {type(raised).__name__}: {raised}"
+                )
+        nearest = [a for a in applying if not any(b is not a and issubclass(b, a) for b in applying)]
+        if len(nearest) < 2:
+            return f"{dotted_name(cls)} cannot be looked up: {type(error).__name__}: {error}"
+        names = " and ".join(sorted(map(dotted_name, nearest)))
+        return f"{dotted_name(cls)} is registered through both {names}, neither a subclass of the other: register {cls.__qualname__} itself"
+
     def ambiguity(self, cls: type) -> str | None:
         """Why ``cls`` has no value though registrations apply to it: two registered
         classes it derives from (abstract ones, through ``register`` or a subclass hook),
@@ -181,15 +201,11 @@ class LazyDispatch(Generic[V]):
             imported = imported_class(dotted)
             if imported is not None and imported not in self._values:
                 self._add(imported, self._lazy.pop(dotted))
+        found: tuple[type, V] | str | None
         try:
             owner = self._owners.dispatch(cls)(None)
-        except RuntimeError:  # singledispatch's "Ambiguous dispatch"
-            applying = [registered for registered in self._values if issubclass(cls, registered)]
-            nearest = [a for a in applying if not any(b is not a and issubclass(b, a) for b in applying)]
-            names = " and ".join(sorted(map(dotted_name, nearest)))
-            found: tuple[type, V] | str | None = (
-                f"{dotted_name(cls)} is registered through both {names}, neither a subclass of the other: register {cls.__qualname__} itself"
-            )
+        except Exception as error:  # noqa: BLE001  # singledispatch's "Ambiguous dispatch", or a registered ABC's own hook
+            found = self._unresolved(cls, error)
         else:
             found = None if owner is None else (owner, self._values[owner])
         self._found[cls] = found

@@ -175,7 +175,7 @@ def kind_for(cls: type) -> Expander | None:
     optimizers or state elsewhere: its kind refuses it until it is registered."""
     users = _user_kinds.resolved(cls)
     if users is not None:
-        return None if isinstance(users, str) else users[1]
+        return refusing_kind(users) if isinstance(users, str) else users[1]
     found = _builtin_kinds.lookup_owner(cls)
     if found is None:
         return None
