@@ -506,3 +506,19 @@ def test_key_names_of_a_str_subclass_are_read_as_plain_strings(change: str) -> N
     keys = [UnhashableName("exp_avg")]
     report = opttree.reset(optimizer, keys=keys) if change == "reset" else opttree.prune(optimizer, 1.0, keys=keys)
     assert report.tensors_zeroed == 2 and report.kept_keys == ("exp_avg_sq", "step")
+
+
+@pytest.mark.usefixtures("process_group")
+def test_a_destroyed_process_group_is_an_opttree_error_and_a_reset_changes_nothing() -> None:
+    """torch's own ValueError ("Group ... is not registered") escaped validate and describe."""
+    import torch.distributed as dist
+
+    group = dist.new_group([0])
+    assert isinstance(group, dist.ProcessGroup)
+    dist.destroy_process_group(group)
+    optimizer = stepped_adamw(2)
+    before = snapshot(optimizer)
+    for call in (opttree.validate, opttree.describe, opttree.reset):
+        with pytest.raises(opttree.OptTreeError, match="group cannot be used: ValueError"):
+            call(optimizer, group=group)
+    assert unchanged(optimizer, before)

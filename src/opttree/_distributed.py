@@ -91,8 +91,15 @@ def summarise(root: Node, problems: tuple[Problem, ...] = ()) -> RankSummary:
 
 
 def _check_group(group: object) -> None:
+    """A process group this rank can take part in a collective of, or an error saying why not."""
     if not isinstance(group, dist.ProcessGroup) or not dist.is_initialized():
         raise OptTreeError(f"group must be a process group of an initialised torch.distributed, got {kind_of(group)}")
+    try:
+        rank = dist.get_rank(group)
+    except Exception as error:  # noqa: BLE001  # torch's own reasons (a destroyed group is no longer registered)
+        raise OptTreeError(f"group cannot be used: {type(error).__name__}: {error}") from error
+    if rank < 0:
+        raise OptTreeError("group does not hold this rank: call with a group every calling rank belongs to")
 
 
 def agree(group: dist.ProcessGroup, refused: OptTreeError | None) -> OptTreeError | None:
