@@ -156,6 +156,9 @@ MALFORMED: list[tuple[str, str, Edit, str, str]] = [
     ("dist_bf16", "groups at step -1", lambda s: [g.update(step=-1) for g in groups(s)], "step", "its param groups' step is -1, which Megatron's load gives each parameter"),
     ("dist_bf16", "groups at step 1.5", lambda s: [g.update(step=1.5) for g in groups(s)], "step", "its param groups' step is 1.5"),
     ("fp32", "a parameter named by a list", lambda s: put(groups(s)[0], "params", [[0], *groups(s)[0]["params"][1:]]), "param_groups", "param group 0 names a parameter by a list, which torch's load cannot index"),  # type: ignore[index]
+    ("fp32", "steps that differ", lambda s: put(entry(s), "step", torch.tensor(7.0)), "step", r"the saved steps differ \(2 values, 2 to 7\), where FP32Optimizer saves one step for all its parameters"),
+    ("bf16", "steps that differ", lambda s: put(entry(s), "step", torch.tensor(7.0)), "step", "the saved steps differ"),
+    ("fp32", "a group Megatron cannot tell from another", lambda s: groups(s).append({**copy.deepcopy(groups(s)[1]), "lr": 5.0}), "param_groups", "saved param groups 1 and 2 hold other options but the settings Megatron pairs groups by alike"),
     ("dist_bf16", "an unknown sharding", lambda s: s.update(param_state={}, param_state_sharding_type="zigzag"), "param_state_sharding_type", "'zigzag' is not one of"),
 ]
 

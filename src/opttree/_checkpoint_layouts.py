@@ -31,6 +31,7 @@ from opttree._numbers import real_number
 from opttree._preflight import Extents, overlap, plain_reads, ranges, torch_name, unreadable_reason, unwritable_reason
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import StateSchema, StepLocation, StepType
+from opttree._selection import STEP_UNITS
 
 STEP_KEY = "common_step"
 """Where Megatron's ``sharded_state_dict`` puts the step its parameters share."""
@@ -166,6 +167,7 @@ def _check_torch_format(node: Node, inner: Node, state: object, load: Load) -> N
         for index, entry in saved_entries.items():
             _check_entry(node, inner, index, entry, params[index], options[index])
         _check_steps_held(node, inner, saved_entries)
+        _check_steps_equal(node, inner, saved_entries)
         _gather_history(node, inner, saved_entries, params, load.history)
 
 
@@ -342,6 +344,25 @@ def _check_steps_held(node: Node, leaf: LeafNode, entries: dict[object, dict[obj
         raise layout_error(node, "step", message)
 
 
+def _check_steps_equal(node: Node, leaf: LeafNode, entries: dict[object, dict[object, object]]) -> None:
+    """A Megatron wrapper that saves one step for all its parameters (a step unit) cannot
+    checkpoint a state whose steps differ: ``sharded_state_dict`` raises "The optimizer
+    step differs per parameter". A checkpoint holding such steps is refused, as a reset
+    that would leave them so is."""
+    locations = STEP_UNITS.lookup(type(node.optimizer))
+    if locations is None or StepLocation.PER_PARAMETER not in locations:
+        return
+    if _registry.step_location(type(leaf.optimizer)) is not StepLocation.PER_PARAMETER:
+        return
+    steps = {number for number in (step_number(entry["step"]) for entry in entries.values() if "step" in entry) if number is not None}
+    if len(steps) > 1:
+        message = (
+            f"the saved steps differ ({len(steps)} values, {min(steps):g} to {max(steps):g}), where {type(node.optimizer).__qualname__} "
+            "saves one step for all its parameters: loaded, the stack could no longer be checkpointed"
+        )
+        raise layout_error(node, "step", message)
+
+
 def _step_fault(value: object, step_type: StepType) -> str | None:
     """What a saved per-parameter step is, where it is not one whole count from 0 (a
     Python, NumPy or one-element tensor number of a dtype that counts exactly, and no tensor
@@ -464,9 +485,45 @@ def _check_pairing(node: Node, live: list[dict[str, list[object]]], saved: list[
         return
     try:
         pair(live, [{"params": [], **group} for group in saved])  # DistributedOptimizer saves none
+        marked = [{"params": [], **group, _MARK: index} for index, group in enumerate(saved)]
+        paired = pair([dict(group) for group in marked], [dict(group) for group in marked])
     except (ValueError, KeyError, TypeError) as error:
         message = f"Megatron pairs no saved param group with one of the optimizer's: {str(error).splitlines()[0]}"
         raise layout_error(node, "param_groups", message) from error
+    # Paired with themselves, saved groups Megatron cannot tell apart give the last of them
+    # for each: it loads that one's options for every one, the others' lost in silence.
+    for index, group in enumerate(paired):
+        other = group.get(_MARK)
+        if isinstance(other, int) and other != index and not _same_options(saved[index], saved[other]):
+            message = (
+                f"saved param groups {index} and {other} hold other options but the settings Megatron pairs groups by "
+                f"alike: its load would give both the options of group {other}, {index}'s lost in silence"
+            )
+            raise layout_error(node, "param_groups", message)
+
+
+_MARK = "opttree: saved group"
+"""A key no optimizer uses, marking each saved group to see which one Megatron pairs."""
+
+
+def _same_options(first: dict[object, object], second: dict[object, object]) -> bool:
+    """Whether two saved groups hold the same options (their ``params`` aside), compared
+    without a value's own ``==`` deciding by a tensor's truth or raising."""
+    keys = set(first) - {"params"}
+    if keys != set(second) - {"params"}:
+        return False
+    return all(_same_value(first[key], second[key]) for key in keys)
+
+
+def _same_value(first: object, second: object) -> bool:
+    if first is second:
+        return True
+    try:
+        if isinstance(first, torch.Tensor) or isinstance(second, torch.Tensor):
+            return isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor) and torch.equal(first, second)
+        return type(first) is type(second) and bool(first == second)
+    except Exception:  # noqa: BLE001  # a value's own __eq__, or tensors on two devices, may raise anything
+        return False
 
 
 def _check_scaler(node: Node, state: dict[object, object]) -> None:
