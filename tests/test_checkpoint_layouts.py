@@ -159,6 +159,8 @@ MALFORMED: list[tuple[str, str, Edit, str, str]] = [
     ("fp32", "steps that differ", lambda s: put(entry(s), "step", torch.tensor(7.0)), "step", r"the saved steps differ \(2 values, 2 to 7\), where FP32Optimizer saves one step for all its parameters"),
     ("bf16", "steps that differ", lambda s: put(entry(s), "step", torch.tensor(7.0)), "step", "the saved steps differ"),
     ("fp32", "a group Megatron cannot tell from another", lambda s: groups(s).append({**copy.deepcopy(groups(s)[1]), "lr": 5.0}), "param_groups", "saved param groups 1 and 2 hold other options but the settings Megatron pairs groups by alike"),
+    ("fp32", "capturable on over CPU parameters", lambda s: put(groups(s)[0], "capturable", True), "param_groups", "param group 0 turns 'capturable' on, which AdamW's step runs only on .*, and its parameters lie on cpu"),
+    ("dist_bf16", "amsgrad on over the entries it keeps", lambda s: [g.update(amsgrad=True) for g in groups(s)], "max_exp_avg_sq", "param group 0 turns 'amsgrad' on, where the optimizer's is off and 2 of its entries, which this state dict does not replace, lack 'max_exp_avg_sq'"),
     ("dist_bf16", "an unknown sharding", lambda s: s.update(param_state={}, param_state_sharding_type="zigzag"), "param_state_sharding_type", "'zigzag' is not one of"),
 ]
 

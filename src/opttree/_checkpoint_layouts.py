@@ -150,6 +150,7 @@ def _check_torch_format(node: Node, inner: Node, state: object, load: Load) -> N
             raise layout_error(node, "param_groups", message)
     _check_pairing(node, live, groups)
     _check_options(node, inner, groups[: len(live)])
+    _check_capturable(node, inner, groups[: len(live)])
     _check_group_steps(node, groups[: len(live)])
     loaded = {index for saved in groups[: len(live)] for index in saved["params"]}
     for index, entry in entries.items():
@@ -258,6 +259,63 @@ def _check_options(node: Node, inner: Node, saved: list[dict[object, object]]) -
                 expected, given = _option_kind(default), _option_kind(group[option])
                 message = f"param group {index} holds {given} as {option!r}, which {cls} reads as {expected}"
                 raise layout_error(node, "param_groups", message)
+
+
+def _check_capturable(node: Node, inner: Node, saved: list[dict[object, object]]) -> None:
+    """A saved group turning ``capturable`` on over a leaf whose parameters lie on a
+    device torch's capturable steps do not run on (the CPU): torch's load takes it, and
+    the next step raises."""
+    defaults: object = getattr(inner.optimizer, "defaults", None)
+    if not isinstance(inner, LeafNode) or not isinstance(defaults, dict) or "capturable" not in defaults:
+        return
+    supported = set(_capturable_devices())
+    live = _groups(inner)
+    for index, group in enumerate(saved[: len(live)]):
+        if group.get("capturable") is not True:
+            continue
+        with plain_reads():
+            devices = {param.device.type for param in live[index]["params"] if isinstance(param, torch.Tensor)}
+        if not devices <= supported:
+            message = (
+                f"param group {index} turns 'capturable' on, which {type(inner.optimizer).__qualname__}'s step runs only on "
+                f"{', '.join(sorted(supported))}, and its parameters lie on {', '.join(sorted(devices - supported))}: the next step would raise"
+            )
+            raise layout_error(node, "param_groups", message)
+
+
+def _capturable_devices() -> list[str]:
+    """The device types torch's capturable steps run on, as torch's own check lists them."""
+    found: object = getattr(sys.modules.get("torch.optim.optimizer"), "_get_capturable_supported_devices", lambda: ["cuda"])()
+    return [device for device in found if isinstance(device, str)] if isinstance(found, list) else ["cuda"]
+
+
+def _check_kept_history(node: Node, inner: Node, saved: list[dict[object, object]]) -> None:
+    """A DistributedOptimizer's state dict holds no history: the entries its optimizer
+    holds are kept. A saved group turning on an option that makes the step read history
+    those entries lack (``amsgrad``'s ``max_exp_avg_sq``) loads, and the next step raises."""
+    if not isinstance(inner, LeafNode):
+        return
+    schema = _registry.schema_for(type(inner.optimizer))
+    if schema is None:
+        return
+    live = _groups(inner)
+    state: object = getattr(inner.optimizer, "state", {})
+    if not isinstance(state, Mapping):
+        return
+    for needed, option in schema.built_with_entry:
+        if option is None:
+            continue
+        for index, group in enumerate(saved[: len(live)]):
+            if not group.get(option) or live[index].get(option):
+                continue
+            entries = [state.get(param) for param in live[index]["params"]]
+            lacking = sum(1 for entry in entries if isinstance(entry, Mapping) and entry and needed not in entry)
+            if lacking:
+                message = (
+                    f"param group {index} turns {option!r} on, where the optimizer's is off and {lacking} of its entries, "
+                    f"which this state dict does not replace, lack {needed!r}, which the step then reads: it would raise"
+                )
+                raise layout_error(node, needed, message)
 
 
 def _check_group_steps(node: Node, saved: list[dict[object, object]]) -> None:
@@ -631,6 +689,9 @@ def _steps_in_groups(node: Node, state: object, loading: Load | None) -> StateDi
     _check_pairing(node, live, groups)
     if node.children:
         _check_options(node, node.children[0], groups[: len(live)])
+        _check_capturable(node, node.children[0], groups[: len(live)])
+        if "param_state" not in checked:
+            _check_kept_history(node, node.children[0], groups[: len(live)])
     counting = _counting_per_parameter(node.children[0]) if node.children else None
     if counting is not None and (_reads_every_group_step(node) or any("step" in group for group in groups)):
         values = [group.get("step") for group in groups]
