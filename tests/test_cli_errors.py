@@ -58,6 +58,23 @@ def exiting() -> object:
     sys.exit(0)
 
 
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no message either")
+
+
+def failing_unprintably() -> object:
+    raise Unprintable
+
+
+class Aborted(BaseException):
+    """A framework's own abort, not an Exception."""
+
+
+def aborting() -> object:
+    raise Aborted("stopped")
+
+
 def run(command: str, factory: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "opttree", command, factory], capture_output=True, text=True, check=False, timeout=180
@@ -89,6 +106,8 @@ def test_describe_json_gives_a_refused_part_as_a_childless_wrapper(capsys: pytes
         ("nothing", "tests.test_cli_errors:nothing() returned a NoneType, not an optimizer: expected a torch.optim.Optimizer"),
         ("failing", "tests.test_cli_errors:failing() raised ValueError: no optimizer today"),
         ("exiting", "tests.test_cli_errors:exiting() raised SystemExit(0) before returning an optimizer"),
+        ("failing_unprintably", "tests.test_cli_errors:failing_unprintably() raised Unprintable (whose message cannot be printed)"),
+        ("aborting", "tests.test_cli_errors:aborting() raised Aborted: stopped"),
     ],
 )
 def test_a_factory_that_gives_no_optimizer_is_one_line_and_a_failure(

@@ -64,12 +64,16 @@ def load_factory(spec: str) -> Callable[[], object]:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except (Exception, SystemExit) as error:  # a module that exits at import validated nothing
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # a module that exits at import validated nothing; any other of its own classes too
         msg = f"importing {module_name} raised {_raised(error)}"
         raise SystemExit(msg) from error
     try:
         factory: object = getattr(module, attribute, None)
-    except (Exception, SystemExit) as error:  # a module's __getattr__ may raise anything, not only AttributeError
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # a module's __getattr__ may raise anything, not only AttributeError; any other of its own classes too
         msg = f"getting {attribute} from {module_name} raised {_raised(error)}"
         raise SystemExit(msg) from error
     if not callable(factory):
@@ -83,15 +87,21 @@ def call_factory(spec: str) -> object:
     factory = load_factory(spec)
     try:
         return factory()
-    except (Exception, SystemExit) as error:  # sys.exit(0) in the factory must not pass as validated
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # sys.exit(0) in the factory must not pass as validated; any other of its own classes too
         msg = f"{spec}() raised {_raised(error)}"
         raise SystemExit(msg) from error
 
 
 def _raised(error: BaseException) -> str:
-    if isinstance(error, SystemExit):
-        return f"SystemExit({error.code!r}) before returning an optimizer"
-    return f"{type(error).__name__}: {error}"
+    """What the factory raised, in one line: its own ``__str__`` or ``__repr__`` may raise too."""
+    try:
+        if isinstance(error, SystemExit):
+            return f"SystemExit({error.code!r}) before returning an optimizer"
+        return f"{type(error).__name__}: {error}"
+    except Exception:  # noqa: BLE001  # a message that cannot be made is named by its class
+        return f"{type(error).__name__} (whose message cannot be printed)"
 
 
 def refuse_non_optimizer(spec: str, problems: Sequence[Problem]) -> None:
