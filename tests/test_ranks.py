@@ -270,3 +270,9 @@ def test_a_run_past_its_timeout_is_stopped_with_an_error() -> None:
 def test_a_result_that_cannot_be_pickled_is_a_rank_failure_not_a_timeout() -> None:
     with pytest.raises(RuntimeError, match=r"rank \d failed:[\s\S]*pickle"):
         testing.run_ranks(unpicklable, 2, timeout=120)
+
+
+def test_a_function_the_ranks_cannot_import_is_refused_before_any_rank_starts() -> None:
+    """A lambda cannot be sent to a fresh process: pickle's own AttributeError escaped."""
+    with pytest.raises(opttree.OptTreeError, match="fn must be importable by name"):
+        testing.run_ranks(lambda: 1, 2)

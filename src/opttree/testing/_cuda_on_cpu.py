@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from unittest import mock
@@ -22,6 +23,8 @@ from unittest import mock
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
+
+from opttree._errors import OptTreeError
 
 _TENSOR_TYPE_NAMES = {
     torch.float32: "FloatTensor",
@@ -215,12 +218,61 @@ _ACCELERATOR_PATCHES: dict[str, object] = {
 }
 
 
+class _Patches:
+    """The process-wide patches (``torch.cuda``'s and the accelerator's calls, and dynamo
+    turned off), applied while any thread is inside any :class:`CudaOnCpu`: counted under
+    a lock, so that threads entering and leaving in any order neither undo another's nor
+    leave them behind."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._stack: contextlib.ExitStack | None = None
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                stack = contextlib.ExitStack()
+                for name, value in _CUDA_PATCHES.items():
+                    stack.enter_context(mock.patch.object(torch.cuda, name, value))
+                accelerator = getattr(torch, "accelerator", None)
+                for name, value in _ACCELERATOR_PATCHES.items():
+                    if hasattr(accelerator, name):
+                        stack.enter_context(mock.patch.object(accelerator, name, value))
+                # torch.compile would compile for the CUDA device the tensors claim, and finds
+                # no GPU: compiled functions (emerging-optimizers' Lion, LaProp, SOAP, REKLS
+                # updates) run eagerly instead, the same arithmetic on the CPU. Set as a value,
+                # not through dynamo's config.patch, whose undoing must run on the thread that
+                # made it.
+                stack.enter_context(mock.patch.object(torch._dynamo.config, "disable", True))
+                self._stack = stack
+            self._users += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and self._stack is not None:
+                self._stack.close()
+                self._stack = None
+
+
+_PATCHES = _Patches()
+
+
 class CudaOnCpu:
-    """Context manager behind :func:`cuda_on_cpu`; re-entrant, also nested, with the same tags."""
+    """Context manager behind :func:`cuda_on_cpu`; re-entrant, also nested and from several
+    threads at once, with the same tags. The pretend-device mode is each thread's own, as
+    torch's function modes are; the patches are the process's (see :class:`_Patches`)."""
 
     def __init__(self) -> None:
         self.on_gpu: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._stacks: list[contextlib.ExitStack] = []  # one per enter not yet exited
+        self._entered = threading.local()  # this thread's modes, one per enter not yet exited
+
+    def _modes(self) -> list[contextlib.ExitStack]:
+        modes: list[contextlib.ExitStack] | None = getattr(self._entered, "modes", None)
+        if modes is None:
+            modes = self._entered.modes = []
+        return modes
 
     def mark_on_gpu(self, *tensors: torch.Tensor) -> None:
         """Treat existing tensors (a model's parameters) as if they lived on the GPU."""
@@ -228,25 +280,27 @@ class CudaOnCpu:
             self.on_gpu[t] = True
 
     def __enter__(self) -> CudaOnCpu:
-        stack = contextlib.ExitStack()
-        for name, value in _CUDA_PATCHES.items():
-            stack.enter_context(mock.patch.object(torch.cuda, name, value))
-        accelerator = getattr(torch, "accelerator", None)
-        for name, value in _ACCELERATOR_PATCHES.items():
-            if hasattr(accelerator, name):
-                stack.enter_context(mock.patch.object(accelerator, name, value))
-        # torch.compile would compile for the CUDA device the tensors claim, and finds no
-        # GPU: compiled functions (emerging-optimizers' Lion, LaProp, SOAP, REKLS updates)
-        # run eagerly instead, the same arithmetic on the CPU.
-        stack.enter_context(torch._dynamo.config.patch(disable=True))
-        stack.enter_context(_CudaOnCpu(self.on_gpu))
-        self._stacks.append(stack)
+        _PATCHES.enter()
+        mode = contextlib.ExitStack()
+        try:
+            mode.enter_context(_CudaOnCpu(self.on_gpu))
+        except BaseException:
+            _PATCHES.exit()
+            raise
+        self._modes().append(mode)
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._stacks.pop().close()
+        modes = self._modes()
+        if not modes:
+            msg = "CudaOnCpu exited on a thread that has not entered it"
+            raise OptTreeError(msg)
+        try:
+            modes.pop().close()
+        finally:
+            _PATCHES.exit()
 
 
 def cuda_on_cpu() -> CudaOnCpu:

@@ -59,6 +59,11 @@ def run_ranks(fn: Callable[[], R], world_size: int, *, timeout: float = 180.0) -
     from opttree.testing._megatron import free_port
 
     _refuse_bad_arguments(world_size, timeout)
+    try:
+        pickle.dumps(fn)
+    except Exception as error:  # a lambda or a local function: spawn could not send it to the ranks
+        msg = f"run_ranks' fn must be importable by name, as each rank runs it in a fresh process: pickling it raised {type(error).__name__}: {error}"
+        raise OptTreeError(msg) from error
     context = multiprocessing.get_context("spawn")
     results: multiprocessing.Queue[_Message] = context.Queue()
     port = free_port()
