@@ -145,9 +145,9 @@ class MirroringWrapper(torch.optim.Optimizer):
     ``state`` after each step (the same dicts), as HybridDeviceOptimizer mirrors its
     sub-optimizers'; a load puts them back into the inner optimizer."""
 
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], inner: Callable[..., torch.optim.Optimizer] = torch.optim.Adam) -> None:
         super().__init__(params, {"lr": 1e-2})
-        self.inner = torch.optim.Adam(params, lr=1e-2)
+        self.inner = inner(params, lr=1e-2)
         self.param_groups = self.inner.param_groups
         self.register_load_state_dict_post_hook(MirroringWrapper._push)
 
@@ -164,19 +164,25 @@ class MirroringWrapper(torch.optim.Optimizer):
 opttree.register_wrapper(MirroringWrapper, children=lambda wrapper: [("inner", wrapper.inner)])
 
 
-def test_a_release_under_a_wrapper_mirroring_the_entries_is_refused_with_nothing_changed() -> None:
-    """Deleted from the inner optimizer only, the entries lived on in the mirror: their
-    memory was not freed, and a checkpoint saved right after resumed the old history."""
+@pytest.mark.parametrize(("inner", "release"), [(torch.optim.Adam, True), (torch.optim.Rprop, False)], ids=["release", "rprop"])
+def test_a_deletion_of_entries_under_a_wrapper_mirroring_them_is_refused_with_nothing_changed(
+    inner: type[torch.optim.Optimizer], release: bool
+) -> None:
+    """Deleted from the inner optimizer only (by ``release=True``, or by any reset of an
+    Rprop, whose entries start from its group's values), the entries lived on in the
+    mirror: their memory was not freed, and a checkpoint saved right after resumed the
+    old history."""
     net = model()
-    wrapper = MirroringWrapper(list(net.parameters()))
+    wrapper = MirroringWrapper(list(net.parameters()), inner)
     train(net, wrapper, 0, 3)
     entries = len(wrapper.inner.state)
 
     with pytest.raises(opttree.ReleaseRefused, match="a mirror of them"):
-        opttree.reset(wrapper, release=True)
+        opttree.reset(wrapper, release=release)
     assert len(wrapper.inner.state) == entries
-    opttree.reset(wrapper)  # in place, the mirror's entries are the ones reset
-    assert all(not value.any() for entry in wrapper.state.values() for value in entry.values())
+    if inner is torch.optim.Adam:
+        opttree.reset(wrapper)  # in place, the mirror's entries are the ones reset
+        assert all(not value.any() for entry in wrapper.state.values() for value in entry.values())
 
 
 @pytest.mark.parametrize("name", [n for n in ("fp32", "bf16", "dist_bf16", "moe", "offload_0.75") if n in testing.available()])

@@ -90,6 +90,8 @@ class ValidateVisitor(TraverserVisitor):
         self._plan = ResetPlan()
         self._inspectors: dict[type, LeafInspector | None] = {}
         self._patches: dict[tuple[type, bool], str | None] = {}
+        self._mirrors: list[tuple[Node, set[int]]] = []
+        """Wrappers whose own state holds their optimizers' entries, with those entries' identities."""
         self._contained: list[object] = []
         self._held: list[tuple[Node, Held]] = []
         self._release_refused = False
@@ -155,6 +157,7 @@ class ValidateVisitor(TraverserVisitor):
                 self._megatron_above = [type(root.under[1]).__qualname__]
             self._contained.append(root.optimizer)
             root.accept(self)
+            self._check_mirrors()
             self._check_loss_scales(root)
             self._check_keys(root)
             self._check_held()
@@ -162,6 +165,27 @@ class ValidateVisitor(TraverserVisitor):
             self._check_memory()
             if self._pooled and len(self.problems) > found:
                 self._check_leaf_by_leaf(root)
+
+    def _check_mirrors(self) -> None:
+        """A reset that deletes state entries (``release=True``, or a leaf whose entries start
+        from its group's values at its first step) under a wrapper whose own state holds
+        them (a mirror, as HybridDeviceOptimizer keeps of its sub-optimizers'): deleted from
+        the optimizer only, they would live on in the mirror, their memory, their history
+        and its next checkpoint's. Refused."""
+        if not self._mirrors or not self._plan.state.release:
+            return
+        deleted: set[int] = set()
+        for optimizer, held in self._plan.state.release:
+            state = optimizer.state
+            deleted.update(object.__hash__(state[param]) for param in held if param in state)
+        for node, mirrored in self._mirrors:
+            if not mirrored.isdisjoint(deleted):
+                message = (
+                    "its own state holds its optimizers' entries (a mirror of them), and this reset deletes some of them "
+                    "from the optimizers only: the mirror would keep them, their memory and their history; "
+                    "reset the optimizers directly, or without release"
+                )
+                self.problems.append(Problem(ProblemKind.UNRELEASABLE_STATE, node.path, type(node.optimizer).__qualname__, message))
 
     def _check_leaf_by_leaf(self, root: Node) -> None:
         """Check ``root`` again with every leaf on its own, and take its problems and plan:
@@ -367,12 +391,9 @@ class ValidateVisitor(TraverserVisitor):
             return
         theirs = set(map(object.__hash__, _all_values(states)))
         values = _values(own)
-        if self._selection.release and not theirs.isdisjoint(map(object.__hash__, values)):
-            message = (
-                "its own state holds its optimizers' entries (a mirror of them): release=True deletes them from the "
-                "optimizers only, and the mirror would keep them, their memory and their history; reset without release"
-            )
-            self.problems.append(Problem(ProblemKind.UNRELEASABLE_STATE, node.path, cls, message))
+        mirrored = theirs.intersection(map(object.__hash__, values))
+        if mirrored:
+            self._mirrors.append((node, mirrored))
         if len(values) == len(own) and theirs.issuperset(map(object.__hash__, values)):
             return
         # an empty entry holds nothing to keep: a read of the wrapper's defaultdict made it
