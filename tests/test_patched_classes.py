@@ -4,6 +4,7 @@ code it runs is no longer the code whose state its schema or wrapper kind descri
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
 import sys
 import textwrap
@@ -171,3 +172,44 @@ def test_a_patched_class_registered_by_the_user_is_reset_exactly() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["ok", "ok"]
+
+
+def _function_from(path: str, name: str) -> Callable[..., object]:
+    """A function whose code says it lies in ``path``, as one defined in that file would."""
+    namespace: dict[str, object] = {}
+    exec(compile(f"def {name}(self, *args, **kwargs):\n    return None\n", path, "exec"), namespace)  # noqa: S102
+    function = namespace[name]
+    assert callable(function)
+    return function
+
+
+@pytest.mark.skipif(not is_available("fp32"), reason="no Megatron optimizer in this lane")
+def test_a_patch_from_another_distribution_under_the_megatron_namespace_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``megatron`` is a namespace: megatron-core ships ``megatron.core``, and other
+    distributions (Megatron-Bridge's ``megatron.bridge``) install beside it. Their code is
+    not megatron-core's."""
+    import megatron.core
+
+    stack = build("fp32")
+    stack.train(0, 2)
+    member = type(getattr(stack.optimizer, "chained_optimizers")[0])
+    beside = os.path.join(os.path.dirname(os.path.dirname(megatron.core.__file__ or "")), "bridge", "patches.py")
+    monkeypatch.setattr(member, "step_with_ready_grads", _function_from(beside, "step_with_ready_grads"))
+    (problem,) = opttree.validate(stack.optimizer)
+    assert problem.kind is opttree.ProblemKind.UNKNOWN_WRAPPER and beside in problem.message
+
+
+@pytest.mark.skipif(not is_available("fp32"), reason="no Megatron optimizer in this lane")
+def test_megatron_installed_editable_is_megatrons_own_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An editable install (``pip install -e`` of a Megatron-LM checkout) gives the
+    ``megatron`` namespace a placeholder ``__path__`` naming no directory: Megatron's own
+    methods were taken for patches, and every Megatron stack refused."""
+    import megatron
+
+    from opttree import _overrides
+
+    monkeypatch.setattr(megatron, "__path__", ["__editable___megatron_core_finder.__path_hook__"])
+    monkeypatch.setattr(_overrides, "_places", {})
+    stack = build("fp32")
+    stack.train(0, 2)
+    assert opttree.validate(stack.optimizer) == ()

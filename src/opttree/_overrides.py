@@ -24,9 +24,6 @@ import weakref
 
 import torch
 
-from collections.abc import Iterable
-from typing import cast
-
 from opttree._dispatch import class_mro, class_namespace, static_attribute
 from opttree._held import OPTIMIZER_BOOKKEEPING, own_attributes
 
@@ -281,32 +278,29 @@ def _code_of(function: object) -> tuple[object, str] | None:
 
 
 def _package_places(module: object) -> tuple[str, ...]:
-    """Where the top-level package of the module named ``module`` lies on disk: its
-    directories (several for a namespace package), or a lone module's file; none where it
-    is Python's own, not imported, or lies nowhere on disk."""
+    """Where the package that ships the module named ``module`` lies on disk: the directory
+    of its outermost regular package (one with an ``__init__``: ``megatron.core`` under the
+    ``megatron`` namespace, whose other parts, such as ``megatron.bridge``, are other
+    distributions' code), or a lone module's file; none where it is Python's own, not
+    imported, or lies nowhere on disk. Read from the modules' own files, not from a
+    namespace's ``__path__``, which an editable install fills with a placeholder."""
     if not isinstance(module, str) or module in ("builtins", *_NEUTRAL_MODULES):
         return ()
-    name = module.partition(".")[0]
-    places = _places.get(name)
-    if places is None:
-        places = _places_on_disk(sys.modules.get(name))
-        if places:  # a package imported stays where it was found
-            _places[name] = places
-    return places
-
-
-def _places_on_disk(top: object) -> tuple[str, ...]:
-    if top is None:
-        return ()
-    attributes = own_attributes(top)
-    paths = attributes.get("__path__")
-    if paths is not None:
-        try:
-            return tuple(os.path.join(str(path), "") for path in list(cast(Iterable[object], paths)))
-        except Exception:  # noqa: BLE001  # a namespace path recomputed from an odd sys.path
+    parts = module.split(".")
+    for depth in range(1, len(parts) + 1):
+        name = ".".join(parts[:depth])
+        places = _places.get(name)
+        if places is not None:
+            return places
+        found = sys.modules.get(name)
+        if found is None:
             return ()
-    file = attributes.get("__file__")
-    return (file,) if isinstance(file, str) else ()
+        file = own_attributes(found).get("__file__")
+        if isinstance(file, str):  # the outermost regular package, or a module
+            places = (os.path.join(os.path.dirname(file), ""),) if os.path.basename(file).startswith("__init__.") else (file,)
+            _places[name] = places  # a module imported stays where it was found
+            return places
+    return ()
 
 
 _places: dict[str, tuple[str, ...]] = {}
