@@ -498,6 +498,9 @@ def _check_entry(
                 fault = _step_fault(value, step_type)
                 if fault is not None:
                     raise layout_error(node, key, f"{where} is {fault}, where {cls} counts steps from 0 in {unit}")
+                unwritable = unwritable_reason(value) if isinstance(value, torch.Tensor) else None
+                if unwritable is not None:  # torch's load keeps a step tensor as it is, and the step adds to it in place
+                    raise layout_error(node, key, f"{where} is {unwritable}, which {cls}'s step counts up in place")
                 continue
             if not isinstance(key, str) or key not in schema.actions:
                 raise layout_error(node, key, f"{where} is not a key {cls} keeps (its schema has {', '.join(sorted(schema.actions))})")
