@@ -407,3 +407,29 @@ def test_a_master_copy_its_schema_also_zeroes_is_refused_with_nothing_changed() 
     with pytest.raises(opttree.UnsupportedOptimizerState, match="shares memory with 'master_of'"):
         opttree.reset(optimizer)
     assert torch.equal(optimizer.state[param]["master"], master)
+
+
+def _master_of_bf16(optimizer: torch.optim.Optimizer, param: torch.Tensor, entry: Mapping[str, object]) -> torch.Tensor | None:
+    """Says, as opttree's own TE schema does for an FP8 weight, that one copy cannot be compared."""
+    if param.dtype != torch.bfloat16:
+        raise opttree.UnsupportedOptimizerState("its master is kept otherwise")
+    return _master(optimizer, param, entry)
+
+
+class MasterInStateSomeUncompared(MasterInState):
+    pass
+
+
+opttree.register_schema(MasterInStateSomeUncompared, opttree.StateSchema(zero={"momentum", "master"}, master_of=_master_of_bf16))
+
+
+def test_a_copy_master_of_cannot_compare_leaves_the_others_kept() -> None:
+    """master_of refusing one copy (an fp16 weight's) dropped the check for every other:
+    the bf16 weight's master was zeroed, and the next step wrote zeros into the model."""
+    params = [torch.nn.Parameter(torch.full((4,), 3.0, dtype=dtype)) for dtype in (torch.float16, torch.bfloat16)]
+    optimizer = MasterInStateSomeUncompared(params)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    (problem,) = opttree.validate(optimizer)
+    assert problem.kind is opttree.ProblemKind.ALIASED_STATE and problem.key == "master"

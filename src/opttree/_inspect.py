@@ -799,14 +799,17 @@ class LeafInspector:
         """Record the master copies the schema's ``master_of`` names as memory a reset keeps:
         history sharing it (a schema listing the master among the keys it zeroes) would
         zero the weights the next step writes back into the model."""
-        try:
-            masters = [master_of(node.optimizer, param, cast(Mapping[str, object], entry)) for param, entry in zip(held, entries, strict=True)]
-        except OptTreeError:
-            return  # an FP8 or scaled master: the stale-master check says why it is not compared
-        except Exception as error:  # noqa: BLE001  # a registered function may raise anything
-            self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"its schema's master_of raised {type(error).__name__}: {error}")
-            return
-        kept = [master for master in masters if isinstance(master, torch.Tensor)]
+        kept: list[torch.Tensor] = []
+        for param, entry in zip(held, entries, strict=True):
+            try:
+                master = master_of(node.optimizer, param, cast(Mapping[str, object], entry))
+            except OptTreeError:
+                continue  # an FP8 or scaled master, which the stale-master check does not compare; the others still count
+            except Exception as error:  # noqa: BLE001  # a registered function may raise anything
+                self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"its schema's master_of raised {type(error).__name__}: {error}")
+                return
+            if isinstance(master, torch.Tensor):
+                kept.append(master)
         if kept:
             self.plan_kept(node, owner, kept, "master_of", into)
 
