@@ -67,6 +67,16 @@ def failing_unprintably() -> object:
     raise Unprintable
 
 
+class ExitingMessage(Exception):
+    def __str__(self) -> str:
+        sys.exit(0)
+
+
+def failing_with_an_exiting_message() -> object:
+    """Its exception's message exits 0 when printed: the command must still fail."""
+    raise ExitingMessage
+
+
 class Aborted(BaseException):
     """A framework's own abort, not an Exception."""
 
@@ -108,6 +118,7 @@ def test_describe_json_gives_a_refused_part_as_a_childless_wrapper(capsys: pytes
         ("exiting", "tests.test_cli_errors:exiting() raised SystemExit(0) before returning an optimizer"),
         ("failing_unprintably", "tests.test_cli_errors:failing_unprintably() raised Unprintable (whose message cannot be printed)"),
         ("aborting", "tests.test_cli_errors:aborting() raised Aborted: stopped"),
+        ("failing_with_an_exiting_message", "tests.test_cli_errors:failing_with_an_exiting_message() raised ExitingMessage (whose message cannot be printed)"),
     ],
 )
 def test_a_factory_that_gives_no_optimizer_is_one_line_and_a_failure(

@@ -213,3 +213,21 @@ def test_megatron_installed_editable_is_megatrons_own_code(monkeypatch: pytest.M
     stack = build("fp32")
     stack.train(0, 2)
     assert opttree.validate(stack.optimizer) == ()
+
+
+class _SealedProperty(property):
+    """A property whose accessors cannot be read: what it runs cannot be told."""
+
+    def __getattribute__(self, name: str) -> object:
+        if name in ("fget", "fset", "fdel"):
+            raise RuntimeError("sealed")
+        return super().__getattribute__(name)
+
+
+def test_a_descriptor_whose_accessors_cannot_be_read_is_a_patch_not_a_raw_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.optim.Optimizer, "lr_of_first_group", _SealedProperty(lambda self: 0.1), raising=False)
+    optimizer = torch.optim.AdamW(model().parameters())
+    (problem,) = opttree.validate(optimizer)
+    assert "Optimizer.lr_of_first_group runs code from a descriptor whose attributes cannot be read" in problem.message
+    with pytest.raises(opttree.UnsupportedOptimizer):
+        opttree.reset(optimizer)

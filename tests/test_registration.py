@@ -1182,3 +1182,34 @@ def test_a_registered_abc_whose_subclass_hook_raises_is_reported_not_raised(cls:
     assert cls.__qualname__ in opttree.describe(optimizer)
     with pytest.raises(opttree.OptTreeError, match="cannot be told"):
         opttree.reset(optimizer)
+
+
+class DoublyTagged(torch.optim.SGD):
+    """Registered under two ABCs, one of whose hooks raises when asked about the other."""
+
+
+class _Judging(abc.ABC):
+    @classmethod
+    def __subclasshook__(cls, other: type) -> bool:
+        if other is DoublyTagged:
+            return True
+        if other is _Tagged:
+            raise TypeError("asked about another registration")
+        return cast(bool, NotImplemented)
+
+
+class _Tagged(abc.ABC):
+    pass
+
+
+_Tagged.register(DoublyTagged)
+opttree.register_schema(_Judging, opttree.StateSchema(drop={"momentum_buffer"}))
+opttree.register_schema(_Tagged, opttree.StateSchema(drop={"momentum_buffer"}))
+
+
+def test_a_hook_raising_while_two_registrations_are_weighed_is_reported_not_raised() -> None:
+    optimizer = DoublyTagged(model().parameters(), lr=0.1, momentum=0.9)
+    (problem,) = opttree.validate(optimizer)
+    assert problem.kind is opttree.ProblemKind.UNSUPPORTED_OPTIMIZER and "asked about another registration" in problem.message
+    with pytest.raises(opttree.UnsupportedOptimizer, match="cannot be told"):
+        opttree.reset(optimizer)

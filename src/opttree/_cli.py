@@ -100,7 +100,9 @@ def _raised(error: BaseException) -> str:
         if isinstance(error, SystemExit):
             return f"SystemExit({error.code!r}) before returning an optimizer"
         return f"{type(error).__name__}: {error}"
-    except Exception:  # noqa: BLE001  # a message that cannot be made is named by its class
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # noqa: BLE001  # a message that cannot be made (or that exits) is named by its class
         return f"{type(error).__name__} (whose message cannot be printed)"
 
 

@@ -80,6 +80,13 @@ def imported_class(dotted: str) -> type | None:
     return None
 
 
+def _untellable(registered: type, cls: type, raised: Exception) -> str:
+    return (
+        f"whether the registration of {dotted_name(registered)} applies to {dotted_name(cls)} cannot be told: "
+        f"its subclass check raised {type(raised).__name__}: {raised}"
+    )
+
+
 def _unregistered(_: object) -> type | None:
     return None
 
@@ -169,11 +176,14 @@ class LazyDispatch(Generic[V]):
                 if issubclass(cls, registered):
                     applying.append(registered)
             except Exception as raised:  # noqa: BLE001  # a user's hook may raise anything
-                return (
-                    f"whether the registration of {dotted_name(registered)} applies to {dotted_name(cls)} cannot be told: "
-                    f"its subclass check raised {type(raised).__name__}: {raised}"
-                )
-        nearest = [a for a in applying if not any(b is not a and issubclass(b, a) for b in applying)]
+                return _untellable(registered, cls, raised)
+        nearest: list[type] = []
+        for a in applying:
+            try:
+                if not any(b is not a and issubclass(b, a) for b in applying):
+                    nearest.append(a)
+            except Exception as raised:  # noqa: BLE001  # asked about another registration, the hook may raise too
+                return _untellable(a, cls, raised)
         if len(nearest) < 2:
             return f"{dotted_name(cls)} cannot be looked up: {type(error).__name__}: {error}"
         names = " and ".join(sorted(map(dotted_name, nearest)))

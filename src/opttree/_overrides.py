@@ -241,7 +241,11 @@ def foreign_method(cls: type) -> tuple[type, str, str] | None:
         if not places:
             continue
         for name, value in namespace.items():
-            for function in _functions_of(value):
+            try:
+                functions = _functions_of(value)
+            except Exception:  # noqa: BLE001  # a descriptor whose own reads raise runs code of its own
+                return klass, name, "a descriptor whose attributes cannot be read"
+            for function in functions:
                 found = _code_of(function)
                 if found is None or found[1].startswith(places):
                     continue
