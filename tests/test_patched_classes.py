@@ -231,3 +231,26 @@ def test_a_descriptor_whose_accessors_cannot_be_read_is_a_patch_not_a_raw_error(
     assert "Optimizer.lr_of_first_group runs code from a descriptor whose attributes cannot be read" in problem.message
     with pytest.raises(opttree.UnsupportedOptimizer):
         opttree.reset(optimizer)
+
+
+class _StepObject:
+    """A callable object set as ``step``: binds as a method would, and runs the warm-up."""
+
+    def __get__(self, optimizer: torch.optim.AdamW | None, owner: type | None = None) -> object:
+        return self if optimizer is None else functools.partial(warmed_step, optimizer)
+
+    def __call__(self, optimizer: torch.optim.AdamW, closure: Callable[[], float] | None = None) -> float | None:
+        return warmed_step(optimizer, closure)
+
+
+@pytest.mark.parametrize("patch", [functools.partialmethod(warmed_step), _StepObject()], ids=["partialmethod", "callable-object"])
+def test_a_patch_set_as_another_kind_of_callable_is_found(patch: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Set as a ``functools.partialmethod`` (whose binding is the standard library's code,
+    holding the warm-up in its closure) or as a callable object of a class of its own,
+    the warm-up patch passed, and the reset trained unlike a fresh optimizer."""
+    monkeypatch.setattr(torch.optim.AdamW, "step", patch)
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    train(net, optimizer, 0, 3)
+    (problem,) = opttree.validate(optimizer)
+    assert "torch.optim.adamw.AdamW.step runs code from" in problem.message and __file__ in problem.message

@@ -19,6 +19,7 @@ import abc
 import functools
 import os
 import sys
+import sysconfig
 import types
 import weakref
 
@@ -246,22 +247,69 @@ def foreign_method(cls: type) -> tuple[type, str, str] | None:
             except Exception:  # noqa: BLE001  # a descriptor whose own reads raise runs code of its own
                 return klass, name, "a descriptor whose attributes cannot be read"
             for function in functions:
-                found = _code_of(function)
-                if found is None or found[1].startswith(places):
-                    continue
-                if not any(unwrapped(class_namespace(base).get(name)) is found[0] for base in mro[index + 1 :]):
+                found = _foreign_code(function, places)
+                if found is not None and not any(unwrapped(class_namespace(base).get(name)) is found[0] for base in mro[index + 1 :]):
                     return klass, name, found[1]
     return None
 
 
+def _foreign_code(function: object, places: tuple[str, ...], depth: int = 0) -> tuple[object, str] | None:
+    """The function, and its file, that ``function`` runs from outside ``places``: its own
+    code, or, where that is Python's standard library (``functools.partialmethod``'s
+    binding, typing's aliases), the code of what its closure holds; None where all of it
+    lies in ``places`` or is Python's own."""
+    found = _code_of(function)
+    if found is None or found[1].startswith(places):
+        return None
+    if not _pythons_own(found[1]):
+        return found
+    if depth >= 4:
+        return None
+    for held in _closure_values(found[0]):
+        inner = _foreign_code(held, places, depth + 1)
+        if inner is not None:
+            return inner
+    return None
+
+
+def _closure_values(function: object) -> list[object]:
+    """What a function's closure holds, but plain values and cells not yet filled."""
+    values: list[object] = []
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            held: object = cell.cell_contents
+        except ValueError:  # a cell not yet filled
+            continue
+        if not isinstance(held, (type(None), bool, int, float, str, bytes, type)):
+            values.append(held)
+    return values
+
+
 def _functions_of(value: object) -> tuple[object, ...]:
     """What a class namespace's ``value`` runs when called or read: a class or static
-    method's function, a property's accessors, or the value itself (not a class)."""
+    method's function, a property's accessors, or the value itself (not a class: what it
+    runs when called is found by :func:`_code_of`) and its class's ``__get__``, which binds
+    it where it is read from an instance."""
     if isinstance(value, (classmethod, staticmethod)):
         return (value.__func__,)
     if isinstance(value, property):
         return tuple(f for f in (value.fget, value.fset, value.fdel) if f is not None)
-    return () if isinstance(value, type) else (value,)
+    if isinstance(value, type):
+        return ()
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
+        return (value,)
+    return (value, static_attribute(type(value), "__get__"))
+
+
+_STDLIB = os.path.join(sysconfig.get_paths()["stdlib"], "")
+
+
+def _pythons_own(file: str) -> bool:
+    """Whether ``file`` is of Python's standard library (typing's aliases, functools'
+    descriptors), not of a package installed beside it."""
+    if not file.startswith(_STDLIB):
+        return False
+    return file[len(_STDLIB) :].split(os.sep, 1)[0] not in ("site-packages", "dist-packages")
 
 
 def _code_of(function: object) -> tuple[object, str] | None:
@@ -274,11 +322,26 @@ def _code_of(function: object) -> tuple[object, str] | None:
         code = getattr(found, "__code__", None) if isinstance(found, types.FunctionType) else None
         if isinstance(code, types.CodeType):
             return found, code.co_filename
-        inner = own_attributes(found).get("__wrapped__")
+        inner = _runs(found)
         if inner is None:
             return None
         function = inner
     return None
+
+
+def _runs(found: object) -> object:
+    """What an object that is not a Python function runs when called: the function a
+    wrapper copies as ``__wrapped__``, a partial's function, or, for an object of a class
+    of its own, that class's ``__call__``; None for a builtin."""
+    inner = own_attributes(found).get("__wrapped__")
+    if inner is not None:
+        return inner
+    if isinstance(found, (functools.partial, functools.partialmethod)):
+        return found.func
+    if isinstance(found, (types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType)):
+        return None
+    call = static_attribute(type(found), "__call__")
+    return call if isinstance(call, types.FunctionType) else None
 
 
 def _package_places(module: object) -> tuple[str, ...]:
