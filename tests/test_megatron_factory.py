@@ -213,3 +213,20 @@ def test_a_recipe_of_fields_megatron_cannot_take_is_refused_where_it_is_made() -
     with pytest.raises(opttree.OptTreeError, match="copy_weights_from takes a MegatronStack, got an int"):
         testing.build("fp32").copy_weights_from(5)  # type: ignore[arg-type]
     assert testing.Recipe("mine", "adam", distributed=True, offload_fraction=1).offload_fraction == 1
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        testing.Recipe("offload_sgd", "sgd", bf16=True, distributed=True, offload_fraction=0.5),
+        testing.Recipe("offload_fp32", "adam", distributed=True, offload_fraction=0.5),
+    ],
+    ids=["sgd", "fp32"],
+)
+def test_a_recipe_megatron_refuses_to_build_is_an_opttree_error(recipe: testing.Recipe) -> None:
+    """Megatron's config asserts that precision-aware offloading is Adam's, and its factory
+    cannot offload fp32 weights: their AssertionError and ValueError escaped raw."""
+    if testing.missing_feature(recipe) is not None:
+        pytest.skip(f"this lane cannot build it anyway: {testing.missing_feature(recipe)}")
+    with pytest.raises(testing.RecipeUnavailable, match="cannot be built: Megatron's"):
+        testing.build(recipe)

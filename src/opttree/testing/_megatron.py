@@ -479,24 +479,28 @@ def build(configuration: str | Recipe, *, seed: int = 0, lr: float = 1e-2) -> Me
     model = _tiny_mlp(config, experts=recipe.experts)
     device.mark_on_gpu(*model.parameters())
     offload = recipe.offload_fraction is not None
-    with _without_transformer_engine_version():
-        optimizer_config = OptimizerConfig(
-            optimizer=recipe.optimizer,
-            lr=lr,
-            weight_decay=0.01,
-            bf16=recipe.bf16,
-            fp16=recipe.fp16,
-            # fp16: a scale that both backs off (the first steps overflow) and grows within
-            # a few steps, so that a scaler kept by a reset shows in the next steps
-            initial_loss_scale=2.0**20,
-            loss_scale_window=2,
-            use_distributed_optimizer=recipe.distributed,
-            optimizer_cpu_offload=offload,
-            optimizer_offload_fraction=recipe.offload_fraction or 0.0,
-            use_precision_aware_optimizer=offload,
-            overlap_cpu_optimizer_d2h_h2d=offload,
-            sgd_momentum=0.9,
-        )
+    try:
+        with _without_transformer_engine_version():
+            optimizer_config = OptimizerConfig(
+                optimizer=recipe.optimizer,
+                lr=lr,
+                weight_decay=0.01,
+                bf16=recipe.bf16,
+                fp16=recipe.fp16,
+                # fp16: a scale that both backs off (the first steps overflow) and grows within
+                # a few steps, so that a scaler kept by a reset shows in the next steps
+                initial_loss_scale=2.0**20,
+                loss_scale_window=2,
+                use_distributed_optimizer=recipe.distributed,
+                optimizer_cpu_offload=offload,
+                optimizer_offload_fraction=recipe.offload_fraction or 0.0,
+                use_precision_aware_optimizer=offload,
+                overlap_cpu_optimizer_d2h_h2d=offload,
+                sgd_momentum=0.9,
+            )
+    except Exception as error:  # Megatron's config refuses some combinations a Recipe allows (offloading SGD)
+        msg = f"configuration {recipe.name!r} cannot be built: Megatron's OptimizerConfig raised {type(error).__name__}: {error}"
+        raise RecipeUnavailable(msg) from error
     if recipe.layer_wise:
         optimizer_config.use_layer_wise_distributed_optimizer = True
     with device:
@@ -505,7 +509,11 @@ def build(configuration: str | Recipe, *, seed: int = 0, lr: float = 1e-2) -> Me
             DistributedDataParallelConfig(use_distributed_optimizer=recipe.distributed, overlap_grad_reduce=False),
             model,
         )
-        optimizer = get_megatron_optimizer(optimizer_config, [ddp])
+        try:
+            optimizer = get_megatron_optimizer(optimizer_config, [ddp])
+        except Exception as error:  # Megatron's factory refuses some combinations a Recipe allows (offloading SGD)
+            msg = f"configuration {recipe.name!r} cannot be built: Megatron's factory raised {type(error).__name__}: {error}"
+            raise RecipeUnavailable(msg) from error
     stack = MegatronStack(recipe.name, ddp, optimizer, device)
     for leaf in stack.leaves():
         _complete_adaptive_muon(leaf, optimizer_config)
