@@ -21,6 +21,7 @@ import os
 import sys
 import sysconfig
 import types
+import warnings
 import weakref
 
 import torch
@@ -76,14 +77,9 @@ def _torch_wrapper(function: object, inner: object, owner: object | None) -> boo
     code = getattr(function, "__code__", None)
     if not isinstance(code, types.CodeType) or not (code.co_filename.startswith(_TORCH_CODE) or code in _deprecation_wrappers()):
         return False
-    cells = getattr(function, "__closure__", None) or ()
     plain = (type(None), bool, int, float, str)
     wrapped = (inner, getattr(inner, "__func__", inner))  # LRScheduler's holds the function of the bound step it wraps
-    for cell in cells:
-        try:
-            held: object = cell.cell_contents
-        except ValueError:  # a cell not yet filled
-            continue
+    for held in _filled_cells(function):
         if isinstance(held, weakref.ref):
             if owner is not None and held() is not owner:
                 return False
@@ -104,7 +100,7 @@ def _deprecation_wrappers() -> frozenset[types.CodeType]:
     function: it warns, then runs the function it wraps, and nothing else."""
     import typing_extensions  # a dependency of torch
 
-    makers = [typing_extensions.deprecated, getattr(__import__("warnings"), "deprecated", None)]
+    makers = [typing_extensions.deprecated, getattr(warnings, "deprecated", None)]  # warnings' from Python 3.13
     found: set[types.CodeType] = set()
     for maker in makers:
         if maker is not None:
@@ -273,16 +269,19 @@ def _foreign_code(function: object, places: tuple[str, ...], depth: int = 0) -> 
 
 
 def _closure_values(function: object) -> list[object]:
-    """What a function's closure holds, but plain values and cells not yet filled."""
-    values: list[object] = []
+    """What a function's closure holds, but plain values."""
+    return [held for held in _filled_cells(function) if not isinstance(held, (type(None), bool, int, float, str, bytes, type))]
+
+
+def _filled_cells(function: object) -> list[object]:
+    """What the cells of a function's closure hold, those not yet filled passed over."""
+    found: list[object] = []
     for cell in getattr(function, "__closure__", None) or ():
         try:
-            held: object = cell.cell_contents
+            found.append(cell.cell_contents)
         except ValueError:  # a cell not yet filled
             continue
-        if not isinstance(held, (type(None), bool, int, float, str, bytes, type)):
-            values.append(held)
-    return values
+    return found
 
 
 def _functions_of(value: object) -> tuple[object, ...]:

@@ -413,8 +413,9 @@ def _in_writable_memory(
     if not fixed:
         return True
     if starts is None or ends is None:
-        starts = [_DATA_PTR(tensors[i]) for i in range(len(tensors))]
-        ends = [start + _span(tensor) for start, tensor in zip(starts, tensors, strict=True)]
+        found = Extents()
+        _add_plain(found, tensors)
+        starts, ends = found.starts, found.ends
     return mappings.first_unwritable([starts[i] for i in fixed], [ends[i] for i in fixed]) is None
 
 

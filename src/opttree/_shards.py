@@ -21,7 +21,7 @@ from opttree._adapter import instance_attribute
 from opttree._dispatch import LazyDispatch
 from opttree._errors import OptTreeError
 from opttree._nodes import Node
-from opttree._preflight import plain_reads
+from opttree._preflight import plain_reads, ranges
 from opttree._problems import Problem, ProblemKind
 from opttree._selection import paired
 
@@ -51,8 +51,9 @@ def _within(shard: torch.Tensor, model: torch.Tensor) -> bool:
     """Whether ``shard``'s elements lie in ``model``'s memory, as a view of it."""
     if shard.untyped_storage().data_ptr() != model.untyped_storage().data_ptr():
         return False
-    start, end = model.data_ptr(), model.data_ptr() + model.numel() * model.element_size()
-    return start <= shard.data_ptr() and shard.data_ptr() + shard.numel() * shard.element_size() <= end
+    found = ranges([shard, model])
+    (shard_start, start), (shard_end, end) = found.starts, found.ends
+    return start <= shard_start and shard_end <= end
 
 
 def _builtin() -> LazyDispatch[_DetachedShards]:

@@ -427,9 +427,6 @@ class ValidateVisitor(TraverserVisitor):
         if not self._entering(node):
             return
         self._check_own_code(node)
-        detached = detached_shards(node)
-        if detached is not None:
-            self.problems.append(detached)
         self._check_step_unit(node)
         self._check_release(node)
         self._keep_stepped_params(node)
