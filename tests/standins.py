@@ -25,10 +25,18 @@ TransformerEngine 2.x ``transformer_engine/pytorch/optimizers/fused_adam.py``:
 - ``group["step"]``: absent until the first step (an empty group is skipped and never gets
   one), then an int, or with ``capturable`` an int32 tensor of shape [1] incremented in
   place; with ``capturable`` the group's ``lr`` is a tensor;
+- ``self._dummy_overflow_buf``, an int32 tensor [0]: with ``capturable`` (where torch's
+  ``GradScaler`` passes itself to ``step``, ``_step_supports_amp_scaling``) each group's
+  step adds ``(flag != 1)``, the flag then takes whether the scaler found an inf in the
+  gradients, and the kernels change nothing where it is 1;
 - ``use_decoupled_grad`` reads ``param.decoupled_grad`` instead of ``param.grad``.
 
 apex ``apex/optimizers/fused_adam.py``: ``exp_avg``, ``exp_avg_sq`` (fp32 zeros) in state;
-``group["step"]`` an int, or with ``capturable`` an int tensor of shape [1].
+``group["step"]`` an int, or with ``capturable`` an int tensor of shape [1] (empty groups
+skipped); the same overflow flag and capturable step; with ``master_weights`` (capturable
+only) an fp32 copy of each parameter made at construction in ``self.param_groups_master``,
+groups beside ``param_groups`` (``None`` at each place without), stepped for fp16 and fp32
+parameters and written back into them.
 
 The arithmetic is plain AdamW on the CPU, not the fused CUDA kernels; FP8 (uint8) state is
 not modelled.
@@ -36,6 +44,7 @@ not modelled.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from copy import deepcopy
 from itertools import chain
@@ -47,18 +56,30 @@ from torch.optim.optimizer import ParamsT
 _FP16_RANGE = torch.finfo(torch.float16).max / 2.0
 
 
-def _next_step(group: dict[str, object], capturable: bool) -> float:
-    """Add one to the group's step, or start it, as both real classes do: a step key of
+def _next_step(group: dict[str, object], capturable: bool, overflow: torch.Tensor) -> float:
+    """Add one to the group's step, or start it, as both real classes do: with
+    ``capturable``, one only where the step before did not overflow (``overflow``, their
+    ``_dummy_overflow_buf``, is not 1), added in place to the step tensor. A step key of
     another kind (None) raises there as here."""
     if "step" not in group:
         group["step"] = torch.tensor([1], dtype=torch.int32) if capturable else 1
-        return 1.0
-    step = group["step"]
-    if isinstance(step, torch.Tensor):
-        step.add_(1)  # the real classes add the overflow flag in place
-        return float(step.item())
-    group["step"] = step = cast(int, step) + 1
-    return float(step)
+    else:
+        increment: int | torch.Tensor = (overflow != 1).to(torch.int32) if capturable else 1
+        group["step"] += increment  # type: ignore[operator]
+    return float(cast(float, group["step"]))
+
+
+def _capturable_scale(optimizer: torch.optim.Optimizer, overflow: torch.Tensor, grad_scaler: object, device: torch.device) -> float | None:
+    """What both real classes' capturable step does before their kernels run: record in
+    ``overflow`` whether torch's ``GradScaler`` found an inf in this device's gradients, and
+    give the factor that unscales them; None where they overflowed, and the kernels,
+    reading the flag, change nothing."""
+    scaler = cast(torch.amp.GradScaler | None, grad_scaler)
+    found = scaler._check_inf_per_device(optimizer)[device] if scaler is not None else torch.zeros(1)
+    overflow.copy_(found)
+    if int(overflow) == 1:
+        return None
+    return float(scaler._get_scale_async().double().reciprocal().float()) if scaler is not None else 1.0
 
 
 def _adamw(
@@ -71,11 +92,12 @@ def _adamw(
 ) -> None:
     lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])  # type: ignore[arg-type]
     beta1, beta2 = cast(tuple[float, float], group["betas"])
+    bias1 = 1 - beta1**step  # 0 at step 0, where the real kernels divide by zero
     param.mul_(1 - lr * wd)
     m.lerp_(grad, 1 - beta1)
     v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     denom = (v / (1 - beta2**step)).sqrt_().add_(eps)
-    param.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
+    param.addcdiv_(m, denom, value=-lr / bias1 if bias1 else -math.inf)
 
 
 def _join(low_precision: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
@@ -130,6 +152,8 @@ class TEFusedAdam(torch.optim.Optimizer):
         self.name_to_dtype_map = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype, "master_param": master_weight_dtype}
         self._scales: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         self._dummy_overflow_buf = torch.tensor([0], dtype=torch.int32)
+        if capturable:
+            self._step_supports_amp_scaling = True  # torch's GradScaler passes itself to step
         self.use_decoupled_grad = use_decoupled_grad
         self.store_param_remainders = store_param_remainders and master_weights and master_weight_dtype == torch.float32
 
@@ -206,17 +230,21 @@ class TEFusedAdam(torch.optim.Optimizer):
                     self.set_scaled_state(param, name, value if self._remainders(param, name) else value.float())
 
     @torch.no_grad()
-    def step(self, closure: None = None) -> None:  # type: ignore[override]
+    def step(self, closure: None = None, grad_scaler: object = None) -> None:  # type: ignore[override]
         for group in self.param_groups:
             if not group["params"]:
                 continue
-            step = _next_step(group, self.capturable)
+            step = _next_step(group, self.capturable, self._dummy_overflow_buf)
             for param in group["params"]:
                 if not self.state[param]:
                     self.initialize_state(param)
+            unscale = _capturable_scale(self, self._dummy_overflow_buf, grad_scaler, group["params"][0].device) if self.capturable else 1.0
+            if unscale is None:
+                continue
+            for param in group["params"]:
                 grad = getattr(param, "decoupled_grad", None) if self.use_decoupled_grad else param.grad
                 if grad is not None:
-                    self._step_param(param, grad, group, step)
+                    self._step_param(param, grad if unscale == 1.0 else grad * unscale, group, step)
 
     def _step_param(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, object], step: float) -> None:
         """AdamW on the fp32 weights: the master of a bf16/fp16 parameter, written back
@@ -246,22 +274,46 @@ class TEFusedAdam(torch.optim.Optimizer):
 class ApexFusedAdam(torch.optim.Optimizer):
     """Stand-in for ``apex.optimizers.FusedAdam`` (see module doc)."""
 
-    def __init__(self, params: Iterable[torch.Tensor], lr: float = 1e-3, *, capturable: bool = False) -> None:
-        super().__init__(params, {"lr": lr, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0})
+    def __init__(self, params: Iterable[torch.Tensor], lr: float = 1e-3, *, capturable: bool = False, master_weights: bool = False) -> None:
+        if master_weights and not capturable:
+            raise RuntimeError("Master weights is currently only supported with the capturable version.")
+        group_lr: float | torch.Tensor = torch.tensor(lr, dtype=torch.float32) if capturable else lr
+        super().__init__(params, {"lr": group_lr, "bias_correction": True, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0})
         self.capturable = capturable
+        self.master_weights = master_weights
+        self.param_groups_master = [
+            {"params": [p.clone().detach().float() if master_weights else None for p in group["params"]]} for group in self.param_groups
+        ]
+        if capturable:
+            self._step_supports_amp_scaling = True
+        self._dummy_overflow_buf = torch.tensor([0], dtype=torch.int32)
 
     @torch.no_grad()
-    def step(self, closure: None = None) -> None:  # type: ignore[override]
-        for group in self.param_groups:
-            step = _next_step(group, self.capturable)
-            for param in group["params"]:
+    def step(self, closure: None = None, grad_scaler: object = None) -> None:  # type: ignore[override]
+        for group, group_master in zip(self.param_groups, self.param_groups_master, strict=False):
+            if not group["params"]:
+                continue
+            step = _next_step(group, self.capturable, self._dummy_overflow_buf)
+            live = []
+            for param, master in zip(group["params"], group_master["params"], strict=False):
                 if param.grad is None:
                     continue
                 state = self.state[param]
                 if not state:
                     state["exp_avg"] = torch.zeros_like(param).float()
                     state["exp_avg_sq"] = torch.zeros_like(param).float()
-                _adamw(param, param.grad, state["exp_avg"], state["exp_avg_sq"], group, step)
+                live.append((param, master))
+            unscale = _capturable_scale(self, self._dummy_overflow_buf, grad_scaler, group["params"][0].device) if self.capturable else 1.0
+            if unscale is None:
+                continue
+            for param, master in live:
+                state = self.state[param]
+                grad = param.grad.float() * unscale
+                held = self.master_weights and param.dtype in (torch.float16, torch.float32)
+                weights = master if held else param.data
+                _adamw(weights, grad, state["exp_avg"], state["exp_avg_sq"], group, step)
+                if held:
+                    param.data.copy_(weights)  # the master kernel writes the stepped master into the parameter
 
 
 for _cls, _module in (

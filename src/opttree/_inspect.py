@@ -32,6 +32,7 @@ from opttree._containers import (
     tensors_held,
     tensors_in,
 )
+from opttree._master_groups import master_pairs
 from opttree._plan import ResetPlan, StateEntry, StatePlan
 from opttree._preflight import (
     _DTYPE,
@@ -341,6 +342,9 @@ class LeafInspector:
                 self.plan_group_step(node, index, group, params, step)
             if step_number(step) and not any(p in state for p in params):
                 self.problem(node, ProblemKind.EMPTY_STATE, f"a group says step {step} but none of its parameters has state")
+        self.plan_step_attributes(node, in_groups)
+        if self.schema.master_groups is not None:
+            self.plan_master_groups(node, self.schema.master_groups)
         if not state:
             plan.leaves += self.selection.reaches(in_groups)
             return
@@ -376,7 +380,9 @@ class LeafInspector:
         """
         schema = self.schema
         if schema.scale_of is not None or schema.fill or schema.shape_with or self.selection.release or schema.indivisible:
-            return False  # scales, fills and settings' shapes are looked up, releases and indivisible states planned, leaf by leaf
+            return False
+        if schema.step_attributes or schema.master_groups is not None:
+            return False  # read from each leaf's own attributes  # scales, fills and settings' shapes are looked up, releases and indivisible states planned, leaf by leaf
         problems_before = len(self.problems)
         try:
             part = self._plan_alike(leaves)
@@ -544,6 +550,50 @@ class LeafInspector:
             state.number_steps.append((group, zero))
         state.steps += 1
         state.found_keys.add("step")
+
+    def plan_step_attributes(self, node: LeafNode, params: list[torch.Tensor]) -> None:
+        """Zero the tensors the schema's ``step_attributes`` name along with the leaf's step
+        counters: all of them, since one counts for every parameter."""
+        names = self.schema.step_attributes
+        if not names or not self.selection.resets("step"):
+            return
+        chosen = self.selection.tensors
+        taken = len(params) if chosen is None else sum(id(p) in chosen for p in params)
+        if not taken:
+            return
+        named = ", ".join(sorted(names))
+        if taken < len(params):
+            message = (
+                f"its {named} takes part in counting the steps of all its {len(params)} parameters and {taken} are "
+                "selected: select all of them, or leave 'step' out of keys"
+            )
+            self.problem(node, ProblemKind.PARTIAL_GROUP, message, "step")
+            return
+        attributes = own_attributes(node.optimizer)
+        owner = (node.path, type(node.optimizer).__qualname__)
+        for name in sorted(names & attributes.keys()):  # a version of the class without it counts without it
+            value = attributes[name]
+            if type(value) is not torch.Tensor:
+                self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"its {name} is {kind_of(value)}, expected a tensor", name)
+                continue
+            checked = writable_ranges([value])
+            if isinstance(checked, tuple):
+                self.problem(node, ProblemKind.UNWRITABLE_STATE, f"its {name}, read in counting its steps, is {checked[1]}", name)
+                continue
+            state = self.plan.state
+            state.zero_list((name, value.dtype, value.device)).append(value)
+            state.written.extend(checked.owned((*owner, name)))
+            state.zeroed += 1
+            state.bytes_reset += checked.nbytes
+
+    def plan_master_groups(self, node: LeafNode, attribute: str) -> None:
+        """Record the master copies kept beside the leaf's groups (``master_groups``) as memory
+        a reset keeps; a layout there other than the schema's is refused."""
+        pairs = master_pairs(node.optimizer, attribute)
+        if isinstance(pairs, str):
+            self.problem(node, ProblemKind.MALFORMED_STATE, pairs, attribute)
+        elif pairs:
+            self.plan_kept(node, (node.path, type(node.optimizer).__qualname__), [copy for _, copy in pairs], attribute, self.plan.state)
 
     def inspect_state(self, node: LeafNode, in_groups: list[torch.Tensor], into: StatePlan) -> None:
         """Plan one leaf's state, given the parameters of its groups in order."""

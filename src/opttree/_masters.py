@@ -17,6 +17,7 @@ not raised from, and a sync checks every copy it will write before it writes any
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from itertools import chain
 from typing import cast
 
 import torch
@@ -25,6 +26,7 @@ from attrs import frozen
 from opttree._dispatch import LazyDispatch
 from opttree._errors import OptTreeError
 from opttree._held import own_attributes
+from opttree._master_groups import master_pairs
 from opttree._nodes import LeafNode, Node, tree_nodes
 from opttree._preflight import Extents, overlap, plain_torch, ranges, unwritable_reason
 from opttree._problems import Problem, ProblemKind
@@ -73,10 +75,20 @@ def _leaf_masters(leaf: LeafNode) -> Iterator[tuple[torch.Tensor, Sequence[torch
     ``master_of`` names them (TE FusedAdam's ``master_param``, where Megatron's
     precision-aware ``DistributedOptimizer`` keeps its main weights)."""
     schema = schema_for(type(leaf.optimizer))
-    master_of = None if schema is None else schema.master_of
-    if master_of is None or leaf.shared_with is not None:
+    if schema is None or leaf.shared_with is not None:
         return
     optimizer = leaf.optimizer
+    if schema.master_groups is not None:
+        pairs = master_pairs(optimizer, schema.master_groups)
+        if isinstance(pairs, str):
+            first = next(iter(chain.from_iterable(group["params"] for group in optimizer.param_groups)), None)
+            if first is not None:
+                yield first, [_Uncompared(pairs)]
+        else:
+            yield from ((param, [copy]) for param, copy in pairs)
+    master_of = schema.master_of
+    if master_of is None:
+        return
     for group in optimizer.param_groups:
         for param in group["params"]:
             entry = optimizer.state.get(param)

@@ -248,6 +248,20 @@ class StateSchema:
     model out of band and ``sync_masters`` writes it (see :data:`MasterOf`). A reset keeps
     it, as any ``keep`` key.
 
+    ``master_groups``: the name of an instance attribute where the optimizer keeps master
+    copies in groups beside its ``param_groups``, each group's ``params`` holding every
+    parameter's copy at its place, or None (apex's and TransformerEngine 1.x's
+    ``FusedAdam`` keep ``param_groups_master`` with ``master_weights``): compared and
+    written as ``master_of``'s are, and kept by a reset. Any other layout there is refused.
+
+    ``step_attributes``: instance attributes each holding a tensor that the optimizer
+    creates as zeros and reads in counting its steps (TE's and apex's ``FusedAdam`` keep
+    ``_dummy_overflow_buf``: a capturable step adds one to the step only where the step
+    before did not overflow, so a flag kept through a reset leaves the next step at 0,
+    where bias correction divides by zero). A reset that zeroes the optimizer's step
+    counters zeroes them in place; one that keeps its counters keeps them; one that takes
+    the counters of only some of its parameters is refused, since one flag counts for all.
+
     ``rebuilds_missing``: the optimizer builds a parameter's whole entry on its next step
     when the entry is missing, as it builds a fresh one (torch's ``len(state) == 0``
     initialisation), so ``reset(..., release=True)`` may delete entries to free their memory.
@@ -277,6 +291,8 @@ class StateSchema:
     built_if: tuple[tuple[str, str], ...] = field(converter=_options, factory=tuple, kw_only=True)
     always_built: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     built_for: tuple[tuple[str, BuiltFor], ...] = field(converter=_shape_tests, factory=tuple, kw_only=True)
+    master_groups: str | None = field(default=None, kw_only=True)
+    step_attributes: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
 
     @functools.cached_property
     def built_with_entry(self) -> tuple[tuple[str, str | None], ...]:
@@ -417,6 +433,12 @@ class StateSchema:
             raise RegistrationError(msg)
         if self.starts_at_first_step and not self.rebuilds_missing:
             msg = "starts_at_first_step deletes entries for the optimizer to build again: it needs rebuilds_missing=True"
+            raise RegistrationError(msg)
+        if self.master_groups is not None and not isinstance(cast(object, self.master_groups), str):
+            msg = f"master_groups names an instance attribute, got {kind_of(self.master_groups)}"
+            raise RegistrationError(msg)
+        if self.step_attributes and self.step is StepLocation.NONE:
+            msg = "step_attributes take part in counting steps; this schema's step is none"
             raise RegistrationError(msg)
         if self.step_type is not StepType.TENSOR and self.step is not StepLocation.PER_PARAMETER:
             msg = f"step_type describes a per-parameter step; this schema's step is {self.step.value}"

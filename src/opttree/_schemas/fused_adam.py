@@ -12,6 +12,9 @@ from opttree._errors import UnsupportedOptimizerState
 from opttree._schema import StateSchema, StepLocation
 from opttree._schemas._keys import MASTER_PARAM
 
+MASTER_GROUPS = "param_groups_master"
+OVERFLOW_FLAG = "_dummy_overflow_buf"
+
 
 def te_scale_of(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str) -> torch.Tensor | None:
     """The fp32 scale TE's FusedAdam keeps in ``_scales[param][key]`` for fp16 moments.
@@ -59,6 +62,9 @@ def te_master_of(optimizer: torch.optim.Optimizer, param: torch.Tensor, entry: M
 
 # Both build a parameter's moments together where its entry is empty (``len(state) == 0``)
 # and read both at every step: an entry lacking one fails the next step (``always_built``).
+# Both keep a capturable step's overflow flag, which decides whether the next step counts.
+# TE 1.x and apex keep master copies in ``param_groups_master``, beside ``param_groups``;
+# TE 2.x keeps them in state, as ``master_param``.
 TE_FUSED_ADAM = StateSchema(
     zero={"exp_avg", "exp_avg_sq"},
     keep={MASTER_PARAM},
@@ -66,9 +72,16 @@ TE_FUSED_ADAM = StateSchema(
     scale_of=te_scale_of,
     master_of=te_master_of,
     always_built={"exp_avg", "exp_avg_sq"},
+    master_groups=MASTER_GROUPS,
+    step_attributes={OVERFLOW_FLAG},
 )
-# apex keeps its fp16 master copies in ``optimizer.master_params``, outside ``state``.
-APEX_FUSED_ADAM = StateSchema(zero={"exp_avg", "exp_avg_sq"}, step=StepLocation.PER_GROUP, always_built={"exp_avg", "exp_avg_sq"})
+APEX_FUSED_ADAM = StateSchema(
+    zero={"exp_avg", "exp_avg_sq"},
+    step=StepLocation.PER_GROUP,
+    always_built={"exp_avg", "exp_avg_sq"},
+    master_groups=MASTER_GROUPS,
+    step_attributes={OVERFLOW_FLAG},
+)
 
 LAZY: dict[str, StateSchema] = {
     "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam": TE_FUSED_ADAM,
