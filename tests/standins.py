@@ -169,10 +169,11 @@ class TEFusedAdam(torch.optim.Optimizer):
         if dtype != torch.float32:
             self._scales.setdefault(param, {})[name] = torch.ones([1], dtype=torch.float32)
 
-    def initialize_state(self, param: torch.Tensor, store_param_remainders: bool | None = None) -> None:
-        """TE 2.x takes ``store_param_remainders``; megatron-core 0.19.2 passes the
-        parameter alone, so it defaults to what ``step`` passes."""
-        remainders = self._remainders(param, "master_param") if store_param_remainders is None else store_param_remainders
+    def initialize_state(self, param: torch.Tensor, store_param_remainders: bool) -> None:
+        """As TE 2.x's, which takes ``store_param_remainders`` (megatron-core's
+        ``init_state_fn`` passes the parameter alone, and would raise a TypeError here as
+        there; no stack opttree's tests build calls it)."""
+        remainders = store_param_remainders
         self._initialize_state(param, "exp_avg", zero_buffer=True)
         self._initialize_state(param, "exp_avg_sq", zero_buffer=True)
         if self.master_weights:
@@ -237,7 +238,7 @@ class TEFusedAdam(torch.optim.Optimizer):
             step = _next_step(group, self.capturable, self._dummy_overflow_buf)
             for param in group["params"]:
                 if not self.state[param]:
-                    self.initialize_state(param)
+                    self.initialize_state(param, self._remainders(param, "master_param"))
             unscale = _capturable_scale(self, self._dummy_overflow_buf, grad_scaler, group["params"][0].device) if self.capturable else 1.0
             if unscale is None:
                 continue
