@@ -19,7 +19,7 @@ from typing import TypeVar, cast
 import torch
 
 from opttree._errors import OptTreeError
-from opttree._held import own_attributes
+from opttree._held import beyond_bookkeeping, own_attributes
 from opttree._nodes import LeafNode, Node
 from opttree._containers import (
     builds_missing_entries,
@@ -342,6 +342,7 @@ class LeafInspector:
                 self.plan_group_step(node, index, group, params, step)
             if step_number(step) and not any(p in state for p in params):
                 self.problem(node, ProblemKind.EMPTY_STATE, f"a group says step {step} but none of its parameters has state")
+        self.unnamed_attribute_tensors(node, in_groups)
         self.plan_step_attributes(node, in_groups)
         if self.schema.master_groups is not None:
             self.plan_master_groups(node, self.schema.master_groups)
@@ -550,6 +551,28 @@ class LeafInspector:
             state.number_steps.append((group, zero))
         state.steps += 1
         state.found_keys.add("step")
+
+    def unnamed_attribute_tensors(self, node: LeafNode, params: list[torch.Tensor]) -> None:
+        """Refuse tensors the leaf holds in instance attributes beyond torch's bookkeeping that
+        its schema does not name (see ``StateSchema.known_attributes``), other than its
+        parameters and its state's own tensors: read only where there are such attributes,
+        which a torch optimizer has none of."""
+        items = [(name, value) for name, value in beyond_bookkeeping(node.optimizer) if name not in self.schema.attributes]
+        held = [(name, tensors) for name, tensors in ((name, tensors_held([value])) for name, value in items) if tensors]
+        if not held:
+            return
+        state = node.optimizer.state
+        values = [value for entry in state.values() if isinstance(entry, Mapping) for value in entry.values()]
+        known = set(map(object.__hash__, chain(params, tensors_held(values))))
+        for name, tensors in held:
+            unknown = sum(object.__hash__(tensor) not in known for tensor in tensors)
+            if unknown:
+                message = (
+                    f"holds {unknown} tensor(s) in its attribute {name!r}, beyond its state and parameters, which its "
+                    "schema does not name: a reset would keep them, whatever they count, where a fresh optimizer "
+                    "starts anew; register a schema that names them (step_attributes, master_groups, known_attributes)"
+                )
+                self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, name)
 
     def plan_step_attributes(self, node: LeafNode, params: list[torch.Tensor]) -> None:
         """Zero the tensors the schema's ``step_attributes`` name along with the leaf's step

@@ -262,6 +262,13 @@ class StateSchema:
     counters zeroes them in place; one that keeps its counters keeps them; one that takes
     the counters of only some of its parameters is refused, since one flag counts for all.
 
+    ``known_attributes``: instance attributes holding tensors that the schema's own
+    functions account for (TE's ``_scales``, which its ``scale_of`` reads). A leaf holding
+    tensors in any other attribute beyond torch's bookkeeping, in lists, tuples and dicts
+    too, that are neither its parameters nor its state's is refused, with those named
+    neither here, in ``step_attributes`` nor in ``master_groups``: a reset would keep them,
+    whatever they count, where a fresh optimizer starts anew.
+
     ``rebuilds_missing``: the optimizer builds a parameter's whole entry on its next step
     when the entry is missing, as it builds a fresh one (torch's ``len(state) == 0``
     initialisation), so ``reset(..., release=True)`` may delete entries to free their memory.
@@ -293,6 +300,7 @@ class StateSchema:
     built_for: tuple[tuple[str, BuiltFor], ...] = field(converter=_shape_tests, factory=tuple, kw_only=True)
     master_groups: str | None = field(default=None, kw_only=True)
     step_attributes: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
+    known_attributes: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
 
     @functools.cached_property
     def built_with_entry(self) -> tuple[tuple[str, str | None], ...]:
@@ -300,6 +308,12 @@ class StateSchema:
         group option it is built under, or None where it always is
         (:attr:`always_built`, :attr:`built_if`)."""
         return (*((key, None) for key in sorted(self.always_built)), *self.built_if)
+
+    @functools.cached_property
+    def attributes(self) -> frozenset[str]:
+        """The instance attributes the schema names: tensors there are accounted for."""
+        named = self.step_attributes | self.known_attributes
+        return named if self.master_groups is None else named | {self.master_groups}
 
     @property
     def filled(self) -> frozenset[str]:
@@ -436,6 +450,10 @@ class StateSchema:
             raise RegistrationError(msg)
         if self.master_groups is not None and not isinstance(cast(object, self.master_groups), str):
             msg = f"master_groups names an instance attribute, got {kind_of(self.master_groups)}"
+            raise RegistrationError(msg)
+        both = self.step_attributes & (self.known_attributes | {self.master_groups})
+        if self.master_groups in self.known_attributes or both:
+            msg = f"attributes {sorted(both or {str(self.master_groups)})} are named in two of step_attributes, known_attributes and master_groups"
             raise RegistrationError(msg)
         if self.step_attributes and self.step is StepLocation.NONE:
             msg = "step_attributes take part in counting steps; this schema's step is none"

@@ -74,6 +74,7 @@ TE_FUSED_ADAM = StateSchema(
     always_built={"exp_avg", "exp_avg_sq"},
     master_groups=MASTER_GROUPS,
     step_attributes={OVERFLOW_FLAG},
+    known_attributes={"_scales"},
 )
 APEX_FUSED_ADAM = StateSchema(
     zero={"exp_avg", "exp_avg_sq"},
