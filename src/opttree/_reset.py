@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import sys
+import traceback
 
 from opttree._errors import OptTreeError
 from opttree._nodes import Node
@@ -63,8 +65,21 @@ class ResetVisitor(ValidateVisitor):
         self._require_passed()
         self._passed = False
         self._checked_root = None
-        for warning in self.problems:
-            logger.warning("%s", warning)
         report = self._plan.execute()
-        logger.info("%s", report)
+        for warning in self.problems:
+            _log(logging.WARNING, warning)
+        _log(logging.INFO, report)
         return report
+
+
+def _log(level: int, message: object) -> None:
+    """Log through the ``opttree`` logger once a reset is done: a filter or handler of the
+    caller's that raises must not turn a reset carried out into an error, which its caller
+    would take for one that changed nothing. The error is printed as logging prints a
+    handler's (where ``logging.raiseExceptions``, to standard error)."""
+    try:
+        logger.log(level, "%s", message)
+    except Exception:  # noqa: BLE001  # the caller's filters may raise anything
+        if logging.raiseExceptions and sys.stderr:
+            sys.stderr.write("--- Logging error on the opttree logger, after the reset was carried out ---\n")
+            traceback.print_exc(file=sys.stderr)
