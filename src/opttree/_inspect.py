@@ -302,7 +302,9 @@ class LeafInspector:
         self.plan = plan
         self.problems = problems
         self.selection = selection
-        self.actions: dict[str, KeyAction] = schema.actions if selection.everything else schema.actions_for(selection.resets)
+        self.resets = selection.resets if selection.everything else schema.resets_with_step(selection.resets)
+        """Whether the reset takes a key of this schema's: a partial one's keys, with those counted with a step it takes."""
+        self.actions: dict[str, KeyAction] = schema.actions if selection.everything else schema.actions_for(self.resets)
         self.megatron_above: str | None = None
         """The class of the innermost Megatron wrapper above the leaf inspected, if any."""
 
@@ -333,12 +335,12 @@ class LeafInspector:
             in_groups.extend(params)
             step = group.get("step")
             if step is None:
-                if "step" in group and self.selection.resets("step"):
+                if "step" in group and self.resets("step"):
                     self.plan_counterless_step(node, index, group, params)
                 continue
             # Every step counter is reset, whatever the schema says: one kept silently
             # after zeroed moments is exactly a stale bias correction.
-            if self.selection.resets("step"):
+            if self.resets("step"):
                 self.plan_group_step(node, index, group, params, step)
             if step_number(step) and not any(p in state for p in params):
                 self.problem(node, ProblemKind.EMPTY_STATE, f"a group says step {step} but none of its parameters has state")
@@ -354,6 +356,8 @@ class LeafInspector:
             self.problem(node, ProblemKind.MALFORMED_STATE, reason)
             return
         if self.schema.indivisible and self.takes_part(node, in_groups, state):
+            return
+        if self.counted_apart(node, state):
             return
         release = self.selection.release
         starts_again = not release and self.schema.starts_at_first_step and self.starts_again(node)
@@ -429,9 +433,9 @@ class LeafInspector:
         again; a partial reset of some of its filled keys is refused, and one that leaves
         them alone planned as any other."""
         resettable = self.schema.resettable
-        if not any(map(self.selection.resets, self.schema.filled)):
+        if not any(map(self.resets, self.schema.filled)):
             return False
-        if not all(map(self.selection.resets, resettable)):
+        if not all(map(self.resets, resettable)):
             named = ", ".join(repr(key) for key in sorted(resettable))
             message = (
                 f"its {', '.join(sorted(self.schema.filled))} start from its group's values at its first step, and "
@@ -450,13 +454,29 @@ class LeafInspector:
             return False
         return True
 
+    def counted_apart(self, node: LeafNode, state: Mapping[torch.Tensor, StateEntry]) -> bool:
+        """Whether a partial reset names keys counted with the step (``counted_with_step``)
+        that the leaf's entries hold, without ``"step"``: refused."""
+        counted = self.schema.counted_with_step
+        if not counted or self.resets("step"):
+            return False
+        named = sorted(key for key in counted if self.resets(key) and any(key in entry for entry in state.values()))
+        if not named:
+            return False
+        message = (
+            f"its {', '.join(named)} count with its step, and keys names them without 'step': reset apart, the "
+            "two would stand for different steps, as no run leaves them; name 'step' too, or neither"
+        )
+        self.problem(node, ProblemKind.PARTIAL_GROUP, message, named[0])
+        return True
+
     def takes_part(self, node: LeafNode, params: list[torch.Tensor], state: Mapping[torch.Tensor, StateEntry]) -> bool:
         """Whether a partial reset takes part of an indivisible state (some of the leaf's
         parameters, or some of the keys it holds), which is refused."""
         chosen = self.selection.tensors
         taken = len(params) if chosen is None else sum(id(p) in chosen for p in params)
         keys = {key for entry in state.values() for key in entry if key in self.schema.actions}
-        picked = {key for key in keys if self.selection.resets(key)}
+        picked = {key for key in keys if self.resets(key)}
         if 0 < taken < len(params):
             part = f"{taken} of its {len(params)} parameters are selected"
         elif taken and 0 < len(picked) < len(keys):
@@ -578,7 +598,7 @@ class LeafInspector:
         """Zero the tensors the schema's ``step_attributes`` name along with the leaf's step
         counters: all of them, since one counts for every parameter."""
         names = self.schema.step_attributes
-        if not names or not self.selection.resets("step"):
+        if not names or not self.resets("step"):
             return
         chosen = self.selection.tensors
         taken = len(params) if chosen is None else sum(id(p) in chosen for p in params)

@@ -248,6 +248,12 @@ class StateSchema:
     model out of band and ``sync_masters`` writes it (see :data:`MasterOf`). A reset keeps
     it, as any ``keep`` key.
 
+    ``counted_with_step``: keys the optimizer derives from its step count, as a second
+    counter (NAdam's ``mu_product``, the product of its momentum schedule up to the step;
+    ASGD's ``eta`` and ``mu``): a partial reset that names ``"step"`` resets them with it,
+    and one that names them without ``"step"`` is refused, since either kept apart from the
+    other leaves a state no run reaches.
+
     ``master_groups``: the name of an instance attribute where the optimizer keeps master
     copies in groups beside its ``param_groups``, each group's ``params`` holding every
     parameter's copy at its place, or None (apex's and TransformerEngine 1.x's
@@ -301,6 +307,7 @@ class StateSchema:
     master_groups: str | None = field(default=None, kw_only=True)
     step_attributes: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     known_attributes: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
+    counted_with_step: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
 
     @functools.cached_property
     def built_with_entry(self) -> tuple[tuple[str, str | None], ...]:
@@ -455,6 +462,12 @@ class StateSchema:
         if self.master_groups in self.known_attributes or both:
             msg = f"attributes {sorted(both or {str(self.master_groups)})} are named in two of step_attributes, known_attributes and master_groups"
             raise RegistrationError(msg)
+        if self.counted_with_step and self.step is StepLocation.NONE:
+            msg = "counted_with_step names keys counted with a step; this schema's step is none"
+            raise RegistrationError(msg)
+        if not self.counted_with_step <= history | self.drop:
+            msg = f"counted_with_step names {sorted(self.counted_with_step - history - self.drop)}, which a reset neither zeroes, fills nor drops"
+            raise RegistrationError(msg)
         if self.step_attributes and self.step is StepLocation.NONE:
             msg = "step_attributes take part in counting steps; this schema's step is none"
             raise RegistrationError(msg)
@@ -499,6 +512,14 @@ class StateSchema:
     @functools.cached_property
     def _fill_by_key(self) -> dict[str, Fill]:
         return dict(self.fill)
+
+    def resets_with_step(self, resets: Callable[[str], bool]) -> Callable[[str], bool]:
+        """``resets``, a partial reset's keys, with :attr:`counted_with_step` taken along
+        where it takes ``"step"``."""
+        if not self.counted_with_step or not resets("step"):
+            return resets
+        counted = self.counted_with_step
+        return lambda key: key in counted or resets(key)
 
     def actions_for(self, resets: Callable[[str], bool]) -> dict[str, KeyAction]:
         """:attr:`actions` for a partial reset of the keys ``resets`` accepts (``"step"``
