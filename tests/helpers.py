@@ -118,12 +118,14 @@ def stepped_lbfgs() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return net, optimizer
 
 
-def refused_in_place(optimizer: torch.optim.Optimizer, key: str, match: str) -> opttree.Problem:
-    """The one problem ``validate`` finds, an unsupported state under ``key``, after
-    checking that ``reset`` refuses it (``match``) with the state unchanged."""
+def refused_in_place(
+    optimizer: torch.optim.Optimizer, key: str, match: str, kind: opttree.ProblemKind = opttree.ProblemKind.UNSUPPORTED_STATE
+) -> opttree.Problem:
+    """The one problem ``validate`` finds, of ``kind`` (an unsupported state) under ``key``,
+    after checking that ``reset`` refuses it (``match``) with the state unchanged."""
     before = snapshot(optimizer)
     problems = opttree.validate(optimizer)
-    assert [(p.kind, p.key) for p in problems] == [(opttree.ProblemKind.UNSUPPORTED_STATE, key)]
+    assert [(p.kind, p.key) for p in problems] == [(kind, key)]
     with pytest.raises(opttree.UnsupportedOptimizerState, match=match):
         opttree.reset(optimizer)
     assert unchanged(optimizer, before)

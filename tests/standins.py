@@ -74,12 +74,16 @@ def _capturable_scale(optimizer: torch.optim.Optimizer, overflow: torch.Tensor, 
     ``overflow`` whether torch's ``GradScaler`` found an inf in this device's gradients, and
     give the factor that unscales them; None where they overflowed, and the kernels,
     reading the flag, change nothing."""
-    scaler = cast(torch.amp.GradScaler | None, grad_scaler)
-    found = scaler._check_inf_per_device(optimizer)[device] if scaler is not None else torch.zeros(1)
+    if grad_scaler is None:
+        overflow.zero_()
+        return 1.0
+    scaler = cast(torch.amp.GradScaler, grad_scaler)
+    found = cast(dict[torch.device, torch.Tensor], scaler._check_inf_per_device(optimizer))[device]
     overflow.copy_(found)
-    if int(overflow) == 1:
+    scale = scaler._get_scale_async()
+    if int(overflow) == 1 or scale is None:
         return None
-    return float(scaler._get_scale_async().double().reciprocal().float()) if scaler is not None else 1.0
+    return float(scale.double().reciprocal().float())
 
 
 def _adamw(
@@ -311,7 +315,7 @@ class ApexFusedAdam(torch.optim.Optimizer):
                 state = self.state[param]
                 grad = param.grad.float() * unscale
                 held = self.master_weights and param.dtype in (torch.float16, torch.float32)
-                weights = master if held else param.data
+                weights = master if held and master is not None else param.data
                 _adamw(weights, grad, state["exp_avg"], state["exp_avg_sq"], group, step)
                 if held:
                     param.data.copy_(weights)  # the master kernel writes the stepped master into the parameter
