@@ -17,7 +17,8 @@ TransformerEngine 2.x ``transformer_engine/pytorch/optimizers/fused_adam.py``:
 - state kept in fp16 (moments, or the master with ``master_weight_dtype=float16``) is
   stored scaled, with an fp32 scale per parameter and key in ``self._scales[p][key]``
   (created as ones for every key not kept in fp32, bf16 included), described by
-  ``name_to_dtype_map``; ``get_unscaled_state``/``set_scaled_state`` read and write through
+  ``name_to_dtype_map``, against the ranges in ``dtype_to_range_map`` (one-element fp32
+  tensors made once in ``__init__``); ``get_unscaled_state``/``set_scaled_state`` read and write through
   it, and ``initialize_state`` builds an entry: what Megatron's precision-aware
   ``DistributedOptimizer`` calls;
 - ``state_dict()`` saves every state unscaled to fp32 (remainders as int16), and
@@ -52,8 +53,6 @@ from typing import cast
 
 import torch
 from torch.optim.optimizer import ParamsT
-
-_FP16_RANGE = torch.finfo(torch.float16).max / 2.0
 
 
 def _next_step(group: dict[str, object], capturable: bool, overflow: torch.Tensor) -> float:
@@ -154,6 +153,10 @@ class TEFusedAdam(torch.optim.Optimizer):
         self.master_weights = master_weights
         self.master_weight_dtype = master_weight_dtype
         self.name_to_dtype_map = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype, "master_param": master_weight_dtype}
+        self.dtype_to_range_map = {
+            torch.float16: torch.full([1], torch.finfo(torch.float16).max / 2.0, dtype=torch.float32),
+            torch.uint8: torch.full([1], 448.0, dtype=torch.float32),
+        }
         self._scales: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         self._dummy_overflow_buf = torch.tensor([0], dtype=torch.int32)
         if capturable:
@@ -206,7 +209,7 @@ class TEFusedAdam(torch.optim.Optimizer):
             stored.copy_(unscaled)
         else:  # TE scales the tensor it is given in place: a loaded state dict's fp32 values too
             scale = self._scales[param][name]
-            torch.div(unscaled.abs().max().reshape(1), _FP16_RANGE, out=scale)
+            torch.div(unscaled.abs().max().reshape(1), self.dtype_to_range_map[torch.float16], out=scale)
             stored.copy_(unscaled.mul_(torch.where(scale > 0, scale.reciprocal(), 0.0)))
 
     def _by_saved_id(self, saved_groups: list[dict[str, object]]) -> dict[object, torch.Tensor]:

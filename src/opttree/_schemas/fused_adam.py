@@ -74,7 +74,7 @@ TE_FUSED_ADAM = StateSchema(
     always_built={"exp_avg", "exp_avg_sq"},
     master_groups=MASTER_GROUPS,
     step_attributes={OVERFLOW_FLAG},
-    known_attributes={"_scales"},
+    known_attributes={"_scales", "dtype_to_range_map"},  # fp16 scales; the constant fp16 and FP8 ranges
 )
 APEX_FUSED_ADAM = StateSchema(
     zero={"exp_avg", "exp_avg_sq"},
