@@ -3,6 +3,11 @@ them, so unless the leaf's schema names them they are refused, never kept by acc
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import functools
+import types
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -11,6 +16,7 @@ import torch
 
 import opttree
 from tests.helpers import clone_model, model, refused_in_place, train, weights_equal
+from tests.standins import TEFusedAdam
 
 ADAMW = opttree.schema_for(torch.optim.AdamW)
 assert ADAMW is not None
@@ -50,7 +56,7 @@ def test_a_counter_of_its_own_that_its_schema_does_not_name_is_refused_with_noth
 
     problem = refused_in_place(optimizer, "warmed", "register a schema that names them")
 
-    assert "holds 1 tensor(s) in its attribute 'warmed'" in problem.message
+    assert "holds 1 tensor(s) in its attribute 'warmed' (the first at warmed)" in problem.message
     assert float(optimizer.warmed) == 4
 
 
@@ -109,3 +115,65 @@ def test_a_schema_names_each_attribute_once() -> None:
         opttree.StateSchema(zero={"m"}, step=opttree.StepLocation.PER_GROUP, step_attributes={"flag"}, known_attributes={"flag"})
     with pytest.raises(opttree.RegistrationError, match=r"\['masters'\] are named in two"):
         opttree.StateSchema(zero={"m"}, master_groups="masters", known_attributes={"masters"})
+
+
+@dataclasses.dataclass
+class Record:
+    count: torch.Tensor
+
+
+class Holder:
+    def method(self) -> None:
+        pass
+
+
+def _holders() -> dict[str, Callable[[torch.Tensor], object]]:
+    def bound(tensor: torch.Tensor) -> object:
+        holder = Holder()
+        vars(holder)["count"] = tensor  # an object's own attribute is not looked into: its bound method is
+        return (holder.method, [tensor])
+
+    return {
+        "deque": lambda t: collections.deque([t]),
+        "set": lambda t: {t},
+        "frozenset": lambda t: frozenset([t]),
+        "dict key": lambda t: {t: "count"},
+        "namespace": lambda t: types.SimpleNamespace(count=t),
+        "dataclass": lambda t: Record(t),
+        "partial": lambda t: functools.partial(torch.add, t),
+        "bound method": bound,
+    }
+
+
+@pytest.mark.parametrize("holder", sorted(_holders()))
+def test_tensors_are_looked_for_where_optimizers_are(holder: str) -> None:
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    train(net, optimizer, 0, 2)
+    vars(optimizer)["kept"] = _holders()[holder](torch.zeros(()))
+
+    problem = refused_in_place(optimizer, "kept", "'kept'")
+
+    assert "(the first at kept" in problem.message
+
+
+class SlottedFusedAdam(TEFusedAdam):
+    """Holds TE's overflow flag and range map in slots, where no ``__dict__`` entry shows them."""
+
+    __slots__ = ("_dummy_overflow_buf", "dtype_to_range_map")
+
+
+SlottedFusedAdam.__module__ = TEFusedAdam.__module__
+SlottedFusedAdam.__qualname__ = SlottedFusedAdam.__name__ = "FusedAdam"
+
+
+def test_attributes_a_schema_names_are_read_from_slots_too() -> None:
+    net = model()
+    optimizer = SlottedFusedAdam(list(net.parameters()), lr=1e-2, capturable=True)
+    assert "_dummy_overflow_buf" not in vars(optimizer)
+    flag = optimizer._dummy_overflow_buf
+    flag.fill_(1)  # as an overflowed last step leaves it
+
+    opttree.reset(optimizer)
+
+    assert int(flag) == 0

@@ -72,3 +72,18 @@ def test_counted_with_step_names_keys_a_reset_writes_under_a_step() -> None:
         opttree.StateSchema(zero={"m"}, counted_with_step={"m"})
     with pytest.raises(opttree.RegistrationError, match=r"counted_with_step names \['w'\], which a reset neither"):
         opttree.StateSchema(zero={"m"}, keep={"w"}, step=opttree.StepLocation.PER_PARAMETER, counted_with_step={"w"})
+
+
+def test_a_partial_reset_by_parameters_keeps_the_step_and_what_counts_with_it() -> None:
+    """``params`` without ``keys`` resets history and keeps step counters, NAdam's
+    ``mu_product`` with its step: never one without the other."""
+    net = model()
+    optimizer = BUILDS["NAdam"](net)
+    train(net, optimizer, 0, 5)
+    first = next(iter(net.parameters()))
+    entry = optimizer.state[first]
+    counters = (float(entry["step"]), float(entry["mu_product"]))
+
+    opttree.reset(optimizer, params=[first])
+
+    assert not entry["exp_avg"].any() and (float(entry["step"]), float(entry["mu_product"])) == counters

@@ -207,3 +207,65 @@ def test_schemas_name_step_attributes_and_master_groups_as_they_must() -> None:
         opttree.StateSchema(zero={"m"}, master_groups=3)  # type: ignore[arg-type]
     with pytest.raises(opttree.RegistrationError, match="state keys are given as a set of names"):
         opttree.StateSchema(zero={"m"}, step=opttree.StepLocation.PER_GROUP, step_attributes="flag")  # type: ignore[arg-type]
+
+
+class Pair:
+    """A wrapper of two optimizers, stepped in turn."""
+
+    def __init__(self, first: torch.optim.Optimizer, second: torch.optim.Optimizer) -> None:
+        self.first, self.second = first, second
+
+
+opttree.register_wrapper(Pair, children=lambda pair: [("first", pair.first), ("second", pair.second)])
+
+
+def _two_trained(share: Callable[[TEFusedAdam, TEFusedAdam], None]) -> tuple[Pair, list[torch.nn.Parameter], TEFusedAdam]:
+    net = model()
+    params = list(net.parameters())
+    first = TEFusedAdam(params[:2], lr=1e-2, capturable=True)
+    second = TEFusedAdam(params[2:], lr=1e-2, capturable=True)
+    share(first, second)
+    pair = Pair(first, second)
+    for i in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(i))
+        first.zero_grad()
+        second.zero_grad()
+        net(x).pow(2).mean().backward()
+        first.step()
+        second.step()
+    return pair, params, second
+
+
+def _share_flag(first: TEFusedAdam, second: TEFusedAdam) -> None:
+    first._dummy_overflow_buf = second._dummy_overflow_buf
+
+
+def _flag_on_its_step(first: TEFusedAdam, second: TEFusedAdam) -> None:
+    second.step()  # builds its step tensor, which the first takes as its flag
+    step = second.param_groups[0]["step"]
+    assert isinstance(step, torch.Tensor)
+    first._dummy_overflow_buf = step
+
+
+@pytest.mark.parametrize("share", [_share_flag, _flag_on_its_step])
+def test_a_partial_reset_never_writes_the_counters_of_an_optimizer_it_leaves_alone(share: Callable[[TEFusedAdam, TEFusedAdam], None]) -> None:
+    pair, params, second = _two_trained(share)
+    before = snapshot(second)
+    flag = second._dummy_overflow_buf.clone()
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="shares memory"):
+        opttree.reset(pair, params=params[:2], keys=["exp_avg", "exp_avg_sq", "step"])
+
+    assert unchanged(second, before) and torch.equal(second._dummy_overflow_buf, flag)
+    assert all(isinstance(g["step"], torch.Tensor) and int(g["step"]) > 0 for g in second.param_groups)
+
+
+def test_master_groups_holding_one_copy_at_two_places_are_refused() -> None:
+    net = model()
+    optimizer = ApexFusedAdam(list(net.parameters()), lr=1e-2, capturable=True, master_weights=True)
+    copies = optimizer.param_groups_master[0]["params"]
+    copies[1] = copies[0]
+
+    problem = refused_in_place(optimizer, "param_groups_master", "one copy at two places", opttree.ProblemKind.MALFORMED_STATE)
+
+    assert "cannot stand for both parameters" in problem.message

@@ -4,7 +4,9 @@ never as an error out of a reset carried out."""
 
 from __future__ import annotations
 
+import io
 import logging
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -87,3 +89,18 @@ def test_a_refused_reset_logs_nothing(logged: logging.Logger) -> None:
         logged.removeHandler(watching)
 
     assert watching.seen == []
+
+
+def test_a_closed_standard_error_swallows_the_report_of_a_raising_filter(logged: logging.Logger, monkeypatch: pytest.MonkeyPatch) -> None:
+    closed = io.StringIO()
+    closed.close()
+    monkeypatch.setattr(sys, "stderr", closed)
+    optimizer = stepped_adamw(2)
+    refusing = RaisingFilter()
+    logged.addFilter(refusing)
+    try:
+        report = opttree.reset(optimizer)
+    finally:
+        logged.removeFilter(refusing)
+
+    assert report.steps == 2

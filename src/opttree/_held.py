@@ -209,6 +209,16 @@ def held_optimizers(wrapper: object, is_optimizer: IsOptimizer, *, depth: int = 
     yield from _Search(is_optimizer).search(instance_attributes(wrapper), depth)
 
 
+def _is_tensor(cls: type) -> bool:
+    return issubclass(cls, torch.Tensor)
+
+
+def held_tensors(items: list[tuple[str, object]]) -> list[tuple[str, list[torch.Tensor]]]:
+    """The tensors among ``items`` (attribute names and values), looked for as optimizers
+    are, through the same holders and as deep, by path."""
+    return [(label, cast(list[torch.Tensor], found)) for label, found, _ in _Search(_is_tensor).search(items, DEPTH)]
+
+
 OPTIMIZER_BOOKKEEPING = frozenset(
     {
         "defaults",
@@ -331,7 +341,8 @@ class _Search:
     """One wrapper's search: labelled, container by container, where a screen of the levels
     below (by the classes on them, at C speed) says that an optimizer may be there."""
 
-    is_optimizer: IsOptimizer
+    wanted: IsOptimizer
+    """The classes looked for: optimizers' (or tensors', see :func:`held_tensors`)."""
     budget: int = SCREENED
     """How many more members the screens may read before they stop, answering "may hold"."""
     seen: dict[int, tuple[int, object]] = dataclasses.field(default_factory=dict)
@@ -340,7 +351,7 @@ class _Search:
 
     def search(self, items: list[tuple[str, object]], depth: int) -> Iterator[Held]:
         for label, value in items:
-            if self.is_optimizer(type(value)):
+            if self.wanted(type(value)):
                 yield label, [value], False
             elif depth > 0 and _is_container(type(value)) and self._first_look(value, depth):
                 yield from self._look_into(label, value, depth)
@@ -356,12 +367,12 @@ class _Search:
     def _look_into(self, label: str, container: object, depth: int) -> Iterator[Held]:
         values = _read(container)
         classes = set(map(type, values))
-        if classes and all(map(self.is_optimizer, classes)) and isinstance(container, (list, tuple)):
+        if classes and all(map(self.wanted, classes)) and isinstance(container, (list, tuple)):
             yield label, values, True  # such as HybridDeviceOptimizer.cpu_optimizers, in one piece
         elif self._may_hold(values, classes, depth - 1):
             # Only the members that are optimizers or containers are followed: a list of param
             # groups, or a dict of per-parameter dicts of tensors, holds none and is passed by the screen.
-            wanted = {cls for cls in classes if self.is_optimizer(cls) or _is_container(cls)}
+            wanted = {cls for cls in classes if self.wanted(cls) or _is_container(cls)}
             try:
                 members = [(name, item) for name, item in _members(container, label) if type(item) in wanted]
             except Exception:  # noqa: BLE001  # as in _read
@@ -374,7 +385,7 @@ class _Search:
         resized meanwhile), it may, and the search reads each container on its own."""
         level = values
         for left in range(depth, -1, -1):
-            if any(map(self.is_optimizer, classes)):
+            if any(map(self.wanted, classes)):
                 return True
             kinds = {cls for cls in classes if _is_container(cls)}
             if not kinds or left == 0:

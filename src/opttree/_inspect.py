@@ -19,7 +19,7 @@ from typing import TypeVar, cast
 import torch
 
 from opttree._errors import OptTreeError
-from opttree._held import beyond_bookkeeping, own_attributes
+from opttree._held import beyond_bookkeeping, held_tensors, instance_attributes, own_attributes
 from opttree._nodes import LeafNode, Node
 from opttree._containers import (
     builds_missing_entries,
@@ -340,7 +340,10 @@ class LeafInspector:
                 continue
             # Every step counter is reset, whatever the schema says: one kept silently
             # after zeroed moments is exactly a stale bias correction.
-            if self.resets("step"):
+            if not self.resets("step") or not self.takes_group(node, index, params):
+                if isinstance(step, torch.Tensor):  # kept: memory a reset must leave alone
+                    self.plan_kept(node, (node.path, type(optimizer).__qualname__), [step], "step", plan.state)
+            else:
                 self.plan_group_step(node, index, group, params, step)
             if step_number(step) and not any(p in state for p in params):
                 self.problem(node, ProblemKind.EMPTY_STATE, f"a group says step {step} but none of its parameters has state")
@@ -457,10 +460,10 @@ class LeafInspector:
     def counted_apart(self, node: LeafNode, state: Mapping[torch.Tensor, StateEntry]) -> bool:
         """Whether a partial reset names keys counted with the step (``counted_with_step``)
         that the leaf's entries hold, without ``"step"``: refused."""
-        counted = self.schema.counted_with_step
-        if not counted or self.resets("step"):
+        counted, keys = self.schema.counted_with_step, self.selection.keys
+        if not counted or keys is None or self.resets("step"):
             return False
-        named = sorted(key for key in counted if self.resets(key) and any(key in entry for entry in state.values()))
+        named = sorted(key for key in counted & keys if any(key in entry for entry in state.values()))
         if not named:
             return False
         message = (
@@ -544,9 +547,8 @@ class LeafInspector:
     def plan_group_step(
         self, node: Node, index: int, group: StateEntry, params: list[torch.Tensor], step: object
     ) -> None:
-        """A per-group step is shared by the group: a partial reset must take all of it."""
-        if not self.takes_group(node, index, params):
-            return
+        """A per-group step is shared by the group: a partial reset must take all of it
+        (see :meth:`takes_group`)."""
         state = self.plan.state
         if isinstance(step, torch.Tensor):
             checked = writable_ranges([step])
@@ -578,44 +580,48 @@ class LeafInspector:
         parameters and its state's own tensors: read only where there are such attributes,
         which a torch optimizer has none of."""
         items = [(name, value) for name, value in beyond_bookkeeping(node.optimizer) if name not in self.schema.attributes]
-        held = [(name, tensors) for name, tensors in ((name, tensors_held([value])) for name, value in items) if tensors]
+        held = [(name, found) for name, value in items for found in [held_tensors([(name, value)])] if found]
         if not held:
             return
         state = node.optimizer.state
         values = [value for entry in state.values() if isinstance(entry, Mapping) for value in entry.values()]
         known = set(map(object.__hash__, chain(params, tensors_held(values))))
-        for name, tensors in held:
-            unknown = sum(object.__hash__(tensor) not in known for tensor in tensors)
+        for name, found in held:
+            unknown = [(label, tensor) for label, tensors in found for tensor in tensors if object.__hash__(tensor) not in known]
             if unknown:
                 message = (
-                    f"holds {unknown} tensor(s) in its attribute {name!r}, beyond its state and parameters, which its "
-                    "schema does not name: a reset would keep them, whatever they count, where a fresh optimizer "
-                    "starts anew; register a schema that names them (step_attributes, master_groups, known_attributes)"
+                    f"holds {len(unknown)} tensor(s) in its attribute {name!r} (the first at {unknown[0][0]}), beyond its "
+                    "state and parameters, which its schema does not name: a reset would keep them, whatever they count, "
+                    "where a fresh optimizer starts anew; register a schema that names them (step_attributes, "
+                    "master_groups, known_attributes)"
                 )
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, name)
 
     def plan_step_attributes(self, node: LeafNode, params: list[torch.Tensor]) -> None:
         """Zero the tensors the schema's ``step_attributes`` name along with the leaf's step
-        counters: all of them, since one counts for every parameter."""
+        counters: all of them, since one counts for every parameter; a reset that keeps the
+        counters keeps them, as memory it must leave alone."""
         names = self.schema.step_attributes
-        if not names or not self.resets("step"):
+        if not names:
             return
         chosen = self.selection.tensors
         taken = len(params) if chosen is None else sum(id(p) in chosen for p in params)
-        if not taken:
-            return
-        named = ", ".join(sorted(names))
-        if taken < len(params):
+        zeroes = taken > 0 and self.resets("step")
+        if zeroes and taken < len(params):
             message = (
-                f"its {named} takes part in counting the steps of all its {len(params)} parameters and {taken} are "
-                "selected: select all of them, or leave 'step' out of keys"
+                f"its {', '.join(sorted(names))} takes part in counting the steps of all its {len(params)} parameters "
+                f"and {taken} are selected: select all of them, or leave 'step' out of keys"
             )
             self.problem(node, ProblemKind.PARTIAL_GROUP, message, "step")
             return
-        attributes = own_attributes(node.optimizer)
+        attributes = dict(instance_attributes(node.optimizer))  # its __dict__'s and its slots'
         owner = (node.path, type(node.optimizer).__qualname__)
         for name in sorted(names & attributes.keys()):  # a version of the class without it counts without it
             value = attributes[name]
+            if not zeroes:
+                if isinstance(value, torch.Tensor):
+                    self.plan_kept(node, owner, [value], name, self.plan.state)
+                continue
             if type(value) is not torch.Tensor:
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"its {name} is {kind_of(value)}, expected a tensor", name)
                 continue

@@ -17,7 +17,7 @@ from typing import cast
 import torch
 
 from opttree._fields import kind_of
-from opttree._held import own_attributes
+from opttree._held import instance_attributes
 
 MasterPairs = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -26,7 +26,7 @@ def master_pairs(optimizer: torch.optim.Optimizer, attribute: str) -> MasterPair
     """Each parameter of ``optimizer`` with the master copy the groups in its instance
     attribute ``attribute`` hold at its place (none for a place holding ``None``); or why
     they cannot be read so. An optimizer without the attribute keeps no such copies."""
-    attributes = own_attributes(optimizer)
+    attributes = dict(instance_attributes(optimizer))  # its __dict__'s and its slots'
     if attribute not in attributes:
         return []
     masters = attributes[attribute]
@@ -44,5 +44,7 @@ def master_pairs(optimizer: torch.optim.Optimizer, attribute: str) -> MasterPair
         if odd is not None:
             return f"its {attribute}[{index}]['params'] holds {kind_of(odd)}, expected master tensors or None"
         pairs.extend((param, copy) for param, copy in zip(params, copies, strict=True) if copy is not None)
+    if len(set(map(object.__hash__, (copy for _, copy in pairs)))) < len(pairs):
+        return f"its {attribute} holds one copy at two places: it cannot stand for both parameters"
     return pairs
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import traceback
@@ -81,5 +82,6 @@ def _log(level: int, message: object) -> None:
         logger.log(level, "%s", message)
     except Exception:  # noqa: BLE001  # the caller's filters may raise anything
         if logging.raiseExceptions and sys.stderr:
-            sys.stderr.write("--- Logging error on the opttree logger, after the reset was carried out ---\n")
-            traceback.print_exc(file=sys.stderr)
+            with contextlib.suppress(Exception):  # a closed or failing stream: nothing left to tell
+                sys.stderr.write("--- Logging error on the opttree logger, after the reset was carried out ---\n")
+                traceback.print_exc(file=sys.stderr)

@@ -250,9 +250,9 @@ class StateSchema:
 
     ``counted_with_step``: keys the optimizer derives from its step count, as a second
     counter (NAdam's ``mu_product``, the product of its momentum schedule up to the step;
-    ASGD's ``eta`` and ``mu``): a partial reset that names ``"step"`` resets them with it,
-    and one that names them without ``"step"`` is refused, since either kept apart from the
-    other leaves a state no run reaches.
+    ASGD's ``eta`` and ``mu``): they follow the step, reset where a partial reset takes
+    ``"step"`` and kept where it keeps it, and ``keys`` naming them without ``"step"`` is
+    refused, since either kept apart from the other leaves a state no run reaches.
 
     ``master_groups``: the name of an instance attribute where the optimizer keeps master
     copies in groups beside its ``param_groups``, each group's ``params`` holding every
@@ -514,12 +514,12 @@ class StateSchema:
         return dict(self.fill)
 
     def resets_with_step(self, resets: Callable[[str], bool]) -> Callable[[str], bool]:
-        """``resets``, a partial reset's keys, with :attr:`counted_with_step` taken along
-        where it takes ``"step"``."""
-        if not self.counted_with_step or not resets("step"):
+        """``resets``, a partial reset's keys, with :attr:`counted_with_step` following
+        ``"step"``: taken where it is, kept where it is."""
+        if not self.counted_with_step:
             return resets
-        counted = self.counted_with_step
-        return lambda key: key in counted or resets(key)
+        counted, stepped = self.counted_with_step, resets("step")
+        return lambda key: stepped if key in counted else resets(key)
 
     def actions_for(self, resets: Callable[[str], bool]) -> dict[str, KeyAction]:
         """:attr:`actions` for a partial reset of the keys ``resets`` accepts (``"step"``
