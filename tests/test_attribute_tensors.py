@@ -158,13 +158,16 @@ def test_tensors_are_looked_for_where_optimizers_are(holder: str) -> None:
 
 
 class SlottedFusedAdam(TEFusedAdam):
-    """Holds TE's overflow flag and range map in slots, where no ``__dict__`` entry shows them."""
+    """Holds TE's overflow flag and range map in slots, where no ``__dict__`` entry shows
+    them; registered with TE's schema, as opttree asks of a subclass with slots of its own."""
 
     __slots__ = ("_dummy_overflow_buf", "dtype_to_range_map")
 
 
-SlottedFusedAdam.__module__ = TEFusedAdam.__module__
-SlottedFusedAdam.__qualname__ = SlottedFusedAdam.__name__ = "FusedAdam"
+TE_SCHEMA = opttree.schema_for(TEFusedAdam)
+assert TE_SCHEMA is not None
+opttree.register_schema(SlottedFusedAdam, TE_SCHEMA)
+
 
 
 def test_attributes_a_schema_names_are_read_from_slots_too() -> None:
