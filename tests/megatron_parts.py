@@ -112,7 +112,7 @@ def precision_aware(monkeypatch: pytest.MonkeyPatch, *, remainders: bool, seed: 
     device = cuda_on_cpu()
     config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=1, bf16=True, params_dtype=torch.bfloat16)
     torch.manual_seed(seed)
-    model = _tiny_mlp(config, experts=False)
+    model = _tiny_mlp(config, experts=False, hidden=HIDDEN)
     device.mark_on_gpu(*model.parameters())
     options = OptimizerConfig(
         optimizer="adam",

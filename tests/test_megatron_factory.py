@@ -204,6 +204,10 @@ def test_a_recipe_of_fields_megatron_cannot_take_is_refused_where_it_is_made() -
         testing.Recipe("mine", "adam", offload_fraction=2.0)
     with pytest.raises(opttree.OptTreeError, match="Recipe.bf16 must be a bool, got a str"):
         testing.Recipe("mine", "adam", bf16="yes")  # type: ignore[arg-type]
+    with pytest.raises(opttree.OptTreeError, match="Recipe.hidden must be a positive int, got 0"):
+        testing.Recipe("mine", "adam", hidden=0)
+    with pytest.raises(opttree.OptTreeError, match="Recipe.hidden must be a positive int, got True"):
+        testing.Recipe("mine", "adam", hidden=True)
     with pytest.raises(opttree.OptTreeError, match="Recipe 'mine' is both bf16 and fp16"):
         testing.Recipe("mine", "adam", bf16=True, fp16=True)
     with pytest.raises(opttree.OptTreeError, match="Recipe 'mine' offloads without distributed=True"):

@@ -276,3 +276,54 @@ def test_a_function_the_ranks_cannot_import_is_refused_before_any_rank_starts() 
     """A lambda cannot be sent to a fresh process: pickle's own AttributeError escaped."""
     with pytest.raises(opttree.OptTreeError, match="fn must be importable by name"):
         testing.run_ranks(lambda: 1, 2)
+
+
+NARROW_MOE = testing.Recipe("narrow_dist_moe", "adam", distributed=True, experts=True, hidden=4)
+"""An expert layer of 16 elements: on 2 ranks the expert buffer, padded, lies on rank 0,
+and rank 1's expert DistributedOptimizer holds no parameter."""
+
+
+class NoShardResult(NamedTuple):
+    rank: int
+    expert_elements: int
+    described: str
+    partial: str
+    changed: int
+    same_as_fresh: bool
+
+
+def reset_where_a_rank_holds_no_shard() -> NoShardResult:
+    """On every rank: the expert member's parameters, what describe shows of them, a partial
+    reset of their step (saved once for the member, so refused alike on both ranks, rank 1
+    holding none of them), then a full reset, trained against a fresh stack."""
+    stack = testing.build(NARROW_MOE)
+    stack.train(0, K)
+    expert = stack.leaves()[-1]
+    elements = sum(p.numel() for group in expert.param_groups for p in group["params"])
+    described = opttree.describe(stack.optimizer, group=dist.group.WORLD)
+    before = [v.clone() for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values()]
+    experts = [p for name, p in stack.model.named_parameters() if "expert" in name]
+    try:
+        opttree.reset(stack.optimizer, params=experts, keys=["step"], group=dist.group.WORLD)
+        partial = "reset"
+    except opttree.OptTreeError as error:
+        partial = type(error).__name__
+    after = [v for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values()]
+    changed = sum(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    opttree.reset(stack.optimizer, group=dist.group.WORLD)
+    fresh = testing.build(NARROW_MOE)
+    fresh.copy_weights_from(stack)
+    stack.train(K, K)
+    fresh.train(K, K)
+    same = all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))
+    same &= all(torch.equal(a, b) for a, b in zip(stack.model.parameters(), fresh.model.parameters(), strict=True))
+    return NoShardResult(dist.get_rank(), elements, described, partial, changed, same)
+
+
+def test_a_rank_that_holds_no_shard_of_a_distributed_optimizer_resets_and_refuses_as_the_others() -> None:
+    results = testing.run_ranks(reset_where_a_rank_holds_no_shard, 2)
+
+    assert [r.expert_elements for r in results] == [16, 0]  # rank 1 holds no shard of the expert buffer
+    assert "params=0 (0 elements) state=empty" in results[1].described
+    assert [r.partial for r in results] == ["PartialResetRefused"] * 2 and all(r.changed == 0 for r in results)
+    assert all(r.same_as_fresh for r in results)

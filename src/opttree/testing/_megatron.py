@@ -45,6 +45,14 @@ STANDARD_OPTIMIZERS = frozenset({"adam", "sgd"})
 every other name needs emerging-optimizers."""
 
 
+def _width(recipe: object, attribute: Attribute[int], value: int) -> None:
+    given: object = value
+    if isinstance(given, int) and not isinstance(given, bool) and given > 0:
+        return
+    msg = f"Recipe.hidden must be a positive int, got {given!r}"
+    raise OptTreeError(msg)
+
+
 def _fraction(recipe: object, attribute: Attribute[float | None], value: float | None) -> None:
     given: object = value
     if given is None or (isinstance(given, (int, float)) and not isinstance(given, bool) and 0.0 <= given <= 1.0):
@@ -66,6 +74,10 @@ class Recipe:
     layer_wise: bool = field(default=False, validator=of(bool))
     experts: bool = field(default=False, validator=of(bool))
     description: str = field(default="", validator=of(str))
+    hidden: int = field(default=HIDDEN, validator=_width)
+    """The model's width: a narrow one (4, with ``distributed`` and ``experts`` on 2 ranks)
+    leaves a rank whose shard of the expert buffer is all padding, and whose
+    DistributedOptimizer's inner optimizer holds no parameter."""
 
     def __attrs_post_init__(self) -> None:
         if self.bf16 and self.fp16:
@@ -306,7 +318,7 @@ def available() -> tuple[str, ...]:
     return tuple(name for name in RECIPES if is_available(name))
 
 
-def _tiny_mlp(config: TransformerConfig, *, experts: bool) -> torch.nn.Module:
+def _tiny_mlp(config: TransformerConfig, *, experts: bool, hidden: int) -> torch.nn.Module:
     from megatron.core.transformer.module import MegatronModule
 
     class TinyMLP(MegatronModule):
@@ -316,9 +328,9 @@ def _tiny_mlp(config: TransformerConfig, *, experts: bool) -> torch.nn.Module:
         def __init__(self) -> None:
             super().__init__(config)
             dtype = config.params_dtype
-            self.up = torch.nn.Linear(HIDDEN, 2 * HIDDEN, dtype=dtype)
-            self.down = torch.nn.Linear(2 * HIDDEN, HIDDEN, dtype=dtype)
-            self.expert = torch.nn.Linear(HIDDEN, HIDDEN, bias=False, dtype=dtype) if experts else None
+            self.up = torch.nn.Linear(hidden, 2 * hidden, dtype=dtype)
+            self.down = torch.nn.Linear(2 * hidden, hidden, dtype=dtype)
+            self.expert = torch.nn.Linear(hidden, hidden, bias=False, dtype=dtype) if experts else None
             if self.expert is not None:
                 for p in self.expert.parameters():
                     setattr(p, "allreduce", False)
@@ -338,13 +350,14 @@ class MegatronStack:
     model: DistributedDataParallel
     optimizer: MegatronOptimizer
     device: CudaOnCpu
+    hidden: int = HIDDEN
 
     def step(self, index: int) -> float:
         """One real training step on the deterministic batch ``index``; returns the loss."""
         with self.device:
             generator = torch.Generator().manual_seed(10_000 + index)
-            x = torch.randn(8, HIDDEN, generator=generator)
-            target = torch.randn(8, HIDDEN, generator=generator)
+            x = torch.randn(8, self.hidden, generator=generator)
+            target = torch.randn(8, self.hidden, generator=generator)
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             dtype = next(self.model.parameters()).dtype
@@ -473,10 +486,10 @@ def build(configuration: str | Recipe, *, seed: int = 0, lr: float = 1e-2) -> Me
     device = cuda_on_cpu()
     dtype = torch.bfloat16 if recipe.bf16 else torch.float16 if recipe.fp16 else torch.float32
     config = TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=1, bf16=recipe.bf16, fp16=recipe.fp16, params_dtype=dtype
+        num_layers=1, hidden_size=recipe.hidden, num_attention_heads=1, bf16=recipe.bf16, fp16=recipe.fp16, params_dtype=dtype
     )
     torch.manual_seed(seed)
-    model = _tiny_mlp(config, experts=recipe.experts)
+    model = _tiny_mlp(config, experts=recipe.experts, hidden=recipe.hidden)
     device.mark_on_gpu(*model.parameters())
     offload = recipe.offload_fraction is not None
     try:
@@ -514,7 +527,7 @@ def build(configuration: str | Recipe, *, seed: int = 0, lr: float = 1e-2) -> Me
         except Exception as error:  # Megatron's factory refuses some combinations a Recipe allows (offloading SGD)
             msg = f"configuration {recipe.name!r} cannot be built: Megatron's factory raised {type(error).__name__}: {error}"
             raise RecipeUnavailable(msg) from error
-    stack = MegatronStack(recipe.name, ddp, optimizer, device)
+    stack = MegatronStack(recipe.name, ddp, optimizer, device, recipe.hidden)
     for leaf in stack.leaves():
         _complete_adaptive_muon(leaf, optimizer_config)
     return stack
