@@ -388,9 +388,9 @@ class LeafInspector:
         """
         schema = self.schema
         if schema.scale_of is not None or schema.fill or schema.shape_with or self.selection.release or schema.indivisible:
-            return False
+            return False  # scales, fills and settings' shapes are looked up, releases and indivisible states planned, leaf by leaf
         if schema.step_attributes or schema.master_groups is not None:
-            return False  # read from each leaf's own attributes  # scales, fills and settings' shapes are looked up, releases and indivisible states planned, leaf by leaf
+            return False  # read from each leaf's own attributes
         problems_before = len(self.problems)
         try:
             part = self._plan_alike(leaves)
@@ -579,8 +579,11 @@ class LeafInspector:
         its schema does not name (see ``StateSchema.known_attributes``), other than its
         parameters and its state's own tensors: read only where there are such attributes,
         which a torch optimizer has none of."""
-        items = [(name, value) for name, value in beyond_bookkeeping(node.optimizer) if name not in self.schema.attributes]
-        held = [(name, found) for name, value in items for found in [held_tensors([(name, value)])] if found]
+        held: list[tuple[str, list[tuple[str, list[torch.Tensor]]]]] = []
+        for name, value in beyond_bookkeeping(node.optimizer):
+            found = held_tensors([(name, value)]) if name not in self.schema.attributes else []
+            if found:
+                held.append((name, found))
         if not held:
             return
         state = node.optimizer.state

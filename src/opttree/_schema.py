@@ -269,9 +269,10 @@ class StateSchema:
     the counters of only some of its parameters is refused, since one flag counts for all.
 
     ``known_attributes``: instance attributes holding tensors that the schema's own
-    functions account for (TE's ``_scales``, which its ``scale_of`` reads). A leaf holding
-    tensors in any other attribute beyond torch's bookkeeping, in lists, tuples and dicts
-    too, that are neither its parameters nor its state's is refused, with those named
+    functions account for (TE's ``_scales``, which its ``scale_of`` reads, and its constant
+    ``dtype_to_range_map``). A leaf holding tensors in any other attribute or slot beyond
+    torch's bookkeeping (looked for through the holders and as deep as optimizers it holds
+    are) that are neither its parameters nor its state's is refused, with those named
     neither here, in ``step_attributes`` nor in ``master_groups``: a reset would keep them,
     whatever they count, where a fresh optimizer starts anew.
 
