@@ -46,15 +46,23 @@ def logged() -> Iterator[logging.Logger]:
         LOGGER.setLevel(level)
 
 
-def test_a_raising_filter_never_turns_a_reset_carried_out_into_an_error(logged: logging.Logger, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.fixture
+def refusing(logged: logging.Logger) -> Iterator[logging.Logger]:
+    """The ``opttree`` logger with a filter of the caller's that raises."""
+    raising = RaisingFilter()
+    logged.addFilter(raising)
+    try:
+        yield logged
+    finally:
+        logged.removeFilter(raising)
+
+
+@pytest.mark.usefixtures("refusing")
+def test_a_raising_filter_never_turns_a_reset_carried_out_into_an_error(capsys: pytest.CaptureFixture[str]) -> None:
     optimizer = stepped_adamw(2)
     on_one_step(optimizer)  # a warning to log, besides the report
-    refusing = RaisingFilter()
-    logged.addFilter(refusing)
-    try:
-        report = opttree.reset(optimizer)
-    finally:
-        logged.removeFilter(refusing)
+
+    report = opttree.reset(optimizer)
 
     assert report.steps == 1
     assert all(not entry["exp_avg"].any() and float(entry["step"]) == 0 for entry in optimizer.state.values())
@@ -91,16 +99,13 @@ def test_a_refused_reset_logs_nothing(logged: logging.Logger) -> None:
     assert watching.seen == []
 
 
-def test_a_closed_standard_error_swallows_the_report_of_a_raising_filter(logged: logging.Logger, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("refusing")
+def test_a_closed_standard_error_swallows_the_report_of_a_raising_filter(monkeypatch: pytest.MonkeyPatch) -> None:
     closed = io.StringIO()
     closed.close()
     monkeypatch.setattr(sys, "stderr", closed)
     optimizer = stepped_adamw(2)
-    refusing = RaisingFilter()
-    logged.addFilter(refusing)
-    try:
-        report = opttree.reset(optimizer)
-    finally:
-        logged.removeFilter(refusing)
+
+    report = opttree.reset(optimizer)
 
     assert report.steps == 2
