@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import opttree
 from opttree import testing
+from tests.helpers import needs_dp_reshardable
 from tests.test_malformed_state import Entry
 
 K = 2
@@ -327,3 +328,45 @@ def test_a_rank_that_holds_no_shard_of_a_distributed_optimizer_resets_and_refuse
     assert "params=0 (0 elements) state=empty" in results[1].described
     assert [r.partial for r in results] == ["PartialResetRefused"] * 2 and all(r.changed == 0 for r in results)
     assert all(r.same_as_fresh for r in results)
+
+
+class CheckpointResult(NamedTuple):
+    rank: int
+    megatron: str
+    ours: str
+
+
+def _outcome(save: Callable[[], object]) -> str:
+    try:
+        save()
+    except Exception as error:  # noqa: BLE001  # what each rank raised is the result
+        return type(error).__name__
+    return "saved"
+
+
+def checkpoint_where_a_rank_holds_no_shard() -> CheckpointResult:
+    """Megatron's own ``state_dict()`` and opttree's ``sharded_state_dict`` on each rank of a
+    stack where rank 1's expert DistributedOptimizer holds no parameter."""
+    from megatron.core.transformer.module import MegatronModule
+
+    stack = testing.build(NARROW_MOE)
+    stack.train(0, K)
+    module = stack.model.module
+    assert isinstance(module, MegatronModule)
+    with stack.device:
+        model_state = module.sharded_state_dict()
+        megatron = _outcome(stack.optimizer.state_dict)
+        ours = _outcome(lambda: opttree.sharded_state_dict(stack.optimizer, model_state, metadata={"distrib_optim_sharding_type": "dp_reshardable"}))
+    return CheckpointResult(dist.get_rank(), megatron, ours)
+
+
+@needs_dp_reshardable
+def test_megatron_cannot_checkpoint_a_rank_that_holds_no_shard_and_opttree_refuses_there() -> None:
+    """Megatron's side: ``DistributedOptimizer.state_dict()`` asserts one step among its inner
+    optimizer's states, and rank 1's has none. opttree's: its ``sharded_state_dict`` (in the
+    ``dp_reshardable`` format, the one Megatron saves on the CPU) refuses on that rank, as
+    ``UnsupportedCheckpoint``, and gives the other its state dict."""
+    results = testing.run_ranks(checkpoint_where_a_rank_holds_no_shard, 2)
+
+    assert [r.megatron for r in results] == ["saved", "AssertionError"]
+    assert [r.ours for r in results] == ["saved", "UnsupportedCheckpoint"]
