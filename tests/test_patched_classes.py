@@ -254,3 +254,43 @@ def test_a_patch_set_as_another_kind_of_callable_is_found(patch: object, monkeyp
     train(net, optimizer, 0, 3)
     (problem,) = opttree.validate(optimizer)
     assert "torch.optim.adamw.AdamW.step runs code from" in problem.message and __file__ in problem.message
+
+
+class _Hop:
+    """A wrapper without code of its own, as ``functools.lru_cache``'s is: it names what it
+    wraps as ``__wrapped__``."""
+
+    def __init__(self, inner: object) -> None:
+        self.__wrapped__ = inner
+
+
+class _CallingHop(_Hop):
+    """A wrapper that names torch's step as ``__wrapped__`` but runs code of its own first."""
+
+    def __call__(self, *args: object) -> object:
+        return None
+
+
+def test_a_chain_of_wrappers_longer_than_opttree_follows_counts_as_a_patch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Twenty wrappers around torch's own step: past the sixteen opttree follows, what the
+    chain runs is not known, so it is refused, not taken for torch's code."""
+    chained: object = torch.optim.AdamW.step
+    for _ in range(20):
+        chained = _Hop(chained)
+    monkeypatch.setattr(torch.optim.AdamW, "step", chained)
+    optimizer = torch.optim.AdamW(model().parameters())
+
+    (problem,) = opttree.validate(optimizer)
+
+    assert "torch.optim.adamw.AdamW.step runs code from <a chain of more than 16 wrappers>" in problem.message
+    with pytest.raises(opttree.UnsupportedOptimizer):
+        opttree.reset(optimizer)
+
+
+def test_a_wrapper_with_a_call_of_its_own_is_its_own_code_whatever_it_wraps(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.optim.AdamW, "step", _CallingHop(torch.optim.AdamW.step))
+    optimizer = torch.optim.AdamW(model().parameters())
+
+    (problem,) = opttree.validate(optimizer)
+
+    assert "torch.optim.adamw.AdamW.step runs code from" in problem.message and __file__ in problem.message

@@ -253,14 +253,13 @@ def _foreign_code(function: object, places: tuple[str, ...], depth: int = 0) -> 
     """The function, and its file, that ``function`` runs from outside ``places``: its own
     code, or, where that is Python's standard library (``functools.partialmethod``'s
     binding, typing's aliases), the code of what its closure holds; None where all of it
-    lies in ``places`` or is Python's own."""
+    lies in ``places`` or is Python's own. Standard-library closures nested deeper than
+    opttree follows count as foreign: what they run is not known."""
     found = _code_of(function)
     if found is None or found[1].startswith(places):
         return None
-    if not _pythons_own(found[1]):
+    if not _pythons_own(found[1]) or depth >= 4:
         return found
-    if depth >= 4:
-        return None
     for held in _closure_values(found[0]):
         inner = _foreign_code(held, places, depth + 1)
         if inner is not None:
@@ -315,7 +314,8 @@ def _code_of(function: object) -> tuple[object, str] | None:
     """The Python function ``function`` runs and the file of its code, through torch's and
     deprecation wrappers, and through any other wrapper without code of its own
     (``functools.lru_cache``'s) to the function it wraps; None where it runs none (a
-    builtin, a typing alias)."""
+    builtin, a typing alias). A chain of wrappers longer than opttree follows is named as
+    code of no package's, so that it counts as foreign."""
     for _ in range(16):
         found = unwrapped(function)
         code = getattr(found, "__code__", None) if isinstance(found, types.FunctionType) else None
@@ -325,22 +325,25 @@ def _code_of(function: object) -> tuple[object, str] | None:
         if inner is None:
             return None
         function = inner
-    return None
+    return function, "<a chain of more than 16 wrappers>"
 
 
 def _runs(found: object) -> object:
-    """What an object that is not a Python function runs when called: the function a
-    wrapper copies as ``__wrapped__``, a partial's function, or, for an object of a class
-    of its own, that class's ``__call__``; None for a builtin."""
+    """What an object that is not a Python function runs when called: for an object of a
+    class whose ``__call__`` is Python code, that code (even where it copies
+    ``__wrapped__``: it runs its own first); else the function a wrapper copies as
+    ``__wrapped__`` (``functools.lru_cache``'s), or a partial's function; None for a builtin."""
+    if isinstance(found, (types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType)):
+        return None
+    call = static_attribute(type(found), "__call__")
+    if isinstance(call, types.FunctionType):
+        return call
     inner = own_attributes(found).get("__wrapped__")
     if inner is not None:
         return inner
     if isinstance(found, (functools.partial, functools.partialmethod)):
         return found.func
-    if isinstance(found, (types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType)):
-        return None
-    call = static_attribute(type(found), "__call__")
-    return call if isinstance(call, types.FunctionType) else None
+    return None
 
 
 def _package_places(module: object) -> tuple[str, ...]:
