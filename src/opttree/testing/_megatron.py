@@ -469,6 +469,10 @@ def _refuse_bad_arguments(seed: object, lr: object) -> None:
         raise OptTreeError(msg)
 
 
+def _unbuildable(recipe: Recipe, part: str, error: Exception) -> RecipeUnavailable:
+    return RecipeUnavailable(f"configuration {recipe.name!r} cannot be built: Megatron's {part} raised {type(error).__name__}: {error}")
+
+
 def build(configuration: str | Recipe, *, seed: int = 0, lr: float = 1e-2) -> MegatronStack:
     """Build a configuration (a name of :data:`RECIPES`, or a :class:`Recipe` of your own)
     with Megatron's ``get_megatron_optimizer``."""
@@ -512,8 +516,7 @@ def build(configuration: str | Recipe, *, seed: int = 0, lr: float = 1e-2) -> Me
                 sgd_momentum=0.9,
             )
     except Exception as error:  # Megatron's config refuses some combinations a Recipe allows (offloading SGD)
-        msg = f"configuration {recipe.name!r} cannot be built: Megatron's OptimizerConfig raised {type(error).__name__}: {error}"
-        raise RecipeUnavailable(msg) from error
+        raise _unbuildable(recipe, "OptimizerConfig", error) from error
     if recipe.layer_wise:
         optimizer_config.use_layer_wise_distributed_optimizer = True
     with device:
@@ -524,9 +527,8 @@ def build(configuration: str | Recipe, *, seed: int = 0, lr: float = 1e-2) -> Me
         )
         try:
             optimizer = get_megatron_optimizer(optimizer_config, [ddp])
-        except Exception as error:  # Megatron's factory refuses some combinations a Recipe allows (offloading SGD)
-            msg = f"configuration {recipe.name!r} cannot be built: Megatron's factory raised {type(error).__name__}: {error}"
-            raise RecipeUnavailable(msg) from error
+        except Exception as error:  # as its config, Megatron's factory refuses some combinations
+            raise _unbuildable(recipe, "factory", error) from error
     stack = MegatronStack(recipe.name, ddp, optimizer, device, recipe.hidden)
     for leaf in stack.leaves():
         _complete_adaptive_muon(leaf, optimizer_config)
