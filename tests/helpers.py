@@ -11,6 +11,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import opttree
+from opttree._held import OPTIMIZER_BOOKKEEPING
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -147,3 +148,12 @@ def megatron_release() -> tuple[int, int]:
 
 
 needs_dp_reshardable = pytest.mark.skipif(megatron_release() < (0, 16), reason="megatron-core before 0.16 has no dp_reshardable format")
+
+
+def outside_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, str], list[dict[str, str]]]:
+    """What an optimizer holds outside its state, as text: its instance attributes beyond
+    torch's bookkeeping, and each param group's options but its parameters. A step that
+    changes either keeps a count where a reset does not look (see the catalogue tests)."""
+    attributes = {name: repr(value) for name, value in vars(optimizer).items() if name not in OPTIMIZER_BOOKKEEPING}
+    groups = [{key: repr(value) for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    return attributes, groups

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import opttree
+from tests.helpers import outside_state
 from tests.test_torch_catalogue import lane
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("emerging_optimizers") is None, reason="no emerging-optimizers in this lane")
@@ -258,3 +259,20 @@ def test_a_subclass_with_its_own_update_hook_or_orthogonalize_inherits_no_built_
         with pytest.raises(opttree.UnsupportedOptimizer, match=name):
             opttree.reset(optimizer)
         assert opttree.schema_for(cls) is None
+
+
+
+@pytest.mark.parametrize("name", sorted(BUILD))
+def test_no_step_counts_outside_the_state(name: str) -> None:
+    """The built-in schemas reset what each class keeps in ``state``; a counter it kept in
+    an attribute or a group option as a plain number (a warm-up, a preconditioner's
+    refresh schedule) would be kept by a reset, unseen, since a number there cannot be
+    told from a setting. So three steps must leave both as they were built: a release
+    that starts counting there fails here."""
+    cls = registered(name)
+    ps = params()
+    optimizer = BUILD[name](cls, ps)
+    built = outside_state(optimizer)
+    train(optimizer, ps, range(3))
+    assert optimizer.state, "stepped"
+    assert outside_state(optimizer) == built

@@ -14,6 +14,7 @@ import torch
 
 import opttree
 from opttree import testing
+from tests.helpers import outside_state
 
 K = 3
 
@@ -153,6 +154,18 @@ def test_reset_then_train_matches_a_fresh_optimizer(trained: testing.MegatronSta
         assert torch.equal(a, b)
     for a, b in zip(trained.model.parameters(), fresh.model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", testing.available())
+def test_no_step_counts_outside_the_state_of_any_leaf(name: str) -> None:
+    """As for the emerging-optimizers catalogue, through Megatron's own factory, whose
+    leaves are Megatron's subclasses (``TensorParallelMuon``) with attributes of their own:
+    training leaves every leaf's attributes and group options as built."""
+    stack = testing.build(name)
+    built = list(map(outside_state, stack.leaves()))
+    stack.train(0, K)
+    assert all(leaf.state for leaf in stack.leaves())
+    assert list(map(outside_state, stack.leaves())) == built
 
 
 def test_offload_keeps_master_params_and_reports_them() -> None:
