@@ -334,11 +334,14 @@ class CheckpointResult(NamedTuple):
     rank: int
     megatron: str
     ours: str
+    agreed: str
 
 
 def _outcome(save: Callable[[], object]) -> str:
     try:
         save()
+    except opttree.OptTreeError as error:
+        return f"{type(error).__name__}: {error}"
     except Exception as error:  # noqa: BLE001  # what each rank raised is the result
         return type(error).__name__
     return "saved"
@@ -356,8 +359,10 @@ def checkpoint_where_a_rank_holds_no_shard() -> CheckpointResult:
     with stack.device:
         model_state = module.sharded_state_dict()
         megatron = _outcome(stack.optimizer.state_dict)
-        ours = _outcome(lambda: opttree.sharded_state_dict(stack.optimizer, model_state, metadata={"distrib_optim_sharding_type": "dp_reshardable"}))
-    return CheckpointResult(dist.get_rank(), megatron, ours)
+        metadata: dict[str, object] = {"distrib_optim_sharding_type": "dp_reshardable"}
+        ours = _outcome(lambda: opttree.sharded_state_dict(stack.optimizer, model_state, metadata=metadata))
+        agreed = _outcome(lambda: opttree.sharded_state_dict(stack.optimizer, model_state, metadata=metadata, group=dist.group.WORLD))
+    return CheckpointResult(dist.get_rank(), megatron, ours, agreed)
 
 
 @needs_dp_reshardable
@@ -365,8 +370,76 @@ def test_megatron_cannot_checkpoint_a_rank_that_holds_no_shard_and_opttree_refus
     """Megatron's side: ``DistributedOptimizer.state_dict()`` asserts one step among its inner
     optimizer's states, and rank 1's has none. opttree's: its ``sharded_state_dict`` (in the
     ``dp_reshardable`` format, the one Megatron saves on the CPU) refuses on that rank, as
-    ``UnsupportedCheckpoint``, and gives the other its state dict."""
+    ``UnsupportedCheckpoint``, and gives the other its state dict, which would go on into
+    Megatron's save and wait there; with ``group=``, both ranks refuse, rank 0 naming rank 1."""
     results = testing.run_ranks(checkpoint_where_a_rank_holds_no_shard, 2)
 
     assert [r.megatron for r in results] == ["saved", "AssertionError"]
-    assert [r.ours for r in results] == ["saved", "UnsupportedCheckpoint"]
+    assert results[0].ours == "saved" and results[1].ours.startswith("UnsupportedCheckpoint: ")
+    assert "Megatron's own sharded_state_dict raised AssertionError" in results[1].ours
+    assert results[1].agreed == results[1].ours
+    assert results[0].agreed.startswith("UnsupportedCheckpoint: ") and "rank 1" in results[0].agreed
+    assert "Megatron's own sharded_state_dict raised AssertionError" in results[0].agreed
+
+
+class LoadResult(NamedTuple):
+    rank: int
+    outcome: str
+    lr: float
+
+
+def load_refused_on_rank_one(group: dist.ProcessGroup | None, past_the_checks: bool) -> LoadResult:
+    """Each rank loads its own state dict of a trained ``dist_fp32`` stack, saved with an lr
+    of 0.5. Rank 1's is refused: by opttree's checks (a step of 1.5 in one of its param
+    groups, where the others hold 2), or, ``past_the_checks``, by Megatron's own load (made
+    to raise on that rank). Returns what the load raised and the lr the stack holds after it."""
+    stack = testing.build("dist_fp32")
+    stack.train(0, K)
+    saved = stack.optimizer.state_dict()
+    assert isinstance(saved, dict)
+    groups = saved["optimizer"]["param_groups"]
+    for saved_group in groups:
+        saved_group["lr"] = 0.5
+    if dist.get_rank() == 1:
+        if past_the_checks:
+            setattr(stack.optimizer, "load_state_dict", lambda state_dict: (_ for _ in ()).throw(RuntimeError("disk gone")))
+        else:
+            groups[0]["step"] = 1.5
+    outcome = _outcome(lambda: opttree.load_state_dict(stack.optimizer, saved, group=group))
+    lr = float(stack.leaves()[0].param_groups[0]["lr"])
+    return LoadResult(dist.get_rank(), outcome, lr)
+
+
+def load_refused_alone() -> LoadResult:
+    return load_refused_on_rank_one(None, past_the_checks=False)
+
+
+def load_refused_in_agreement() -> LoadResult:
+    return load_refused_on_rank_one(dist.group.WORLD, past_the_checks=False)
+
+
+def load_failing_in_megatron_in_agreement() -> LoadResult:
+    return load_refused_on_rank_one(dist.group.WORLD, past_the_checks=True)
+
+
+def test_a_checkpoint_one_rank_refuses_is_loaded_by_no_rank_with_group() -> None:
+    """Alone, rank 0 loads its checkpoint (lr 0.5) while rank 1 refuses its own: the ranks
+    then train apart. With ``group=``, no rank loads, and both raise, rank 0 naming rank 1."""
+    alone = testing.run_ranks(load_refused_alone, 2)
+    assert alone[0].outcome == "saved" and alone[0].lr == 0.5
+    assert alone[1].outcome.startswith("UnsupportedCheckpoint: ") and "do not hold one step" in alone[1].outcome and alone[1].lr != 0.5
+
+    agreed = testing.run_ranks(load_refused_in_agreement, 2)
+    assert all(r.outcome.startswith("UnsupportedCheckpoint: ") and r.lr != 0.5 for r in agreed)
+    assert "rank 1" in agreed[0].outcome and "do not hold one step" in agreed[0].outcome
+
+
+def test_a_load_megatron_fails_on_one_rank_raises_on_every_rank_with_group() -> None:
+    """Past opttree's checks, Megatron's own load fails on rank 1 (made to raise): rank 0,
+    which loaded, raises too, naming rank 1, instead of training on beside it."""
+    results = testing.run_ranks(load_failing_in_megatron_in_agreement, 2)
+
+    assert results[0].lr == 0.5 and results[1].lr != 0.5
+    assert all(r.outcome.startswith("UnsupportedCheckpoint: ") for r in results)
+    assert "Megatron's own load_state_dict raised RuntimeError: disk gone" in results[1].outcome
+    assert "rank 1" in results[0].outcome and "disk gone" in results[0].outcome

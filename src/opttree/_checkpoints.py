@@ -44,8 +44,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar, cast
 
 import torch
+import torch.distributed as dist
 
 from opttree import _registry
+from opttree._distributed import agreed
 from opttree._trees import tree
 from opttree._checkpoint_layouts import STEP_KEY, Load, check_history_apart, layout_error, walk
 from opttree._nodes import LeafNode, Node, tree_nodes
@@ -91,13 +93,28 @@ def sharded_state_dict(
     *,
     is_loading: bool = False,
     metadata: dict[str, object] | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, object]:
     """Megatron's ``optimizer.sharded_state_dict(...)``, with the step put back where
     Megatron drops a step of 0 (right after a reset), so that the checkpoint loads.
 
     Raises :class:`~opttree.UnsupportedCheckpoint` for a stack whose state dict layout
-    opttree does not know, where a leaf counts its steps per parameter.
+    opttree does not know, where a leaf counts its steps per parameter, or where Megatron's
+    own ``sharded_state_dict`` raises. With a process group (collective: call it on every
+    rank of ``group``), every rank raises where any rank could not build its state dict,
+    naming that rank: the others would otherwise go on into Megatron's save and wait there
+    for the rank that raised.
     """
+    return agreed(group, lambda: _sharded_state_dict(optimizer, model_sharded_state_dict, is_loading=is_loading, metadata=metadata))
+
+
+def _sharded_state_dict(
+    optimizer: object,
+    model_sharded_state_dict: dict[str, object],
+    *,
+    is_loading: bool,
+    metadata: dict[str, object] | None,
+) -> dict[str, object]:
     root = _megatron_root(optimizer)
     given: tuple[object, object] = (model_sharded_state_dict, metadata)  # typed; checked for untyped callers
     if not isinstance(given[0], dict):
@@ -122,7 +139,10 @@ def sharded_state_dict(
 
 
 def load_state_dict(
-    optimizer: object, state_dict: Mapping[str, object] | Mapping[int, object] | Sequence[Mapping[str, object]]
+    optimizer: object,
+    state_dict: Mapping[str, object] | Mapping[int, object] | Sequence[Mapping[str, object]],
+    *,
+    group: dist.ProcessGroup | None = None,
 ) -> None:
     """Megatron's ``optimizer.load_state_dict(state_dict)``, for a checkpoint that may have
     been saved by Megatron's own ``sharded_state_dict`` at step 0: each leaf state that
@@ -135,15 +155,34 @@ def load_state_dict(
     is checked as each wrapper kind's load reads it; one that any would trip on, or that
     Megatron would load only part of, raises :class:`~opttree.UnsupportedCheckpoint` with
     the stack and ``state_dict`` unchanged. An error Megatron's own load raises past those
-    checks is given back as one too, saying that what it loaded before stays loaded."""
-    root = _megatron_root(optimizer)
-    checked = Load()
-    leaf_states = list(walk(root, state_dict, loading=checked))  # every check before any write
-    check_history_apart(root, checked)
+    checks is given back as one too, saying that what it loaded before stays loaded.
+
+    With a process group (collective: call it on every rank of ``group``), the ranks agree
+    twice: on the checks, so that where any rank refuses its checkpoint no rank loads; and
+    on Megatron's loads, so that where one raised past them every rank raises, naming it,
+    and none trains on beside a rank that did not load."""
+    root, checked, leaf_states = agreed(group, lambda: _checked(optimizer, state_dict))
     for leaf, leaf_state in leaf_states:
         entries = leaf_state["state"]
         if isinstance(entries, dict):
             _give_steps(leaf, entries)
+    agreed(group, lambda: _load(root, state_dict, checked))
+
+
+def _checked(
+    optimizer: object, state_dict: Mapping[str, object] | Mapping[int, object] | Sequence[Mapping[str, object]]
+) -> tuple[Node, Load, list[tuple[LeafNode, dict[object, object]]]]:
+    """The stack's root, and the checkpoint checked as each wrapper kind's load reads it,
+    with each leaf's part of it: every check before any write."""
+    root = _megatron_root(optimizer)
+    checked = Load()
+    leaf_states = list(walk(root, state_dict, loading=checked))
+    check_history_apart(root, checked)
+    return root, checked, leaf_states
+
+
+def _load(root: Node, state_dict: object, checked: Load) -> None:
+    """Megatron's own load of a checked checkpoint, and the steps it leaves mended."""
     load = getattr(root.optimizer, "load_state_dict")
     with torch.no_grad():  # see the module doc: a DistributedOptimizer's dp_reshardable load of fp32 weights
         _megatrons(root, "load_state_dict", lambda: load(state_dict))
