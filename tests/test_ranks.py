@@ -337,14 +337,15 @@ class CheckpointResult(NamedTuple):
     agreed: str
 
 
-def _outcome(save: Callable[[], object]) -> str:
+def _outcome(call: Callable[[], object]) -> str:
+    """What ``call()`` raised, as its class and, for an opttree error, its message; or "done"."""
     try:
-        save()
+        call()
     except opttree.OptTreeError as error:
         return f"{type(error).__name__}: {error}"
     except Exception as error:  # noqa: BLE001  # what each rank raised is the result
         return type(error).__name__
-    return "saved"
+    return "done"
 
 
 def checkpoint_where_a_rank_holds_no_shard() -> CheckpointResult:
@@ -374,8 +375,8 @@ def test_megatron_cannot_checkpoint_a_rank_that_holds_no_shard_and_opttree_refus
     Megatron's save and wait there; with ``group=``, both ranks refuse, rank 0 naming rank 1."""
     results = testing.run_ranks(checkpoint_where_a_rank_holds_no_shard, 2)
 
-    assert [r.megatron for r in results] == ["saved", "AssertionError"]
-    assert results[0].ours == "saved" and results[1].ours.startswith("UnsupportedCheckpoint: ")
+    assert [r.megatron for r in results] == ["done", "AssertionError"]
+    assert results[0].ours == "done" and results[1].ours.startswith("UnsupportedCheckpoint: ")
     assert "Megatron's own sharded_state_dict raised AssertionError" in results[1].ours
     assert results[1].agreed == results[1].ours
     assert results[0].agreed.startswith("UnsupportedCheckpoint: ") and "rank 1" in results[0].agreed
@@ -426,7 +427,7 @@ def test_a_checkpoint_one_rank_refuses_is_loaded_by_no_rank_with_group() -> None
     """Alone, rank 0 loads its checkpoint (lr 0.5) while rank 1 refuses its own: the ranks
     then train apart. With ``group=``, no rank loads, and both raise, rank 0 naming rank 1."""
     alone = testing.run_ranks(load_refused_alone, 2)
-    assert alone[0].outcome == "saved" and alone[0].lr == 0.5
+    assert alone[0].outcome == "done" and alone[0].lr == 0.5
     assert alone[1].outcome.startswith("UnsupportedCheckpoint: ") and "do not hold one step" in alone[1].outcome and alone[1].lr != 0.5
 
     agreed = testing.run_ranks(load_refused_in_agreement, 2)
@@ -443,3 +444,45 @@ def test_a_load_megatron_fails_on_one_rank_raises_on_every_rank_with_group() -> 
     assert all(r.outcome.startswith("UnsupportedCheckpoint: ") for r in results)
     assert "Megatron's own load_state_dict raised RuntimeError: disk gone" in results[1].outcome
     assert "rank 1" in results[0].outcome and "disk gone" in results[0].outcome
+
+
+class SyncResult(NamedTuple):
+    rank: int
+    outcome: str
+    stale_after: int
+
+
+def sync_refused_on_rank_one(group: dist.ProcessGroup | None) -> SyncResult:
+    """New weights written into a ``bf16`` stack's model on every rank, out of band; rank 1
+    names a model its stack does not step, which its sync refuses. Returns what the sync
+    raised and how many masters are stale after it."""
+    stack = testing.build("bf16")
+    stack.train(0, K)
+    with torch.no_grad():
+        for p in stack.model.parameters():
+            p.add_(1.0)
+    model = stack.model if dist.get_rank() == 0 else torch.nn.Linear(2, 2)
+    outcome = _outcome(lambda: opttree.sync_masters(stack.optimizer, model=model, group=group))
+    stale = sum(p.kind is opttree.ProblemKind.STALE_MASTER for p in opttree.validate(stack.optimizer, model=stack.model))
+    return SyncResult(dist.get_rank(), outcome, stale)
+
+
+def sync_refused_alone() -> SyncResult:
+    return sync_refused_on_rank_one(None)
+
+
+def sync_refused_in_agreement() -> SyncResult:
+    return sync_refused_on_rank_one(dist.group.WORLD)
+
+
+def test_a_sync_one_rank_refuses_writes_no_master_on_any_rank_with_group() -> None:
+    """Alone, rank 0 syncs its masters and rank 1 refuses, its masters left stale (its next
+    step would write the old weights back). With ``group=``, both refuse, rank 0 naming
+    rank 1, and neither writes a master."""
+    alone = testing.run_ranks(sync_refused_alone, 2)
+    assert alone[0].outcome == "done" and alone[0].stale_after == 0
+    assert alone[1].outcome.startswith("StaleMaster: ") and alone[1].stale_after > 0
+
+    agreed = testing.run_ranks(sync_refused_in_agreement, 2)
+    assert all(r.outcome.startswith("StaleMaster: ") and r.stale_after > 0 for r in agreed)
+    assert "rank 1" in agreed[0].outcome and agreed[0].stale_after == alone[1].stale_after

@@ -123,7 +123,7 @@ def _planned_reset(
     return visitor
 
 
-def sync_masters(optimizer: object, *, model: torch.nn.Module | None = None) -> SyncReport:
+def sync_masters(optimizer: object, *, model: torch.nn.Module | None = None, group: dist.ProcessGroup | None = None) -> SyncReport:
     """Make every master copy the stack steps equal to the model's weights again, after
     weights were written into the model out of band.
 
@@ -134,8 +134,12 @@ def sync_masters(optimizer: object, *, model: torch.nn.Module | None = None) -> 
     ``load_state_dict(..., assign=True)``, its copies stand for other tensors).
     Raises :class:`~opttree.StaleMaster`, having written nothing, where a copy's part of
     its parameter is not known.
+
+    With a process group (collective: call it on every rank of ``group``), every rank
+    raises where any rank refuses, naming it, with nothing written: a rank left with stale
+    masters would write the old weights back over its part of the model at its next step.
     """
-    return _sync_masters(tree(optimizer), model)
+    return _sync_masters(optimizer, model, group)
 
 
 def describe(optimizer: object, *, group: dist.ProcessGroup | None = None) -> str:

@@ -21,9 +21,11 @@ from itertools import chain
 from typing import cast
 
 import torch
+import torch.distributed as dist
 from attrs import frozen
 
 from opttree._dispatch import LazyDispatch
+from opttree._distributed import agreed
 from opttree._errors import OptTreeError
 from opttree._held import own_attributes
 from opttree._master_groups import master_pairs
@@ -32,6 +34,7 @@ from opttree._preflight import Extents, overlap, plain_torch, ranges, unwritable
 from opttree._problems import Problem, ProblemKind
 from opttree._registry import schema_for
 from opttree._selection import INNER_PARAMS, InnerParams, model_parameters, tree_params, unnamed_param
+from opttree._trees import tree
 from opttree._fields import kind_of
 
 
@@ -406,34 +409,47 @@ def _holds(pair: _Pair) -> bool:
     return _count_differing(held, pair.part) == 0
 
 
-def sync_masters(root: Node, model: torch.nn.Module | None) -> SyncReport:
+def sync_masters(optimizer: object, model: torch.nn.Module | None, group: dist.ProcessGroup | None = None) -> SyncReport:
     """Make every master copy equal to the model's weights: Megatron's own
     ``reload_model_params()`` where the stack has it (which writes every master from the
     model's weights, as a stack built over them starts), then opttree's own copy for what
     is still stale and for the links of chains of copies further in, named in the report.
     Refused before anything is written: a copy whose part of its parameter is not known,
     one it cannot compare, or one it would write that it cannot write in place, that
-    cannot hold the weights, or that shares memory with a parameter or another copy."""
-    before = after = check_masters(root, model)
-    writes = _refuse(before)
-    reload = getattr(root.optimizer, "reload_model_params", None)
-    reloaded = False
-    if before.stale and callable(reload):
-        try:
-            reload()
-        except Exception as error:  # past opttree's checks: Megatron's own code, on a stack opttree does not know all of
-            cls = type(root.optimizer).__qualname__
-            msg = f"{cls} at {root.path}: its reload_model_params() raised {type(error).__name__}: {error}; the masters it wrote before are written"
-            raise OptTreeError(msg) from error
-        reloaded = True
-        after = check_masters(root, model)
-        writes = _refuse(after)
+    cannot hold the weights, or that shares memory with a parameter or another copy. With
+    ``group``, the ranks agree on that before any reload, and again before opttree writes."""
+    root, before, writes = agreed(group, lambda: _checked(optimizer, model))
+    after, writes, reloaded = agreed(group, lambda: _reloaded(root, model, before, writes))
     with plain_torch(), torch.no_grad():
         for pair in writes:
             pair.copy.copy_(pair.part)
     stale = {id(pair): problem for pair, problem in after.stale}
     written = [stale.get(id(pair)) or _link_problem(pair) for pair in writes]
     return SyncReport(len(before.compared), len(before.stale), reloaded, tuple(map(str, written)))
+
+
+def _checked(optimizer: object, model: torch.nn.Module | None) -> tuple[Node, MasterCheck, list[_Pair]]:
+    """The tree of ``optimizer`` (or the tree passed in), its copies compared, and the
+    writes a sync makes, or its refusal."""
+    root = tree(optimizer)
+    check = check_masters(root, model)
+    return root, check, _refuse(check)
+
+
+def _reloaded(root: Node, model: torch.nn.Module | None, before: MasterCheck, writes: list[_Pair]) -> tuple[MasterCheck, list[_Pair], bool]:
+    """After Megatron's own reload where the stack has one and a copy is stale: the copies
+    compared again and the writes still to make; else ``before`` and its ``writes``."""
+    reload = getattr(root.optimizer, "reload_model_params", None)
+    if not before.stale or not callable(reload):
+        return before, writes, False
+    try:
+        reload()
+    except Exception as error:  # past opttree's checks: Megatron's own code, on a stack opttree does not know all of
+        cls = type(root.optimizer).__qualname__
+        msg = f"{cls} at {root.path}: its reload_model_params() raised {type(error).__name__}: {error}; the masters it wrote before are written"
+        raise OptTreeError(msg) from error
+    after = check_masters(root, model)
+    return after, _refuse(after), True
 
 
 def _refuse(check: MasterCheck) -> list[_Pair]:
