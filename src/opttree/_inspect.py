@@ -14,7 +14,7 @@ from numbers import Integral, Real
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from itertools import chain, compress, repeat
-from typing import TypeVar, cast
+from typing import NamedTuple, TypeVar, cast
 
 import torch
 
@@ -36,6 +36,7 @@ from opttree._master_groups import master_pairs
 from opttree._plan import ResetPlan, StateEntry, StatePlan
 from opttree._preflight import (
     _DTYPE,
+    _IS_CONTIGUOUS,
     _SHAPE,
     Extents,
     bytes_once,
@@ -44,6 +45,7 @@ from opttree._preflight import (
     ranges,
     torch_name,
     unfillable_reason,
+    unlike_layouts,
     unreadable_reason,
     writable_ranges,
 )
@@ -104,10 +106,27 @@ _NOT_EXACT_IN_PLACE = (
 """What to do instead, where a reset of a ``starts_at_first_step`` leaf cannot delete its entries."""
 
 
-def _layouts(params: list[torch.Tensor]) -> tuple[list[torch.Size], list[torch.dtype]]:
-    """The shape and dtype of each parameter, as their C++ objects hold them."""
+class _ParamLayouts(NamedTuple):
+    """The shape, dtype and contiguity of each parameter, as their C++ objects hold them."""
+
+    params: list[torch.Tensor]
+    shapes: list[torch.Size]
+    dtypes: list[torch.dtype]
+    contiguous: list[bool]
+
+    def having(self, present: list[bool]) -> _ParamLayouts:
+        """Those of the parameters whose entries hold a key (``present``)."""
+        return _ParamLayouts(
+            list(compress(self.params, present)),
+            list(compress(self.shapes, present)),
+            list(compress(self.dtypes, present)),
+            list(compress(self.contiguous, present)),
+        )
+
+
+def _layouts(params: list[torch.Tensor]) -> _ParamLayouts:
     with plain_reads():
-        return list(map(_SHAPE, params)), list(map(_DTYPE, params))
+        return _ParamLayouts(params, list(map(_SHAPE, params)), list(map(_DTYPE, params)), list(map(_IS_CONTIGUOUS, params)))
 
 
 def _layout_text(shape: torch.Size, dtype: torch.dtype) -> str:
@@ -682,7 +701,7 @@ class LeafInspector:
             picked = [param_id in chosen for param_id in map(id, held)]
             self.plan_unselected(node, owner, list(compress(entries, map(operator.not_, picked))), into)
             held, entries = list(compress(held, picked)), list(compress(entries, picked))
-        layouts: tuple[list[torch.Size], list[torch.dtype]] | None = None  # read at the first key built like them
+        layouts: _ParamLayouts | None = None  # read at the first key built like them
         counts = Counter(chain.from_iterable(entries))
         into.found_keys.update(counts)
         if self.schema.step is StepLocation.PER_PARAMETER and counts["step"] < len(entries):
@@ -734,7 +753,7 @@ class LeafInspector:
             if key in self.schema.built_like_param:
                 if layouts is None:
                     layouts = _layouts(held)
-                self.unlike_params(node, key, tensors, checked.dtypes, layouts, entries, count)  # planned on, for what else is wrong
+                self.unlike_params(node, key, tensors, checked, layouts, entries, count)  # planned on, for what else is wrong
             if key in self.schema.one_value and self.not_one_value(node, key, checked, count):
                 continue
             into.bytes_reset += checked.nbytes
@@ -837,22 +856,23 @@ class LeafInspector:
         node: LeafNode,
         key: str,
         tensors: list[torch.Tensor],
-        dtypes: list[torch.dtype],
-        layouts: tuple[list[torch.Size], list[torch.dtype]],
+        checked: Extents,
+        layouts: _ParamLayouts,
         entries: list[StateEntry],
         count: int,
     ) -> None:
         """History the optimizer builds like its parameter (of its shape, or of the shape
-        ``shape_of`` or ``shape_with`` derives from it, and of its dtype) that is built
-        otherwise, as a problem: the parameter was cast, reshaped or swapped after it was built
-        (or, for ``shape_with``, the optimizer's settings changed), and a fresh optimizer
-        would build it as the parameter is now. ``tensors`` and their ``dtypes``
-        are the key's history in entry order; ``layouts`` the shapes and dtypes of the
-        parameters of all ``entries``."""
-        param_shapes, param_dtypes = layouts
+        ``shape_of`` or ``shape_with`` derives from it, and of its dtype; for ``like_param``
+        keys, laid out in memory as it) that is built otherwise, as a problem: the parameter
+        was cast, reshaped, swapped or laid out anew after it was built (or, for
+        ``shape_with``, the optimizer's settings changed), and a fresh optimizer would build
+        it as the parameter is now. ``tensors`` are the key's history in entry order, and
+        ``checked`` their ranges, with their dtypes; ``layouts`` those of the parameters of
+        all ``entries``."""
         if count != len(entries):
-            having = [key in entry for entry in entries]
-            param_shapes, param_dtypes = list(compress(param_shapes, having)), list(compress(param_dtypes, having))
+            layouts = layouts.having([key in entry for entry in entries])
+        param_shapes, param_dtypes = layouts.shapes, layouts.dtypes
+        dtypes = checked.dtypes
         schema = self.schema
         built = (
             param_shapes
@@ -865,6 +885,8 @@ class LeafInspector:
         with plain_reads():
             shapes = list(map(_SHAPE, tensors))
         if shapes == built and dtypes == built_dtypes:
+            if key in schema.like_param and not (checked.contiguous and all(layouts.contiguous)):
+                self.unlike_layouts(node, key, tensors, layouts.params, count)
             return
         unlike = [i for i, (a, b, c, d) in enumerate(zip(shapes, dtypes, built, built_dtypes, strict=True)) if a != c or b is not d]
         first = unlike[0]
@@ -877,9 +899,33 @@ class LeafInspector:
             "cast, reshaped or swapped after it was built"
             + (", or its optimizer's settings that shape it changed (a checkpoint of other settings loaded)" if settings else "")
             + f", and a fresh optimizer would build it as {'they are' if settings else 'the parameter is'} now; "
-            + ("reset with release=True for it to build it so, or rebuild the optimizer" if self.schema.rebuilds_missing else "rebuild the optimizer")
+            + self.rebuild_advice()
         )
         self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
+
+    def unlike_layouts(self, node: LeafNode, key: str, tensors: list[torch.Tensor], params: list[torch.Tensor], count: int) -> None:
+        """``like_param`` history laid out in memory otherwise than ``zeros_like`` lays it out
+        for its parameter now, as a problem: the parameter's memory format changed after the
+        history was built (``model.to(memory_format=torch.channels_last)``, a transposed
+        tensor swapped in through ``.data``). Zeroed in place it keeps its old layout, and an
+        optimizer that draws random numbers ``like`` its history (PSGD's) or multiplies it
+        as a matrix steps otherwise than a fresh one."""
+        unlike = unlike_layouts(tensors, params)
+        if not unlike:
+            return
+        _, strides, fresh = unlike[0]
+        as_fresh = "in a layout torch cannot make for its parameter" if fresh is None else f"with strides {fresh}"
+        message = (
+            f"history laid out with strides {strides} where a fresh optimizer builds it {as_fresh}, as its "
+            f"parameter is laid out now ({len(unlike)} of {count} such): the parameter's memory format changed after it "
+            "was built, and zeroed in place the history keeps its old one, in which a step that draws random numbers "
+            "like it or multiplies it as a matrix computes otherwise; " + self.rebuild_advice()
+        )
+        self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
+
+    def rebuild_advice(self) -> str:
+        """How to have history built as a fresh optimizer builds it."""
+        return "reset with release=True for it to build it so, or rebuild the optimizer" if self.schema.rebuilds_missing else "rebuild the optimizer"
 
     def derived(
         self, node: LeafNode, key: str, name: str, build: Callable[[str, _Param], _Built], of_params: list[_Param]

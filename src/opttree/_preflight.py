@@ -212,6 +212,29 @@ def _overlaps_itself(tensor: torch.Tensor) -> bool:
     return False
 
 
+def unlike_layouts(
+    history: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
+) -> list[tuple[int, tuple[int, ...], tuple[int, ...] | None]]:
+    """Where history that its optimizer builds ``zeros_like`` its parameter is not laid out
+    in memory as ``zeros_like`` lays one out for the parameter now (the parameter's own
+    strides where its elements are dense and apart, else contiguous, as torch's
+    ``preserve_format`` decides): each place, with the history's strides and the fresh ones
+    (None where torch cannot lay one out for the parameter). Strides of dimensions of one
+    element place nothing and are not compared. For tensors of equal shapes, read where
+    some are not contiguous: contiguous ones of one shape are laid out alike."""
+    found: list[tuple[int, tuple[int, ...], tuple[int, ...] | None]] = []
+    with plain_torch():
+        for index, (tensor, param) in enumerate(zip(history, params, strict=True)):
+            strides: tuple[int, ...] = tensor.stride()
+            try:
+                fresh: tuple[int, ...] | None = torch.empty_like(param, device="meta").stride()
+            except Exception:  # noqa: BLE001  # a parameter subclass's own code may raise anything
+                fresh = None
+            if fresh is None or any(a != b for size, a, b in zip(tensor.shape, strides, fresh) if size > 1):
+                found.append((index, strides, fresh))
+    return found
+
+
 def _storage_short(tensor: torch.Tensor) -> bool:
     storage = _STORAGE(tensor)
     return bool(tensor.storage_offset() * tensor.element_size() + _span(tensor) > _STORAGE_NBYTES(storage))
@@ -234,6 +257,8 @@ class Extents:
     unseen: int = 0
     dtypes: list[torch.dtype] = field(factory=list)
     """The dtype of each tensor, in order, where :func:`writable_ranges` placed them."""
+    contiguous: bool = True
+    """Whether every tensor placed is contiguous (read as their spans are)."""
 
     def extend(self, other: Extents) -> None:
         base = len(self.starts)
@@ -241,6 +266,7 @@ class Extents:
         self.ends.extend(other.ends)
         self.nbytes += other.nbytes
         self.unseen += other.unseen
+        self.contiguous &= other.contiguous
         self.owners.extend((base + end, owner) for end, owner in other.owners)
 
     def owned(self, owner: Owner) -> Extents:
@@ -291,7 +317,9 @@ def ranges(tensors: Sequence[torch.Tensor]) -> Extents:
 def _add_plain(found: Extents, tensors: Sequence[torch.Tensor]) -> None:
     starts = list(map(_DATA_PTR, tensors))
     sizes = list(map(_NBYTES, tensors))
-    spans = sizes if all(map(_IS_CONTIGUOUS, tensors)) else list(map(_span, tensors))
+    contiguous = all(map(_IS_CONTIGUOUS, tensors))
+    spans = sizes if contiguous else list(map(_span, tensors))
+    found.contiguous &= contiguous
     found.starts.extend(starts)
     found.ends.extend(map(operator.add, starts, spans))
     found.nbytes += sum(sizes)
@@ -394,6 +422,7 @@ def _surely_writable(tensors: Sequence[torch.Tensor]) -> Extents | None:
         found.ends.extend(ends)
         found.nbytes += sum(sizes)
         found.dtypes.extend(chunk_dtypes)
+        found.contiguous &= contiguous
     return found
 
 

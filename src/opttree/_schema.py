@@ -185,11 +185,12 @@ class StateSchema:
 
     ``step_type``: what a per-parameter ``step`` starts as (:class:`StepType`).
 
-    ``like_param``: zeroed or filled keys the optimizer creates shaped and typed as their
-    parameter (``zeros_like(param)``). Where one no longer has its own parameter's shape
-    and dtype (the parameter was cast by ``module.double()``, or reshaped or swapped through
-    ``.data``, after the optimizer built it), a reset in place would keep it so where a
-    fresh optimizer builds it as the parameter is now: refused.
+    ``like_param``: zeroed or filled keys the optimizer creates shaped, typed and laid out
+    in memory as their parameter (``zeros_like(param)``, in its ``preserve_format``). Where
+    one no longer has its own parameter's shape and dtype (the parameter was cast by
+    ``module.double()``, or reshaped or swapped through ``.data``, after the optimizer built
+    it), or its memory layout (``model.to(memory_format=torch.channels_last)``), a reset in
+    place would keep it so where a fresh optimizer builds it as the parameter is now: refused.
 
     ``shape_of``: zeroed, filled or identity keys the optimizer builds typed as their
     parameter, in a shape derived from the parameter's (Adafactor's factored ``row_var`` and

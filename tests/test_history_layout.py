@@ -1,0 +1,119 @@
+"""History an optimizer builds ``zeros_like`` its parameter is laid out in memory as the
+parameter was when it was built. A parameter laid out anew later (``model.to(memory_format=
+torch.channels_last)`` swaps each weight's ``.data``) leaves it in the old layout, which a
+reset in place keeps where a fresh optimizer builds the new one: refused, as history of
+another shape or dtype is, with ``release=True`` as the way out."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import opttree
+from tests.helpers import snapshot, unchanged
+
+needs_emerging = pytest.mark.skipif(importlib.util.find_spec("emerging_optimizers") is None, reason="no emerging-optimizers in this lane")
+
+
+def conv() -> torch.nn.Conv2d:
+    torch.manual_seed(0)
+    return torch.nn.Conv2d(2, 3, 2, bias=False)
+
+
+def train(model: torch.nn.Conv2d, optimizer: torch.optim.Optimizer, steps: range) -> None:
+    """The same inputs and the same global random numbers (PSGD's noise) at step ``k`` in every run."""
+    for k in steps:
+        x = torch.randn(2, 2, 5, 5, generator=torch.Generator().manual_seed(1000 + k))
+        if model.weight.is_contiguous(memory_format=torch.channels_last):
+            x = x.contiguous(memory_format=torch.channels_last)
+        torch.manual_seed(2000 + k)
+        model.zero_grad()
+        torch.autograd.backward(model(x).square().mean())
+        optimizer.step()
+
+
+def psgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    psgd_pro = getattr(importlib.import_module("emerging_optimizers.psgd.psgd"), "PSGDPro")
+    optimizer: torch.optim.Optimizer = psgd_pro(params, lr=1e-2)
+    return optimizer
+
+
+def adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+Build = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def trained_then_channels_last(build: Build) -> tuple[torch.nn.Conv2d, torch.optim.Optimizer]:
+    model = conv()
+    optimizer = build(list(model.parameters()))
+    train(model, optimizer, range(3))
+    weight = model.weight
+    model.to(memory_format=torch.channels_last)
+    assert model.weight is weight and weight.is_contiguous(memory_format=torch.channels_last)
+    return model, optimizer
+
+
+def as_fresh(model: torch.nn.Conv2d, optimizer: torch.optim.Optimizer, build: Build) -> bool:
+    """Whether three more steps of ``optimizer`` equal a fresh one's over the same weights."""
+    twin = conv().to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        twin.weight.copy_(model.weight)
+    fresh = build(list(twin.parameters()))
+    train(model, optimizer, range(100, 103))
+    train(twin, fresh, range(100, 103))
+    return torch.equal(model.weight, twin.weight)
+
+
+@pytest.mark.parametrize("build", [pytest.param(psgd, marks=needs_emerging), adamw], ids=["psgd", "adamw"])
+def test_history_of_a_layout_its_parameter_no_longer_has_is_refused(build: Build) -> None:
+    model, optimizer = trained_then_channels_last(build)
+    before = snapshot(optimizer)
+
+    problems = opttree.validate(optimizer)
+    assert {p.kind for p in problems} == {opttree.ProblemKind.UNSUPPORTED_STATE}
+    assert {p.key for p in problems} == ({"exp_avg"} if build is psgd else {"exp_avg", "exp_avg_sq"})
+    assert "history laid out with strides (8, 4, 2, 1) where a fresh optimizer builds it with strides (8, 1, 4, 2)" in problems[0].message
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"memory format changed after it was built.*release=True"):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before)
+
+    opttree.reset(optimizer, release=True)
+    assert as_fresh(model, optimizer, build)
+
+
+@needs_emerging
+def test_psgd_history_zeroed_in_its_old_layout_trains_unlike_a_fresh_optimizer() -> None:
+    """The other side: what a reset in place would leave. Reset (exactly) while the weight
+    is still contiguous, then laid out anew: the zeroed history keeps the old layout, and
+    PSGD, which draws its noise with ``randn_like(exp_avg)`` in the history's memory order,
+    trains unlike a fresh optimizer."""
+    model = conv()
+    optimizer = psgd(list(model.parameters()))
+    train(model, optimizer, range(3))
+    opttree.reset(optimizer)
+    model.to(memory_format=torch.channels_last)
+
+    assert not as_fresh(model, optimizer, psgd)
+
+
+def test_history_laid_out_as_a_fresh_optimizer_lays_it_out_is_not_refused() -> None:
+    """No false refusal: a parameter that is a strided slice (not dense) gets contiguous
+    history from ``zeros_like``, and a transposed one history transposed alike; both as
+    built, and as an optimizer built after the change builds them."""
+    base = torch.randn(4, 6)
+    sliced = torch.nn.Parameter(base[:, ::2])
+    transposed = torch.nn.Parameter(torch.randn(5, 3).t())
+    optimizer = torch.optim.AdamW([sliced, transposed], lr=1e-2)
+    for p in (sliced, transposed):
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    assert optimizer.state[sliced]["exp_avg"].stride() == (3, 1) and optimizer.state[transposed]["exp_avg"].stride() == (1, 3)
+
+    assert opttree.validate(optimizer) == ()
+    opttree.reset(optimizer)
