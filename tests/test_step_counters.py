@@ -189,15 +189,62 @@ def test_a_step_tensor_that_does_not_hold_one_real_count_is_refused(counter: tor
     refused_with_one_step_problem(optimizer, rf"key 'step': .*step counter.* {what}, where its optimizer counts steps in one real number")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int64, torch.float64])
 def test_a_per_parameter_step_tensor_of_a_dtype_no_fresh_optimizer_counts_in_is_refused(dtype: torch.dtype) -> None:
     """torch counts a tensor step in float32 (float64 where that is the default dtype):
-    zeroed in place, a bfloat16 one stops counting exactly after 256 steps, and an int64 one
-    fails foreach's arithmetic, where a fresh optimizer's does neither."""
+    zeroed in place, a bfloat16 one stops counting exactly after 256 steps, an int64 one
+    fails foreach's arithmetic, and a float64 one (loaded from a checkpoint of a run whose
+    default dtype was float64: torch's load keeps a step's dtype) computes a compiled or
+    differentiable step's bias correction in float64, where a fresh optimizer's does none of these."""
     _, optimizer = trained()
     list(optimizer.state.values())[-1]["step"] = torch.tensor(3, dtype=dtype)
 
-    refused_with_one_step_problem(optimizer, rf"key 'step': step counter: 1 of its 4 are; the first is {str(dtype).removeprefix('torch.')}, where a fresh optimizer counts in a float32 or float64 tensor")
+    refused_with_one_step_problem(
+        optimizer, rf"key 'step': step counter: 1 of its 4 are; the first is {str(dtype).removeprefix('torch.')}, where a fresh AdamW counts in a float32 tensor"
+    )
+
+
+def test_a_step_loaded_from_a_run_of_another_default_dtype_trains_unlike_a_fresh_optimizer() -> None:
+    """The other side: a float64 step zeroed in place, where a fresh Adam counts in float32,
+    and a differentiable step (bias correction computed with the step tensor) differs."""
+    def params() -> list[torch.Tensor]:
+        return [torch.randn(64, generator=torch.Generator().manual_seed(0)).requires_grad_() * 1.0]
+
+    def train_on(optimizer: torch.optim.Optimizer, ps: list[torch.Tensor]) -> None:
+        for k in range(5):
+            ps[0].grad = torch.sin(ps[0].detach() * 3 + k)
+            with torch.no_grad():
+                optimizer.step()
+
+    ps = params()
+    optimizer = torch.optim.Adam(ps, differentiable=True)
+    train_on(optimizer, ps)
+    with torch.no_grad():
+        for entry in optimizer.state.values():
+            for value in entry.values():
+                value.zero_()
+        entry["step"] = entry["step"].double()
+    fresh_ps = [ps[0].detach().clone().requires_grad_() * 1.0]
+    fresh = torch.optim.Adam(fresh_ps, differentiable=True)
+    train_on(optimizer, ps)
+    train_on(fresh, fresh_ps)
+    assert not torch.equal(ps[0], fresh_ps[0])
+
+
+def test_a_step_counts_in_float64_under_that_default_dtype_and_in_float32_when_fused() -> None:
+    """No false refusal: what torch builds, under a float64 default dtype, fused or not."""
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        for fused in (False, True):
+            net = model()
+            optimizer = torch.optim.AdamW(net.parameters(), fused=fused)
+            train(net, optimizer, 0, 2)
+            assert {entry["step"].dtype for entry in optimizer.state.values()} == {torch.float32 if fused else torch.float64}
+            assert opttree.validate(optimizer) == ()
+            opttree.reset(optimizer)
+    finally:
+        torch.set_default_dtype(default)
 
 
 def test_a_single_value_step_tensor_of_any_real_dtype_is_zeroed_in_place() -> None:

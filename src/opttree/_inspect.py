@@ -298,6 +298,14 @@ def scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() is torch.float64 else torch.float32
 
 
+def fresh_step_dtypes(groups: Sequence[Mapping[str, object]]) -> frozenset[torch.dtype]:
+    """What torch's optimizers build a tensor step in, over ``groups``: torch's scalar dtype
+    (:func:`scalar_dtype`), and float32 in a fused group whatever the default dtype. A
+    group's ``fused`` is read as a flag (a malformed group is reported apart)."""
+    fused = any(isinstance(group, Mapping) and group.get("fused") is True for group in groups)
+    return frozenset({scalar_dtype(), torch.float32}) if fused else frozenset({scalar_dtype()})
+
+
 def outside_dtypes(found: Extents, allowed: frozenset[torch.dtype]) -> tuple[int, torch.dtype] | None:
     """How many of the tensors ``found`` describes are of a dtype outside ``allowed``, and
     the first such dtype; None where none is."""
@@ -1151,11 +1159,17 @@ class LeafInspector:
             if odd is not None:
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"step counter: {_which(odd[0], len(tensors), 'are')} {odd[1]}{_ONE_COUNT}", key)
                 return
-            wrong = outside_dtypes(checked, STEP_DTYPES)
+            counted_in = fresh_step_dtypes(node.optimizer.param_groups)
+            wrong = outside_dtypes(checked, counted_in)
             if wrong is not None:
+                names = " or ".join(sorted(map(torch_name, counted_in)))
                 message = (
-                    f"step counter: {_which(wrong[0], len(tensors), 'are')} {torch_name(wrong[1])}, where a fresh optimizer "
-                    "counts in a float32 or float64 tensor: zeroed in place it would go on counting in that dtype"
+                    f"step counter: {_which(wrong[0], len(tensors), 'are')} {torch_name(wrong[1])}, where a fresh "
+                    f"{type(node.optimizer).__qualname__} counts in a {names} tensor (torch's default dtype is "
+                    f"{torch_name(torch.get_default_dtype())}): zeroed in place it would go on counting in that dtype, "
+                    "and a step that computes with it as a tensor (a compiled or differentiable one) unlike a fresh "
+                    "one (a checkpoint saved under another default dtype, whose steps torch's load keeps as saved); "
+                    + self.rebuild_advice()
                 )
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
                 return
