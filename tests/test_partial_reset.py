@@ -397,6 +397,41 @@ def test_a_parameter_named_twice_is_selected_once() -> None:
     assert not optimizer.state[first]["exp_avg"].any()
 
 
+class _Tied(torch.nn.Module):
+    """An embedding whose weight the output layer shares, as language models tie them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(5, 3)
+        self.mid = torch.nn.Linear(3, 3)
+        self.head = torch.nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.mid(self.embed(x)))
+        return out
+
+
+@pytest.mark.parametrize("name", ["embed.weight", "head.weight"])
+def test_a_predicate_selects_a_tied_weight_by_either_of_its_names(name: str) -> None:
+    """``named_parameters()`` lists a tied weight under its first name only: a predicate
+    that named the second (``head.weight``) was refused as accepting nothing, and beside
+    another parameter passed the tied weight over, in silence."""
+    net = _Tied()
+    optimizer = torch.optim.Adam(net.parameters())
+    torch.autograd.backward(net(torch.tensor([1, 2])).sum())
+    optimizer.step()
+    tied = net.embed.weight
+
+    report = opttree.reset(optimizer, params=lambda n: n == name or n.startswith("mid."), model=net, keys=["exp_avg"])
+
+    assert report.tensors_zeroed == 3
+    assert not optimizer.state[tied]["exp_avg"].any() and optimizer.state[tied]["exp_avg_sq"].any()
+    opttree.reset(optimizer, params=lambda n: n == name, model=net, keys=["exp_avg_sq"])
+    assert not optimizer.state[tied]["exp_avg_sq"].any()
+
+
 def test_per_parameter_steps_reset_for_just_the_selected_parameters() -> None:
     net = model()
     optimizer = torch.optim.AdamW(net.parameters())

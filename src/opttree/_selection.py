@@ -323,11 +323,12 @@ def check_model(model: torch.nn.Module) -> None:
         raise OptTreeError(msg)
 
 
-def model_parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``model.named_parameters()``, or an error saying why they cannot be read."""
+def model_parameters(model: torch.nn.Module, *, every_name: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """``model.named_parameters()``, or an error saying why they cannot be read. With
+    ``every_name``, a parameter held under several names (a tied weight) comes under each."""
     check_model(model)
     try:
-        named: list[object] = list(model.named_parameters())
+        named: list[object] = list(model.named_parameters(remove_duplicate=False) if every_name else model.named_parameters())
     except Exception as error:
         msg = f"the parameters of model= cannot be read: named_parameters() raised {type(error).__name__}: {error}"
         raise OptTreeError(msg) from error
@@ -369,7 +370,7 @@ def resolve_params(params: ParamsArg, model: torch.nn.Module | None) -> list[tor
         if model is None:
             msg = "selecting parameters by a predicate on their names needs model="
             raise OptTreeError(msg)
-        return [p for name, p in model_parameters(model) if _accepted(params, name)]
+        return [p for name, p in model_parameters(model, every_name=True) if _accepted(params, name)]  # a tied weight by any of its names
     if not isinstance(cast(object, params), Iterable):
         msg = f"params must be a list of parameters or a predicate on their names, got {kind_of(params)}"
         raise OptTreeError(msg)
