@@ -221,6 +221,41 @@ def test_a_callable_objects_own_attributes_do_not_name_it() -> None:
         opttree.reset(optimizer)
 
 
+def warming(hook: Callable[[torch.optim.Optimizer, object, object], None]) -> Callable[[torch.optim.Optimizer, object, object], None]:
+    """A decorator that copies ``hook``'s names onto a wrapper that builds state first."""
+
+    @functools.wraps(hook)
+    def wrapper(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        warm_start(optimizer, args, kwargs)
+        hook(optimizer, args, kwargs)
+
+    return wrapper
+
+
+def test_a_wrapper_that_functools_wraps_a_declared_hook_is_a_hook_of_its_own() -> None:
+    """``functools.wraps`` gives the wrapper the declared hook's ``__module__`` and
+    ``__qualname__``: known by those, it passed as the declared hook, and the state it
+    builds made training after a reset unlike a fresh optimizer's with the same hook."""
+    opttree.register_step_hook(logged)
+    hook = warming(logged)
+    assert (hook.__module__, hook.__qualname__) == (logged.__module__, logged.__qualname__)
+    optimizer = trained(0, hook)
+    before = snapshot(optimizer)
+
+    with pytest.raises(opttree.UnsupportedOptimizer, match=r"its step pre-hook tests.test_step_hooks.warming.<locals>.wrapper runs"):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before)
+
+    with torch.no_grad():  # the other side: what that reset would have done, in place
+        for entry in optimizer.state.values():
+            for value in entry.values():
+                value.zero_()
+    fresh = fresh_like(optimizer, hook)
+    train(optimizer, 2)
+    train(fresh, 2)
+    assert not same_params(optimizer, fresh)
+
+
 @pytest.mark.parametrize("name", [n for n in ("offload_0.75", "offload_1.0") if n in testing.available()])
 def test_megatrons_hybrid_optimizer_hooks_are_known(name: str) -> None:
     """A HybridDeviceOptimizer registers a post-hook on each sub-optimizer that copies its

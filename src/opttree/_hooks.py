@@ -11,7 +11,11 @@ user declares with :func:`register_step_hook`. Any other is refused, as an insta
 
 Hooks are known by their function's module and qualified name, so that the closures a
 wrapper makes anew for each sub-optimizer are one hook; a callable object by its class's
-``__call__``, the function it runs, so that its instances are one hook too.
+``__call__``, the function it runs, so that its instances are one hook too. Both names are
+read where a function's code says them (the ``__name__`` of the globals it was defined in,
+and its code's ``co_qualname``), not from its ``__module__`` and ``__qualname__``, which
+``functools.wraps`` copies onto a decorator's wrapper: a wrapper around a declared hook runs
+its own code, and is a hook of its own.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from itertools import chain, repeat
-from types import FunctionType
+from types import BuiltinFunctionType, FunctionType
 from typing import cast
 
 from torch.optim import optimizer as torch_optimizer
@@ -79,10 +83,21 @@ def _key(hook: object) -> tuple[str, str] | None:
     (``str`` itself: a subclass's own hash could say anything)."""
     try:
         function = _function(hook)
-        module, qualname = getattr(function, "__module__", None), getattr(function, "__qualname__", None)
     except Exception:  # noqa: BLE001  # an object's own __getattr__ may raise anything
         return None
-    return (module, qualname) if type(module) is str and type(qualname) is str else None
+    if isinstance(function, FunctionType):
+        return _code_name(function)
+    if isinstance(function, BuiltinFunctionType):  # C's: their names cannot be set
+        module, qualname = function.__module__, function.__qualname__
+        return (module, qualname) if type(module) is str and type(qualname) is str else None
+    return None
+
+
+def _code_name(function: FunctionType) -> tuple[str, str] | None:
+    """Where a Python function's code was defined: the module its globals are, and the
+    qualified name its code object was compiled under; None where its globals name none."""
+    module = dict.get(function.__globals__, "__name__")
+    return (module, function.__code__.co_qualname) if type(module) is str else None
 
 
 def hook_name(hook: object) -> str:
@@ -161,8 +176,6 @@ def unknown_step_hook(optimizer: object) -> str | None:
 
 
 _DICT = operator.attrgetter("__dict__")
-_MODULE = operator.attrgetter("__module__")
-_QUALNAME = operator.attrgetter("__qualname__")
 
 
 def surely_known_hooks(optimizers: Sequence[object]) -> bool:
@@ -185,8 +198,7 @@ def surely_known_hooks(optimizers: Sequence[object]) -> bool:
             continue
         if set(map(type, hooks)) != {FunctionType}:
             return False
-        modules, names = list(map(_MODULE, hooks)), list(map(_QUALNAME, hooks))
-        if set(map(type, modules)) | set(map(type, names)) != {str} or not set(zip(modules, names)) <= _BUILTIN | _registered:
+        if not set(map(_code_name, hooks)) <= _BUILTIN | _registered:
             return False
     return True
 
