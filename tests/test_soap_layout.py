@@ -131,3 +131,51 @@ def test_a_soap_checkpoint_with_a_factor_of_another_shape_is_refused_where_megat
     ours = fresh()
     with ours.device, pytest.raises(opttree.UnsupportedCheckpoint, match=rf"its 'L' has shape \({rows + 1}, {rows + 1}\), where SOAP builds it in shape \({rows}, {rows}\)"):
         opttree.load_state_dict(ours.optimizer, state)
+
+
+@pytest.mark.parametrize("name", ["soap", "rekls"])
+def test_a_partial_reset_of_the_eigenbases_keeping_the_moments_held_in_them_is_refused(name: str) -> None:
+    """SOAP keeps its moments in the eigenbases' coordinates (``expressed_in``): the bases
+    reset alone, the kept first moment, read in the identity basis, stands for another
+    momentum in the parameter's space. Refused with nothing changed; the bases with the
+    moments, or the moments alone (zero in any basis), reset."""
+    optimizer, param = stepped(name)
+    entry = optimizer.state[param]
+    before = snapshot(optimizer)
+
+    with pytest.raises(opttree.PartialResetRefused, match=r"key 'exp_avg': its exp_avg is held in the basis its Q_L, Q_R hold, and keys names Q_L, Q_R without it"):
+        opttree.reset(optimizer, keys=["Q_L", "Q_R"])
+    with pytest.raises(opttree.PartialResetRefused, match=r"its exp_avg_sq is held in the basis its Q_L, Q_R hold, and keys names Q_R without it"):
+        opttree.reset(optimizer, keys=["Q_R", "exp_avg"])
+    assert unchanged(optimizer, before)
+
+    in_parameter_space = entry["Q_L"] @ entry["exp_avg"] @ entry["Q_R"].T
+    kept = opttree.reset(optimizer, keys=["exp_avg_sq", "L", "R"])  # moments' second alone: its basis kept
+    assert kept.tensors_zeroed > 0 and torch.equal(entry["Q_L"] @ entry["exp_avg"] @ entry["Q_R"].T, in_parameter_space)
+    opttree.reset(optimizer, keys=["Q_L", "Q_R", "exp_avg", "exp_avg_sq"])
+    assert not entry["exp_avg"].any() and torch.equal(entry["Q_L"], torch.eye(4))
+
+
+def test_the_first_moment_kept_beside_bases_reset_by_hand_moves_in_the_parameters_space() -> None:
+    """The other side: the bases reset by hand, the kept first moment read in them no longer
+    stands for the momentum it held."""
+    optimizer, param = stepped("soap")
+    entry = optimizer.state[param]
+    in_parameter_space = entry["Q_L"] @ entry["exp_avg"] @ entry["Q_R"].T
+    with torch.no_grad():
+        entry["Q_L"].copy_(torch.eye(4))
+        entry["Q_R"].copy_(torch.eye(6))
+    assert not torch.allclose(entry["Q_L"] @ entry["exp_avg"] @ entry["Q_R"].T, in_parameter_space)
+
+
+def test_expressed_in_maps_history_to_other_history_holding_its_basis() -> None:
+    def schema(expressed_in: dict[str, set[str]]) -> opttree.StateSchema:
+        return opttree.StateSchema(zero={"m", "Q"}, step=opttree.StepLocation.PER_PARAMETER, expressed_in=expressed_in)
+
+    wrongs: list[dict[str, set[str]]] = [{"m": {"m"}}, {"m": {"X"}}, {"m": set()}]
+    for wrong in wrongs:
+        with pytest.raises(opttree.RegistrationError, match="expressed_in maps 'm' to"):
+            schema(wrong)
+    with pytest.raises(opttree.RegistrationError, match="state keys are given as a set of names, got 'Q'"):
+        opttree.StateSchema(zero={"m", "Q"}, expressed_in={"m": "Q"})  # type: ignore[dict-item]
+    assert schema({"m": {"Q"}}).expressed_in == (("m", frozenset({"Q"})),)

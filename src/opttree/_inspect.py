@@ -500,6 +500,23 @@ class LeafInspector:
         self.problem(node, ProblemKind.PARTIAL_GROUP, message, named[0])
         return True
 
+    def read_in_another_basis(self, node: LeafNode, held: Counter[str]) -> bool:
+        """Whether a partial reset takes a basis (``expressed_in``) that the entries hold
+        (``held`` counts their keys) but keeps history they hold expressed in it: refused."""
+        if self.selection.keys is None:
+            return False
+        for key, bases in self.schema.expressed_in:
+            taken = sorted(basis for basis in bases if held[basis] and self.resets(basis))
+            if taken and held[key] and not self.resets(key):
+                message = (
+                    f"its {key} is held in the basis its {', '.join(sorted(bases))} hold, and keys names "
+                    f"{', '.join(taken)} without it: reset apart, the kept {key} would be read in the basis the reset "
+                    f"starts anew, as no run leaves it; name {key!r} too, or keep the basis"
+                )
+                self.problem(node, ProblemKind.PARTIAL_GROUP, message, key)
+                return True
+        return False
+
     def takes_part(self, node: LeafNode, params: list[torch.Tensor], state: Mapping[torch.Tensor, StateEntry]) -> bool:
         """Whether a partial reset takes part of an indivisible state (some of the leaf's
         parameters, or some of the keys it holds), which is refused."""
@@ -712,6 +729,8 @@ class LeafInspector:
         layouts: _ParamLayouts | None = None  # read at the first key built like them
         counts = Counter(chain.from_iterable(entries))
         into.found_keys.update(counts)
+        if self.read_in_another_basis(node, counts):
+            return
         if self.schema.step is StepLocation.PER_PARAMETER and counts["step"] < len(entries):
             self.stepless_entries(node, held, entries, in_groups)
         for key, option in self.schema.built_with_entry:

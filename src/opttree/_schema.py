@@ -153,6 +153,11 @@ def _options(value: Mapping[str, str] | tuple[tuple[str, str], ...]) -> tuple[tu
     return pairs
 
 
+def _bases(value: Mapping[str, KeyNames] | tuple[tuple[str, KeyNames], ...]) -> tuple[tuple[str, frozenset[str]], ...]:
+    pairs = _keyed(value, "expressed_in", "the keys holding the basis they are expressed in")
+    return tuple((key, _frozen_keys(bases)) for key, bases in pairs)
+
+
 def _what(value: object) -> str:
     """A value as a message names it: a number by itself, anything else by its type."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -160,7 +165,11 @@ def _what(value: object) -> str:
     return kind_of(value)
 
 
-def _frozen_keys(keys: frozenset[str] | set[str] | tuple[str, ...] | list[str]) -> frozenset[str]:
+KeyNames = frozenset[str] | set[str] | tuple[str, ...] | list[str]
+"""State key names as a schema field takes them."""
+
+
+def _frozen_keys(keys: KeyNames) -> frozenset[str]:
     """A set of state key names: one string would be taken apart into its letters."""
     given = cast(object, keys)
     if not isinstance(given, (set, frozenset, tuple, list)) or not all(isinstance(key, str) for key in given):
@@ -261,6 +270,13 @@ class StateSchema:
     ``FusedAdam`` keep ``param_groups_master`` with ``master_weights``): compared and
     written as ``master_of``'s are, and kept by a reset. Any other layout there is refused.
 
+    ``expressed_in``: history keys whose values are coordinates in a basis that other
+    history keys hold, each mapped to those (SOAP's ``exp_avg`` and ``exp_avg_sq``, kept in
+    the eigenbases ``Q_L`` and ``Q_R``, which each step rotates them between). A partial
+    reset that takes a basis but keeps what is expressed in it is refused: the kept values
+    would be read in the basis the reset starts anew, as no run leaves them. Taking them
+    without their basis is fine: zero is zero in every basis.
+
     ``step_attributes``: instance attributes each holding a tensor that the optimizer
     creates as zeros and reads in counting its steps (TE's and apex's ``FusedAdam`` keep
     ``_dummy_overflow_buf``: a capturable step adds one to the step only where the step
@@ -310,6 +326,7 @@ class StateSchema:
     step_attributes: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     known_attributes: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     counted_with_step: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
+    expressed_in: tuple[tuple[str, frozenset[str]], ...] = field(converter=_bases, factory=tuple, kw_only=True)
 
     @functools.cached_property
     def built_with_entry(self) -> tuple[tuple[str, str | None], ...]:
@@ -470,6 +487,10 @@ class StateSchema:
         if not self.counted_with_step <= history | self.drop:
             msg = f"counted_with_step names {sorted(self.counted_with_step - history - self.drop)}, which a reset neither zeroes, fills nor drops"
             raise RegistrationError(msg)
+        for key, bases in self.expressed_in:
+            if key in bases or not bases or not {key} | bases <= history:
+                msg = f"expressed_in maps {key!r} to {sorted(bases)}: a zeroed, filled or identity key to the other such keys holding its basis"
+                raise RegistrationError(msg)
         if self.step_attributes and self.step is StepLocation.NONE:
             msg = "step_attributes take part in counting steps; this schema's step is none"
             raise RegistrationError(msg)

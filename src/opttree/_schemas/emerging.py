@@ -97,10 +97,12 @@ SOAP = StateSchema(
     like_param={"exp_avg", "exp_avg_sq"},
     shape_of={"L": _rows_square, "Q_L": _rows_square, "R": _columns_square, "Q_R": _columns_square},
     dtype_of={"exp_avg": _float32, "exp_avg_sq": _float32, "L": _default_dtype, "R": _default_dtype, "Q_L": _default_dtype, "Q_R": _default_dtype},
+    expressed_in={"exp_avg": {"Q_L", "Q_R"}, "exp_avg_sq": {"Q_L", "Q_R"}},
 )
 """SOAP and REKLS (2-D parameters only) build their moments in the parameter's shape in
 float32, their Kronecker factors and eigenbases square in its rows and its columns, in
-torch's default dtype."""
+torch's default dtype. Their moments are kept in the eigenbases' coordinates
+(``update_eigenbasis_and_exp_avgs`` rotates them from the old bases to the new ones)."""
 
 _ORTHOGONALIZED = "emerging_optimizers.orthogonalized_optimizers."
 LAZY: dict[str, StateSchema] = {
