@@ -433,3 +433,37 @@ def test_a_copy_master_of_cannot_compare_leaves_the_others_kept() -> None:
     optimizer.step()
     (problem,) = opttree.validate(optimizer)
     assert problem.kind is opttree.ProblemKind.ALIASED_STATE and problem.key == "master"
+
+
+class _HistoryAsMaster(torch.optim.Adam):
+    """An Adam whose registered ``master_of`` names a view of its history, or its
+    parameter's gradient, as the master: a wrong registration."""
+
+
+def _history_as_master(optimizer: torch.optim.Optimizer, param: torch.Tensor, entry: Mapping[str, object]) -> torch.Tensor | None:
+    master = entry["exp_avg"] if getattr(optimizer, "names_history", True) else param.grad
+    assert isinstance(master, torch.Tensor)
+    return master.view(-1).view_as(param)
+
+
+opttree.register_schema(_HistoryAsMaster, opttree.StateSchema(zero={"exp_avg", "exp_avg_sq"}, step=opttree.StepLocation.PER_PARAMETER, master_of=_history_as_master))
+
+
+@pytest.mark.parametrize("names_history", [True, False], ids=["exp_avg", "grad"])
+def test_a_sync_never_writes_the_weights_into_optimizer_state_or_gradients(names_history: bool) -> None:
+    """A copy that is also history (or a gradient) was written with the weights by
+    ``sync_masters``, where ``validate`` called it aliased and ``reset`` refused it."""
+    net = torch.nn.Linear(3, 2, bias=False)
+    optimizer = _HistoryAsMaster(net.parameters())
+    vars(optimizer)["names_history"] = names_history
+    torch.autograd.backward(net(torch.randn(4, 3)).sum())
+    optimizer.step()
+    state = {key: value.clone() for key, value in optimizer.state[net.weight].items()}
+    grad = net.weight.grad
+    assert grad is not None
+    grad_before = grad.clone()
+
+    with pytest.raises(opttree.StaleMaster, match="its copy of weight shares memory with the optimizer state of _HistoryAsMaster at <root>: " + ("exp_avg" if names_history else "gradients")):
+        opttree.sync_masters(optimizer, model=net)
+    assert all(torch.equal(value, state[key]) for key, value in optimizer.state[net.weight].items())
+    assert torch.equal(grad, grad_before)

@@ -28,6 +28,8 @@ from opttree._dispatch import LazyDispatch
 from opttree._distributed import agreed
 from opttree._errors import OptTreeError
 from opttree._held import own_attributes
+from opttree._containers import malformed, malformed_state, tensors_held
+from opttree._inspect import held_gradients, key_label
 from opttree._master_groups import master_pairs
 from opttree._nodes import LeafNode, Node, tree_nodes
 from opttree._preflight import Extents, overlap, plain_torch, ranges, unwritable_reason
@@ -369,11 +371,12 @@ def _writes(check: MasterCheck) -> list[_Pair]:
     return writes
 
 
-def _unwritable(check: MasterCheck, writes: list[_Pair]) -> list[Problem]:
+def _unwritable(root: Node, check: MasterCheck, writes: list[_Pair]) -> list[Problem]:
     """What makes ``writes`` fail or go wrong, found before any is written: a copy that
     cannot be written in place, one whose dtype cannot hold the weights (written, it would
     still differ), and one sharing memory with a parameter of the model or the wrappers,
-    or with another copy (writing it would change that too)."""
+    with another copy, or with the optimizers' state or gradients (writing it would change
+    that too)."""
     problems: list[Problem] = []
     written, kept = Extents(), Extents()
     writing = {id(pair.copy) for pair in writes}
@@ -393,13 +396,45 @@ def _unwritable(check: MasterCheck, writes: list[_Pair]) -> list[Problem]:
         for pair in check.compared:
             if id(pair.copy) not in writing:
                 kept.extend(ranges([pair.copy]).owned((pair.path, pair.cls, pair.name)))
+        try:
+            for leaf, key, tensors in _state_and_gradients(root):
+                held = [tensor for tensor in tensors if id(tensor) not in writing]
+                kept.extend(ranges(held).owned((leaf.path, _STATE, f"{type(leaf.optimizer).__qualname__} at {leaf.path}: {key}")))
+        except Exception as error:  # noqa: BLE001  # a state entry's own items() may raise anything
+            message = f"the optimizers' state cannot be read ({type(error).__name__}: {error}) to tell that no copy shares its memory"
+            problems.append(Problem(ProblemKind.STALE_MASTER, root.path, type(root.optimizer).__qualname__, message))
     clash = overlap(written, kept)
     if clash is not None:
         (path, cls, copy_of), (_, other_cls, other) = clash
-        what = f"the parameter {other}" if other_cls == _PARAMETER else f"the copy of {other}"
+        what = f"the parameter {other}" if other_cls == _PARAMETER else f"the optimizer state of {other}" if other_cls == _STATE else f"the copy of {other}"
         message = f"its copy of {copy_of} shares memory with {what}: writing it would change that too"
         problems.append(Problem(ProblemKind.STALE_MASTER, path, cls, message))
     return problems
+
+
+_STATE = "<state>"
+
+
+def _state_and_gradients(root: Node) -> Iterator[tuple[LeafNode, str, list[torch.Tensor]]]:
+    """Each leaf's state tensors by key, and its parameters' gradients (``grad``, and
+    Megatron's ``main_grad``): memory a sync must leave alone, as a copy that is also
+    history (a registered ``master_of`` naming a view of ``exp_avg``) would write the
+    weights into it. A leaf whose state cannot be read is passed over: its problem is
+    reported where the copies are compared, and refuses the sync."""
+    for node in tree_nodes(root):
+        if not isinstance(node, LeafNode) or malformed(node.optimizer) is not None:
+            continue
+        state = node.optimizer.state
+        if malformed_state(state) is not None:
+            continue
+        by_key: dict[str, list[object]] = {}
+        for entry in state.values():
+            for key, value in entry.items():
+                by_key.setdefault(key_label(key), []).append(value)
+        for key, values in by_key.items():
+            yield node, key, tensors_held(values)
+        params = [p for group in node.optimizer.param_groups for p in group["params"]]
+        yield node, "gradients", held_gradients(params)
 
 
 def _holds(pair: _Pair) -> bool:
@@ -433,7 +468,7 @@ def _checked(optimizer: object, model: torch.nn.Module | None) -> tuple[Node, Ma
     writes a sync makes, or its refusal."""
     root = tree(optimizer)
     check = check_masters(root, model)
-    return root, check, _refuse(check)
+    return root, check, _refuse(root, check)
 
 
 def _reloaded(root: Node, model: torch.nn.Module | None, before: MasterCheck, writes: list[_Pair]) -> tuple[MasterCheck, list[_Pair], bool]:
@@ -449,14 +484,14 @@ def _reloaded(root: Node, model: torch.nn.Module | None, before: MasterCheck, wr
         msg = f"{cls} at {root.path}: its reload_model_params() raised {type(error).__name__}: {error}; the masters it wrote before are written"
         raise OptTreeError(msg) from error
     after = check_masters(root, model)
-    return after, _refuse(after), True
+    return after, _refuse(root, after), True
 
 
-def _refuse(check: MasterCheck) -> list[_Pair]:
+def _refuse(root: Node, check: MasterCheck) -> list[_Pair]:
     """The writes a sync makes from ``check``, or its refusal: every problem but a stale
     copy, and anything that makes a write fail or go wrong."""
     writes = _writes(check)
-    refused = [p for p in check.problems if p.kind is not ProblemKind.STALE_MASTER] or _unwritable(check, writes)
+    refused = [p for p in check.problems if p.kind is not ProblemKind.STALE_MASTER] or _unwritable(root, check, writes)
     if refused:
         raise refused[0].to_error(others=refused[1:])
     return writes
