@@ -549,3 +549,62 @@ def test_a_sharded_mimo_checkpoint_of_a_mixed_precision_module_loads_and_trains_
     loaded.train(K, K)
     stack.train(K, K)
     assert all(torch.equal(a, b) for a, b in zip(loaded.main_params(), stack.main_params(), strict=True))
+
+
+def _everything(stack: testing.MegatronStack) -> list[object]:
+    """Every state tensor, param-group option and loss scale of a stack, as values."""
+    values: list[object] = []
+    for leaf in stack.leaves():
+        values += [value.clone() if isinstance(value, torch.Tensor) else value for entry in leaf.state.values() for value in entry.values()]
+        values += [{key: value for key, value in group.items() if key != "params"} for group in leaf.param_groups]
+    values += [float(member.get_loss_scale()) for member in getattr(stack.optimizer, "chained_optimizers", [stack.optimizer])]
+    values += [p.detach().clone() for p in stack.main_params()]
+    return values
+
+
+def _same(a: list[object], b: list[object]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else x == y for x, y in zip(a, b, strict=True))
+
+
+@needs_dp_reshardable
+@pytest.mark.skipif("dist_fp16" not in testing.available(), reason="no dist_fp16 recipe in this lane")
+@pytest.mark.parametrize("sharding", ["fully_reshardable", "dp_zero_gather_scatter"])
+@pytest.mark.parametrize("with_opttree", [False, True], ids=["megatron", "opttree"])
+def test_a_checkpoint_format_without_steps_is_refused_before_megatron_loads_half_of_it(sharding: str, with_opttree: bool, tmp_path: Path) -> None:
+    """Megatron's side: its load writes a step tensor into every state entry of torch's
+    AdamW and then copies the checkpoint's tensors into each, and these formats hold no
+    step: it raises ``KeyError: 'step'`` with the param groups, steps and loss scale of
+    the checkpoint already loaded. opttree's side: refused, naming the format, with the
+    stack as it was."""
+    metadata: dict[str, object] = {"distrib_optim_sharding_type": sharding}
+    saver = testing.build("dist_fp16")
+    saver.train(0, K)
+    with saver.device:
+        dist_checkpointing.save(opttree.sharded_state_dict(saver.optimizer, model_state(saver), metadata=metadata), str(tmp_path))
+    live = testing.build("dist_fp16")
+    live.train(0, 2 * K)
+    with live.device:
+        state = dist_checkpointing.load(live.optimizer.sharded_state_dict(model_state(live), is_loading=True, metadata=metadata), str(tmp_path))
+    before = _everything(live)
+
+    if with_opttree:
+        with live.device, pytest.raises(opttree.UnsupportedCheckpoint, match=f"a {sharding} checkpoint holds no per-parameter step, and AdamW counts"):
+            opttree.load_state_dict(live.optimizer, state)
+        assert _same(_everything(live), before)
+    else:
+        with live.device, pytest.raises(KeyError, match="step"), torch.no_grad():
+            live.optimizer.load_state_dict(state)
+        assert not _same(_everything(live), before)
+
+
+def test_a_sharding_type_that_is_not_a_name_is_refused_not_raised_from() -> None:
+    stack = testing.build("dist_bf16") if "dist_bf16" in testing.available() else None
+    if stack is None:
+        pytest.skip("no dist_bf16 recipe in this lane")
+    stack.train(0, K)
+    with stack.device:
+        state = stack.optimizer.state_dict()
+    assert isinstance(state, dict)
+    state["param_state"], state["param_state_sharding_type"] = {}, ["dp_reshardable"]
+    with pytest.raises(opttree.UnsupportedCheckpoint, match=r"param_state_sharding_type': \['dp_reshardable'\] is not one of"):
+        opttree.load_state_dict(stack.optimizer, state)

@@ -711,10 +711,33 @@ def _steps_in_groups(node: Node, state: object, loading: Load | None) -> StateDi
             loading.group_steps[id(node.optimizer)] = saved_step
     _check_scaler(node, checked)
     if "param_state" in checked:
-        sharding = _dict(node, checked, "param_state_sharding_type")["param_state_sharding_type"]
-        if sharding not in SHARDING_TYPES:
-            raise layout_error(node, "param_state_sharding_type", f"{sharding!r} is not one of {', '.join(sorted(SHARDING_TYPES))}")
+        _check_sharding(node, _dict(node, checked, "param_state_sharding_type")["param_state_sharding_type"])
     yield from ()
+
+
+WITHOUT_STEPS = frozenset({"dp_zero_gather_scatter", "fully_reshardable"})
+"""The ``param_state`` formats whose load gives a parameter's state no ``step``."""
+
+
+def _check_sharding(node: Node, sharding: object) -> None:
+    """The format of a ``DistributedOptimizer``'s ``param_state``: one its load reads, and
+    that it loads whole into this stack. Its load writes a step tensor into every state
+    entry of an inner torch optimizer that counts per parameter, then copies the
+    checkpoint's tensors into each tensor of every entry, and a ``fully_reshardable`` or
+    ``dp_zero_gather_scatter`` checkpoint holds none for ``step``: Megatron raises
+    ``KeyError: 'step'`` after loading the param groups, the steps and the loss scaler
+    (megatron-core 0.16.1 and 0.19.2, without TE or apex; over a ``HybridDeviceOptimizer``
+    it loads)."""
+    if not isinstance(sharding, str) or sharding not in SHARDING_TYPES:
+        raise layout_error(node, "param_state_sharding_type", f"{sharding!r} is not one of {', '.join(sorted(SHARDING_TYPES))}")
+    inner = node.children[0] if node.children else None
+    if sharding in WITHOUT_STEPS and isinstance(inner, LeafNode) and _counts_per_parameter(inner):
+        message = (
+            f"a {sharding} checkpoint holds no per-parameter step, and {type(inner.optimizer).__qualname__} counts "
+            "its steps per parameter: Megatron's own load raises KeyError: 'step' half-way, its param groups, steps "
+            "and loss scaler loaded and the history not; save in the dp_reshardable format, which it loads"
+        )
+        raise layout_error(node, "param_state_sharding_type", message)
 
 
 def _chained(node: Node, state: object, loading: Load | None) -> StateDicts:
