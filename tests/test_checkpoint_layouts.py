@@ -162,6 +162,7 @@ MALFORMED: list[tuple[str, str, Edit, str, str]] = [
     ("fp32", "a group Megatron cannot tell from another", lambda s: groups(s).append({**copy.deepcopy(groups(s)[1]), "lr": 5.0}), "param_groups", "saved param groups 1 and 2 hold other options but the settings Megatron pairs groups by alike"),
     ("fp32", "capturable on over CPU parameters", lambda s: put(groups(s)[0], "capturable", True), "param_groups", "param group 0 turns 'capturable' on, which AdamW's step runs only on .*, and its parameters lie on cpu"),
     ("dist_bf16", "amsgrad on over the entries it keeps", lambda s: [g.update(amsgrad=True) for g in groups(s)], "max_exp_avg_sq", "param group 0 turns 'amsgrad' on, where the optimizer's is off and 2 of its entries, which this state dict does not replace, lack 'max_exp_avg_sq'"),
+    ("dist_bf16", "amsgrad on beside a param_state", lambda s: [s.update(param_state={}, param_state_sharding_type="dp_reshardable"), *[g.update(amsgrad=True) for g in groups(s)]], "max_exp_avg_sq", "param group 0 turns 'amsgrad' on, where the optimizer's is off and 2 of its entries"),
     ("fp32", "a step in read-only memory", lambda s: put(entry(s), "step", read_only_map(torch.full((1,), 2.0)).reshape(())), "step", "its 'step' is a tensor in memory the process cannot write"),
     ("dist_bf16", "an unknown sharding", lambda s: s.update(param_state={}, param_state_sharding_type="zigzag"), "param_state_sharding_type", "'zigzag' is not one of"),
 ]

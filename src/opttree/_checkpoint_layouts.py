@@ -290,9 +290,11 @@ def _capturable_devices() -> list[str]:
 
 
 def _check_kept_history(node: Node, inner: Node, saved: list[dict[object, object]]) -> None:
-    """A DistributedOptimizer's state dict holds no history: the entries its optimizer
-    holds are kept. A saved group turning on an option that makes the step read history
-    those entries lack (``amsgrad``'s ``max_exp_avg_sq``) loads, and the next step raises."""
+    """A DistributedOptimizer's state dict holds no history, and its ``param_state`` is
+    copied into the tensors its optimizer's entries hold: the entries and their keys are
+    kept. A saved group turning on an option that makes the step read history those
+    entries lack (``amsgrad``'s ``max_exp_avg_sq``) loads, and the next step raises. (Over
+    a HybridDeviceOptimizer, an inner node of its own, the load sets the keys it saved.)"""
     if not isinstance(inner, LeafNode):
         return
     schema = _registry.schema_for(type(inner.optimizer))
@@ -693,8 +695,7 @@ def _steps_in_groups(node: Node, state: object, loading: Load | None) -> StateDi
     if node.children:
         _check_options(node, node.children[0], groups[: len(live)])
         _check_capturable(node, node.children[0], groups[: len(live)])
-        if "param_state" not in checked:
-            _check_kept_history(node, node.children[0], groups[: len(live)])
+        _check_kept_history(node, node.children[0], groups[: len(live)])
     counting = _counting_per_parameter(node.children[0]) if node.children else None
     if counting is not None and (_reads_every_group_step(node) or any("step" in group for group in groups)):
         values = [group.get("step") for group in groups]
