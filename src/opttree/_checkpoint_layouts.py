@@ -271,7 +271,8 @@ def _check_capturable(node: Node, inner: Node, saved: list[dict[object, object]]
     supported = set(_capturable_devices())
     live = _groups(inner)
     for index, group in enumerate(saved[: len(live)]):
-        if group.get("capturable") is not True:
+        flag = group.get("capturable")
+        if not isinstance(flag, (bool, int, float)) or not flag:  # a number torch's step reads as a flag too; other kinds are refused apart
             continue
         with plain_reads():
             devices = {param.device.type for param in live[index]["params"] if isinstance(param, torch.Tensor)}
