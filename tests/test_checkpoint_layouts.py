@@ -165,6 +165,7 @@ MALFORMED: list[tuple[str, str, Edit, str, str]] = [
     ("dist_bf16", "amsgrad on over the entries it keeps", lambda s: [g.update(amsgrad=True) for g in groups(s)], "max_exp_avg_sq", "param group 0 turns 'amsgrad' on, where the optimizer's is off and 2 of its entries, which this state dict does not replace, lack 'max_exp_avg_sq'"),
     ("dist_bf16", "amsgrad on beside a param_state", lambda s: [s.update(param_state={}, param_state_sharding_type="dp_reshardable"), *[g.update(amsgrad=True) for g in groups(s)]], "max_exp_avg_sq", "param group 0 turns 'amsgrad' on, where the optimizer's is off and 2 of its entries"),
     ("fp32", "a step in read-only memory", lambda s: put(entry(s), "step", read_only_map(torch.full((1,), 2.0)).reshape(())), "step", "its 'step' is a tensor in memory the process cannot write"),
+    ("dist_bf16", "buckets of another layout", lambda s: s.update(param_state={"per_bucket_numel_unpadded": [{"x": [1]}]}, param_state_sharding_type="dp_reshardable"), "per_bucket_numel_unpadded", "its buckets hold other numbers of elements than this stack's"),
     ("dist_bf16", "an unknown sharding", lambda s: s.update(param_state={}, param_state_sharding_type="zigzag"), "param_state_sharding_type", "'zigzag' is not one of"),
 ]
 

@@ -713,7 +713,7 @@ def _steps_in_groups(node: Node, state: object, loading: Load | None) -> StateDi
             loading.group_steps[id(node.optimizer)] = saved_step
     _check_scaler(node, checked)
     if "param_state" in checked:
-        _check_sharding(node, _dict(node, checked, "param_state_sharding_type")["param_state_sharding_type"])
+        _check_sharding(node, _dict(node, checked, "param_state_sharding_type")["param_state_sharding_type"], checked["param_state"])
     yield from ()
 
 
@@ -721,7 +721,16 @@ WITHOUT_STEPS = frozenset({"dp_zero_gather_scatter", "fully_reshardable"})
 """The ``param_state`` formats whose load gives a parameter's state no ``step``."""
 
 
-def _check_sharding(node: Node, sharding: object) -> None:
+def _equal(saved: object, live: object) -> bool:
+    """Whether plain values (Megatron's bucket sizes: lists of dicts of ints) are equal;
+    False where comparing them raises (a tensor among them), as nothing then says they are."""
+    try:
+        return bool(saved == live)
+    except Exception:  # noqa: BLE001  # a saved value's own __eq__ may raise anything
+        return False
+
+
+def _check_sharding(node: Node, sharding: object, param_state: object) -> None:
     """The format of a ``DistributedOptimizer``'s ``param_state``: one its load reads, and
     that it loads whole into this stack. Its load writes a step tensor into every state
     entry of an inner torch optimizer that counts per parameter, then copies the
@@ -729,7 +738,8 @@ def _check_sharding(node: Node, sharding: object) -> None:
     ``dp_zero_gather_scatter`` checkpoint holds none for ``step``: Megatron raises
     ``KeyError: 'step'`` after loading the param groups, the steps and the loss scaler
     (megatron-core 0.16.1 and 0.19.2, without TE or apex; over a ``HybridDeviceOptimizer``
-    it loads)."""
+    it loads). A ``dp_reshardable`` one must hold as many elements in each bucket as the
+    stack's, which Megatron's load asserts after loading the rest."""
     if not isinstance(sharding, str) or sharding not in SHARDING_TYPES:
         raise layout_error(node, "param_state_sharding_type", f"{sharding!r} is not one of {', '.join(sorted(SHARDING_TYPES))}")
     inner = node.children[0] if node.children else None
@@ -740,6 +750,15 @@ def _check_sharding(node: Node, sharding: object) -> None:
             "and loss scaler loaded and the history not; save in the dp_reshardable format, which it loads"
         )
         raise layout_error(node, "param_state_sharding_type", message)
+    buckets = param_state.get("per_bucket_numel_unpadded") if sharding == "dp_reshardable" and isinstance(param_state, dict) else None
+    live: object = getattr(node.optimizer, "per_bucket_numel_unpadded", None)
+    if buckets is not None and live is not None and not _equal(buckets, live):
+        message = (
+            "its buckets hold other numbers of elements than this stack's (a checkpoint of another data-parallel "
+            "size or bucket layout, which this format cannot reshard): Megatron's own load asserts they match, "
+            "its param groups, steps and loss scaler loaded"
+        )
+        raise layout_error(node, "per_bucket_numel_unpadded", message)
 
 
 def _chained(node: Node, state: object, loading: Load | None) -> StateDicts:
