@@ -264,12 +264,12 @@ def _megatrons(root: Node, method: str, call: Callable[[], _Result]) -> _Result:
     """``call()``, Megatron's own ``method``; any error it raises past opttree's checks (its
     own ``CheckpointingException``, torch's, an out-of-memory error as it moves state to
     the device) is an :class:`~opttree.UnsupportedCheckpoint`, the original as its cause.
-    Megatron's loads are not all-or-nothing: what it loaded before raising stays loaded,
+    Megatron's loads are not all-or-nothing: anything it loaded before raising stays loaded,
     which the message says, whatever the error."""
     try:
         return call()
     except Exception as error:
-        after = "; what it loaded before raising stays loaded: load into a fresh stack" if method == "load_state_dict" else ""
+        after = "; anything it loaded before raising stays loaded: load into a fresh stack" if method == "load_state_dict" else ""
         message = f"Megatron's own {method} raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}{after}"
         raise layout_error(root, method, message) from error
 
