@@ -232,6 +232,18 @@ def test_a_recipe_of_fields_megatron_cannot_take_is_refused_where_it_is_made() -
     assert testing.Recipe("mine", "adam", distributed=True, offload_fraction=1).offload_fraction == 1
 
 
+def test_an_emerging_optimizer_layer_wise_without_bf16_is_unavailable_not_a_raw_error_at_its_first_step() -> None:
+    """Megatron's factory builds it, unwrapped, and its first step raised a raw
+    AttributeError (no ``prepare_grads``); Adam layer-wise in fp32, and Muon in bf16, train."""
+    recipe = testing.Recipe("layer_wise_fp32_muon", "muon", layer_wise=True)
+    if testing.missing_feature(testing.Recipe("layer_wise_bf16_muon", "muon", layer_wise=True, bf16=True)) is not None:
+        pytest.skip("no layer-wise Muon in this lane")
+    assert "no mixed-precision wrapper where bf16 is not set" in (testing.missing_feature(recipe) or "")
+    with pytest.raises(testing.RecipeUnavailable, match="no mixed-precision wrapper"):
+        testing.build(recipe)
+    testing.build(testing.Recipe("layer_wise_fp32_adam", "adam", layer_wise=True)).train(0, 1)
+
+
 @pytest.mark.parametrize(
     "recipe",
     [

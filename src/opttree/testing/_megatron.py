@@ -304,7 +304,11 @@ def missing_feature(configuration: str | Recipe) -> str | None:
         if reason is not None:
             return reason
     if recipe.needs_emerging:
-        return _emerging_missing(recipe.optimizer, layer_wise=recipe.layer_wise)
+        reason = _emerging_missing(recipe.optimizer, layer_wise=recipe.layer_wise)
+        if reason is None and recipe.layer_wise and not (recipe.bf16 or recipe.fp16):
+            # Built, but unwrapped: LayerWiseDistributedOptimizer's step calls each member's prepare_grads.
+            reason = "Megatron's factory puts emerging optimizers under a LayerWiseDistributedOptimizer with no mixed-precision wrapper where bf16 is not set, and its step then fails"
+        return reason
     return None
 
 
