@@ -3,9 +3,11 @@ it is the one opttree builds for its root's optimizer."""
 
 from __future__ import annotations
 
+from attrs import evolve
+
 from opttree import _paths, _registry
 from opttree._adapter import TreeBuilder, Truncated, node_at, too_deep_in, unlike_built
-from opttree._nodes import Node
+from opttree._nodes import LeafNode, Node
 from opttree._problems import Problem, ProblemKind
 
 
@@ -24,6 +26,7 @@ def tree(optimizer: object) -> Node:
         problems = too_deep_in(optimizer)
         if problems:
             raise problems[0].to_error(others=problems[1:])
+        optimizer = _own_root(optimizer)
         unlike = _unlike(optimizer, _built_for(optimizer, None))
         if unlike is not None:
             raise unlike.to_error()
@@ -42,6 +45,7 @@ def lenient_tree(optimizer: object) -> tuple[Node, list[Problem]]:
         too_deep = too_deep_in(optimizer)
         if too_deep:
             return optimizer.accept(Truncated()), too_deep
+        optimizer = _own_root(optimizer)
         built = _built_for(optimizer, problems)
         unlike = _unlike(optimizer, built)
         if unlike is None:
@@ -49,6 +53,15 @@ def lenient_tree(optimizer: object) -> tuple[Node, list[Problem]]:
         own = TreeBuilder(_registry.kind_for, problems).build(optimizer.optimizer, optimizer.path) if built is None else built
         return own, [*problems, unlike]
     return TreeBuilder(_registry.kind_for, problems).build(optimizer, _paths.ROOT), problems
+
+
+def _own_root(given: Node) -> Node:
+    """A subtree whose root is a leaf a tree reaches a second time (``shared_with`` the
+    path of its first reach) stands for that optimizer itself, as passing the optimizer
+    would: marked shared, a reset of it alone would pass its state over."""
+    if isinstance(given, LeafNode) and given.shared_with is not None:
+        return evolve(given, shared_with=None)
+    return given
 
 
 def _built_for(given: Node, problems: list[Problem] | None) -> Node | None:
@@ -66,7 +79,7 @@ def _built_for(given: Node, problems: list[Problem] | None) -> Node | None:
         raise inside[0].to_error(others=inside[1:])
     if problems is not None:
         problems.extend(inside)
-    return built
+    return None if built is None else _own_root(built)
 
 
 def _unlike(given: Node, built: Node | None) -> Problem | None:
