@@ -64,22 +64,28 @@ def test_a_leaf_reached_twice_is_reset_once_and_described_as_shared() -> None:
 
 
 def test_a_subtree_at_a_second_reach_of_a_leaf_stands_for_that_optimizer() -> None:
-    """The node of a leaf reached a second time, passed alone, is that optimizer's subtree:
-    it was reset as a shared node, passed over, and the reset said 0 optimizers in silence."""
+    """The node of a leaf reached a second time, or its wrapper's, passed alone, stands for
+    that optimizer: it was reset as a shared node, passed over, and the reset said 0
+    optimizers in silence."""
     leaf = adamw()
     for p in (p for g in leaf.param_groups for p in g["params"]):
         p.grad = torch.ones_like(p)
     leaf.step()
     shared = config()
     root = chained([fp32(leaf, shared), fp32(leaf, shared)])
-    second = opttree.tree(root).children[1].children[0]
+    wrapper = opttree.tree(root).children[1]
+    second = wrapper.children[0]
     assert isinstance(second, opttree.LeafNode) and second.shared_with == "chained[0].optimizer"
 
-    assert opttree.validate(second) == ()
-    report = opttree.reset(second)
+    for subtree in (second, wrapper):
+        for p in (p for g in leaf.param_groups for p in g["params"]):
+            p.grad = torch.ones_like(p)
+        leaf.step()
+        assert opttree.validate(subtree) == ()
+        report = opttree.reset(subtree)
 
-    assert report.leaves == 1 and report.tensors_zeroed > 0
-    assert all(not entry["exp_avg"].any() and not entry["step"] for entry in leaf.state.values())
+        assert report.leaves == 1 and report.tensors_zeroed > 0
+        assert all(not entry["exp_avg"].any() and not entry["step"] for entry in leaf.state.values())
     assert "(shared with chained[0].optimizer)" in opttree.describe(root)
 
 

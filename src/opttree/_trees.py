@@ -3,11 +3,13 @@ it is the one opttree builds for its root's optimizer."""
 
 from __future__ import annotations
 
+import operator
+
 from attrs import evolve
 
 from opttree import _paths, _registry
 from opttree._adapter import TreeBuilder, Truncated, node_at, too_deep_in, unlike_built
-from opttree._nodes import LeafNode, Node
+from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._problems import Problem, ProblemKind
 
 
@@ -56,12 +58,33 @@ def lenient_tree(optimizer: object) -> tuple[Node, list[Problem]]:
 
 
 def _own_root(given: Node) -> Node:
-    """A subtree whose root is a leaf a tree reaches a second time (``shared_with`` the
-    path of its first reach) stands for that optimizer itself, as passing the optimizer
-    would: marked shared, a reset of it alone would pass its state over."""
-    if isinstance(given, LeafNode) and given.shared_with is not None:
-        return evolve(given, shared_with=None)
-    return given
+    """A subtree holding leaves its tree reaches first outside it (``shared_with`` a path
+    outside the subtree: the wrapper of a second reach of one optimizer, or that leaf
+    alone) stands for those optimizers itself, as passing them would: their first reach
+    inside the subtree holds their state, and a later one inside is shared with it.
+    Marked shared with a node outside, a reset of the subtree passed their state over."""
+    seen: dict[int, str] = {}
+
+    def owned(node: Node) -> Node:
+        if isinstance(node, LeafNode):
+            mark = node.shared_with
+            if mark is None or _paths.within(mark, given.path):
+                seen.setdefault(id(node.optimizer), node.path)
+                return node
+            first = seen.setdefault(id(node.optimizer), node.path)
+            return evolve(node, shared_with=None if first == node.path else first)
+        children = tuple(map(owned, node.children))
+        if all(map(operator.is_, children, node.children)):
+            return node
+        if isinstance(node, ChainedNode):
+            return evolve(node, members=children)
+        if isinstance(node, HybridNode):
+            return evolve(node, cpu=children[: len(node.cpu)], gpu=None if node.gpu is None else children[-1])
+        if isinstance(node, WrapperNode):
+            return evolve(node, inner=children)
+        return node
+
+    return owned(given)
 
 
 def _built_for(given: Node, problems: list[Problem] | None) -> Node | None:
