@@ -216,23 +216,31 @@ def unlike_layouts(
     history: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
 ) -> list[tuple[int, tuple[int, ...], tuple[int, ...] | None]]:
     """Where history that its optimizer builds ``zeros_like`` its parameter is not laid out
-    in memory as ``zeros_like`` lays one out for the parameter now (the parameter's own
-    strides where its elements are dense and apart, else contiguous, as torch's
+    in memory in the order ``zeros_like`` lays one out for the parameter now (the
+    parameter's own where its elements are dense and apart, else contiguous, as torch's
     ``preserve_format`` decides): each place, with the history's strides and the fresh ones
-    (None where torch cannot lay one out for the parameter). Strides of dimensions of one
-    element place nothing and are not compared. For tensors of equal shapes, read where
-    some are not contiguous: contiguous ones of one shape are laid out alike."""
+    (None where torch cannot lay one out for the parameter). The order of the dimensions
+    in memory is compared, not the gaps between elements (a slice of columns keeps the
+    order of the contiguous history it is cut from), nor dimensions of one element, which
+    place nothing. For tensors of equal shapes, read where some are not contiguous:
+    contiguous ones of one shape are laid out alike."""
     found: list[tuple[int, tuple[int, ...], tuple[int, ...] | None]] = []
     with plain_torch():
         for index, (tensor, param) in enumerate(zip(history, params, strict=True)):
-            strides: tuple[int, ...] = tensor.stride()
+            shape, strides = tuple(tensor.shape), tuple(tensor.stride())
             try:
-                fresh: tuple[int, ...] | None = torch.empty_like(param, device="meta").stride()
+                fresh: tuple[int, ...] | None = tuple(torch.empty_like(param, device="meta").stride())
             except Exception:  # noqa: BLE001  # a parameter subclass's own code may raise anything
                 fresh = None
-            if fresh is None or any(a != b for size, a, b in zip(tensor.shape, strides, fresh) if size > 1):
+            if fresh is None or _memory_order(shape, strides) != _memory_order(shape, fresh):
                 found.append((index, strides, fresh))
     return found
+
+
+def _memory_order(shape: tuple[int, ...], strides: tuple[int, ...]) -> list[int]:
+    """The dimensions of more than one element, outermost in memory first: the order in
+    which a walk through memory meets a tensor's elements."""
+    return sorted((dim for dim, size in enumerate(shape) if size > 1), key=lambda dim: -strides[dim])
 
 
 def _storage_short(tensor: torch.Tensor) -> bool:
