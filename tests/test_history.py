@@ -229,6 +229,37 @@ def test_history_a_reset_deletes_rather_than_writes_is_refused_by_prune_and_scal
     assert all(torch.equal(entry["acc"], old) for entry, old in zip(optimizer.state.values(), before, strict=True))
 
 
+class AdamAndLbfgs:
+    """A registered wrapper holding an Adam and an LBFGS, whose dropped keys hold numbers."""
+
+    def __init__(self, adam: torch.optim.Optimizer, lbfgs: torch.optim.Optimizer) -> None:
+        self.adam, self.lbfgs = adam, lbfgs
+
+
+opttree.register_wrapper(AdamAndLbfgs, children=lambda w: [("adam", w.adam), ("lbfgs", w.lbfgs)])
+
+
+def test_a_refusal_over_history_holding_no_tensor_names_its_leaf() -> None:
+    """LBFGS drops counters that are numbers (``func_evals``): the refusal named no leaf
+    (class 'history' at '<root>'), where the memory of a tensor names the others'."""
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(2)]
+    adam, lbfgs = torch.optim.Adam([params[0]]), torch.optim.LBFGS([params[1]])
+    params[0].grad = torch.ones(3)
+    adam.step()
+
+    def closure() -> torch.Tensor:
+        lbfgs.zero_grad()
+        loss = (params[1] ** 2).sum()
+        torch.autograd.backward(loss)
+        return loss
+
+    lbfgs.step(closure)  # type: ignore[no-untyped-call]
+    for change in (opttree.prune, opttree.scale):
+        with pytest.raises(opttree.PartialResetRefused, match="LBFGS at lbfgs: key 'func_evals'") as refused:
+            change(AdamAndLbfgs(adam, lbfgs), 0.5)
+        assert refused.value.problem is not None and (refused.value.problem.path, refused.value.problem.cls) == ("lbfgs", "LBFGS")
+
+
 class UnprintableFactor:
     """An argument whose own ``__repr__`` raises: the refusal names its class instead."""
 

@@ -22,6 +22,7 @@ from attrs import evolve
 from opttree import _distributed
 from opttree._trees import tree
 from opttree._errors import OptTreeError, PartialResetRefused
+from opttree._nodes import LeafNode, Node, tree_nodes
 from opttree._numbers import real_number
 from opttree._plan import ResetPlan
 from opttree._preflight import Owner, plain_torch
@@ -69,7 +70,8 @@ def _plan(
     ]
     if changed_otherwise:
         name = changed_otherwise[0]
-        path, cls, _ = _owner(plan, lambda owner: owner[2] == name)
+        dropped = next((entry for entry, key in state.drop if key == name), None)
+        path, cls, _ = _owner(plan, lambda owner: owner[2] == name) if dropped is None else _entry_owner(root, dropped)
         zeroed = sorted({key for key, _, _ in state.lists} - set(changed_otherwise))
         advice = (
             "leave it out of keys"
@@ -302,6 +304,15 @@ def _holder(tensor: torch.Tensor, plan: ResetPlan) -> Owner:
     start = tensor.data_ptr()
     index = next((i for i, at in enumerate(written.starts) if at == start), None)
     return _owner(plan) if index is None else written.owner(index)
+
+
+def _entry_owner(root: Node, entry: object) -> Owner:
+    """The path and class of the leaf whose state holds ``entry`` (a dropped key may hold
+    no tensor, whose memory would name it), read from the planned tree."""
+    for node in tree_nodes(root):
+        if isinstance(node, LeafNode) and any(held is entry for held in node.optimizer.state.values()):
+            return node.path, type(node.optimizer).__qualname__, None
+    return root.path, type(root.optimizer).__qualname__, None
 
 
 def _owner(plan: ResetPlan, where: Callable[[Owner], bool] = lambda _: True) -> Owner:
