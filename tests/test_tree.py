@@ -45,6 +45,23 @@ def test_empty_chain_and_stub_optimizer_are_represented() -> None:
     assert "stub: no optimizer on this rank" in opttree.describe(stub)
 
 
+class Holder:
+    """A wrapper of a user's kind, holding the optimizers it is given."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+
+
+opttree.register_wrapper(Holder, children=lambda holder: [(f"optimizers[{i}]", o) for i, o in enumerate(holder.optimizers)])
+
+
+def test_a_users_wrapper_holding_no_optimizer_is_not_called_a_megatron_stub() -> None:
+    node = opttree.tree(Holder())
+
+    assert isinstance(node, opttree.WrapperNode) and not node.is_stub and not node.children
+    assert opttree.describe(node).splitlines()[0] == "Holder (holds no optimizer)  @ <root>"
+
+
 def test_a_leaf_reached_twice_is_reset_once_and_described_as_shared() -> None:
     leaf = adamw()
     net_params = [p for g in leaf.param_groups for p in g["params"]]

@@ -183,7 +183,7 @@ class DescribeVisitor(NodeVisitor[Summary]):
         refused = self.refused.get(node.path)
         if refused is not None:
             return Summary(f"{type(node.optimizer).__qualname__} (refused: {refused})", (), node.path)
-        stub = " (stub: no optimizer on this rank)" if node.is_stub else ""
+        stub = " (stub: no optimizer on this rank)" if node.is_stub else "" if node.inner else " (holds no optimizer)"
         return self.summarise(node, f"{type(node.optimizer).__qualname__}{scaler_text(node.optimizer)}{stub}")
 
     def visit_leaf(self, node: LeafNode) -> Summary:

@@ -176,8 +176,9 @@ class WrapperNode(Node):
 
     @property
     def is_stub(self) -> bool:
-        """Whether this is a Megatron stub optimizer, with no optimizer on this rank."""
-        return not self.inner
+        """Whether this is a Megatron stub optimizer, with no optimizer on this rank: a
+        Megatron wrapper holding none (a wrapper of a user's kind holding none is not one)."""
+        return not self.inner and is_megatron_class(type(self.optimizer))
 
     def accept(self, visitor: NodeVisitor[T]) -> T:
         """Call the ``visit_*`` method of ``visitor`` that matches this node's kind."""
