@@ -81,7 +81,7 @@ def _megatron_root(optimizer: object) -> Node:
             ProblemKind.CHECKPOINT_LAYOUT,
             root.path,
             type(root.optimizer).__qualname__,
-            "not a Megatron optimizer: it has no sharded_state_dict",
+            "not a Megatron optimizer: it has no sharded_state_dict (a torch optimizer's own state_dict and load_state_dict keep its steps as they are)",
         )
         raise problem.to_error()
     return root
