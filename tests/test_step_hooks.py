@@ -221,7 +221,10 @@ def test_a_callable_objects_own_attributes_do_not_name_it() -> None:
         opttree.reset(optimizer)
 
 
-def warming(hook: Callable[[torch.optim.Optimizer, object, object], None]) -> Callable[[torch.optim.Optimizer, object, object], None]:
+Hook = Callable[[torch.optim.Optimizer, object, object], None]
+
+
+def warming(hook: Hook) -> Hook:
     """A decorator that copies ``hook``'s names onto a wrapper that builds state first."""
 
     @functools.wraps(hook)
@@ -242,7 +245,7 @@ def test_a_wrapper_that_functools_wraps_a_declared_hook_is_a_hook_of_its_own() -
     optimizer = trained(0, hook)
     before = snapshot(optimizer)
 
-    with pytest.raises(opttree.UnsupportedOptimizer, match=r"its step pre-hook tests.test_step_hooks.warming.<locals>.wrapper runs"):
+    with pytest.raises(opttree.UnsupportedOptimizer, match=r"its step pre-hook tests.test_step_hooks.warming.<locals>.wrapper around tests.test_step_hooks.logged runs"):
         opttree.reset(optimizer)
     assert unchanged(optimizer, before)
 
@@ -254,6 +257,20 @@ def test_a_wrapper_that_functools_wraps_a_declared_hook_is_a_hook_of_its_own() -
     train(optimizer, 2)
     train(fresh, 2)
     assert not same_params(optimizer, fresh)
+
+
+@pytest.mark.parametrize("decorate", [warming, torch.no_grad()], ids=["functools.wraps", "torch.no_grad"])
+def test_one_decorators_wrappers_of_two_hooks_are_two_hooks(decorate: Callable[[Hook], Hook]) -> None:
+    """A wrapper is known by its own code and by the function it wraps: declaring one
+    hook under a decorator declares neither that decorator's other wrappers (which were
+    all one, by its code alone) nor the hook unwrapped."""
+    declared, other = decorate(logged), decorate(warm_start)
+    opttree.register_step_hook(declared)
+    assert opttree.validate(trained(0, declared)) == ()
+    with pytest.raises(opttree.UnsupportedOptimizer, match=r"around tests.test_step_hooks.warm_start runs"):
+        opttree.reset(trained(0, other))
+    with pytest.raises(opttree.UnsupportedOptimizer, match=r"its step pre-hook tests.test_step_hooks.logged runs"):
+        opttree.reset(trained(0, logged))
 
 
 @pytest.mark.parametrize("name", [n for n in ("offload_0.75", "offload_1.0") if n in testing.available()])

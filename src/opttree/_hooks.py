@@ -15,7 +15,9 @@ wrapper makes anew for each sub-optimizer are one hook; a callable object by its
 read where a function's code says them (the ``__name__`` of the globals it was defined in,
 and its code's ``co_qualname``), not from its ``__module__`` and ``__qualname__``, which
 ``functools.wraps`` copies onto a decorator's wrapper: a wrapper around a declared hook runs
-its own code, and is a hook of its own.
+its own code, and is a hook of its own: a function that records one it wraps
+(``__wrapped__``: ``functools.wraps``, torch's ``no_grad`` decorator) is known by its own
+name and that function's together, so that one decorator's wrappers of two hooks are two.
 """
 
 from __future__ import annotations
@@ -36,17 +38,17 @@ from opttree._fields import kind_of
 from opttree._held import own_attributes
 
 _HYBRID = "HybridDeviceOptimizer._register_param_copy_back_gpu_hook.<locals>."
-_BUILTIN = frozenset(
+_BUILTIN: frozenset[tuple[tuple[str, str], ...]] = frozenset(
     {
-        ("megatron.core.optimizer.cpu_offloading.hybrid_optimizer", _HYBRID + "param_copy_back_gpu_hook_closure.<locals>.param_copy_back_gpu_hook"),
-        ("megatron.core.optimizer.cpu_offloading.hybrid_optimizer", _HYBRID + "fp32_param_copy_back_gpu_hook_closure.<locals>.fp32_param_copy_back_gpu_hook"),
-        ("torch.profiler", "_optimizer_post_hook"),  # counts steps for the Kineto profiler
+        (("megatron.core.optimizer.cpu_offloading.hybrid_optimizer", _HYBRID + "param_copy_back_gpu_hook_closure.<locals>.param_copy_back_gpu_hook"),),
+        (("megatron.core.optimizer.cpu_offloading.hybrid_optimizer", _HYBRID + "fp32_param_copy_back_gpu_hook_closure.<locals>.fp32_param_copy_back_gpu_hook"),),
+        (("torch.profiler", "_optimizer_post_hook"),),  # counts steps for the Kineto profiler
     }
 )
 """Hooks read in their sources and known to leave optimizer state alone, by module and
-qualified name."""
+qualified name (each a function that wraps none)."""
 
-_registered: set[tuple[str, str]] = set()
+_registered: set[tuple[tuple[str, str], ...]] = set()
 _lock = threading.Lock()
 
 _OWN = (("_optimizer_step_pre_hooks", "step pre-hook"), ("_optimizer_step_post_hooks", "step post-hook"))
@@ -78,13 +80,33 @@ def _class_call(cls: type) -> object:
     return next((vars(base)["__call__"] for base in cls.__mro__ if "__call__" in vars(base)), None)
 
 
-def _key(hook: object) -> tuple[str, str] | None:
-    """A hook's function's module and qualified name, which it is known by, or None
-    (``str`` itself: a subclass's own hash could say anything)."""
-    try:
-        function = _function(hook)
-    except Exception:  # noqa: BLE001  # an object's own __getattr__ may raise anything
-        return None
+HookKey = tuple[tuple[str, str], ...]
+"""What a hook is known by: the module and qualified name of the function it runs, then of
+each function that one wraps (``__wrapped__``, as ``functools.wraps`` and torch's context
+decorators record it), outermost first."""
+
+
+def _key(hook: object) -> HookKey | None:
+    """A hook's :data:`HookKey`, or None where a function along it has no name to be known
+    by (``str`` itself: a subclass's own hash could say anything), or the chain is longer
+    than opttree follows."""
+    names: list[tuple[str, str]] = []
+    for _ in range(8):
+        try:
+            function = _function(hook)
+        except Exception:  # noqa: BLE001  # an object's own __getattr__ may raise anything
+            return None
+        name = _name_of(function)
+        if name is None:
+            return None
+        names.append(name)
+        hook = own_attributes(function).get("__wrapped__") if isinstance(function, FunctionType) else None
+        if hook is None:
+            return tuple(names)
+    return None
+
+
+def _name_of(function: object) -> tuple[str, str] | None:
     if isinstance(function, FunctionType):
         return _code_name(function)
     if isinstance(function, BuiltinFunctionType):  # C's: their names cannot be set
@@ -102,7 +124,7 @@ def _code_name(function: FunctionType) -> tuple[str, str] | None:
 
 def hook_name(hook: object) -> str:
     key = _key(hook)
-    return kind_of(hook) if key is None else ".".join(key)
+    return kind_of(hook) if key is None else " around ".join(map(".".join, key))
 
 
 def _known(hook: object) -> bool:
@@ -130,10 +152,10 @@ def register_step_hook(hook: Callable[..., object]) -> None:
             "is known by its class's __call__, which a class written in C has not): make the hook a function of your own"
         )
         raise RegistrationError(msg)
-    unnamed = [part for part in key[1].split(".") if part.startswith("<") and part != "<locals>"]
+    unnamed = [part for _, qualname in key for part in qualname.split(".") if part.startswith("<") and part != "<locals>"]
     if unnamed:
         msg = (
-            f"{'.'.join(key)} is known by a name that every {unnamed[0]} defined there shares: declaring it would declare "
+            f"{hook_name(hook)} is known by a name that every {unnamed[0]} defined there shares: declaring it would declare "
             "them all; give the hook a def of its own"
         )
         raise RegistrationError(msg)
@@ -196,9 +218,9 @@ def surely_known_hooks(optimizers: Sequence[object]) -> bool:
         hooks = list(chain.from_iterable(map(dict.values, filter(None, held))))
         if not hooks:
             continue
-        if set(map(type, hooks)) != {FunctionType}:
-            return False
-        if not set(map(_code_name, hooks)) <= _BUILTIN | _registered:
+        if set(map(type, hooks)) != {FunctionType} or any(map(operator.contains, map(_DICT, hooks), repeat("__wrapped__"))):
+            return False  # a wrapper is known by what it wraps too: named leaf by leaf
+        if not {(name,) for name in map(_code_name, hooks)} <= _BUILTIN | _registered:
             return False
     return True
 
