@@ -298,12 +298,14 @@ def scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() is torch.float64 else torch.float32
 
 
-def fresh_step_dtypes(groups: Sequence[Mapping[str, object]]) -> frozenset[torch.dtype]:
-    """What torch's optimizers build a tensor step in, over ``groups``: torch's scalar dtype
-    (:func:`scalar_dtype`), and float32 in a fused group whatever the default dtype. A
-    group's ``fused`` is read as a flag (a malformed group is reported apart)."""
-    fused = any(isinstance(group, Mapping) and group.get("fused") is True for group in groups)
-    return frozenset({scalar_dtype(), torch.float32}) if fused else frozenset({scalar_dtype()})
+def fresh_step_dtypes() -> frozenset[torch.dtype]:
+    """What a tensor step may be counted in: torch's scalar dtype (:func:`scalar_dtype`),
+    which its optimizers build one in, and float32, which fused and capturable ones build
+    and Megatron's loads give whatever the default dtype (a foreach or plain step reads
+    either as the same number). A float64 step under a float32 default (loaded from a run
+    of another default) makes a compiled or differentiable step compute with it unlike a
+    fresh one."""
+    return frozenset({scalar_dtype(), torch.float32})
 
 
 def outside_dtypes(found: Extents, allowed: frozenset[torch.dtype]) -> tuple[int, torch.dtype] | None:
@@ -1178,7 +1180,7 @@ class LeafInspector:
             if odd is not None:
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"step counter: {_which(odd[0], len(tensors), 'are')} {odd[1]}{_ONE_COUNT}", key)
                 return
-            counted_in = fresh_step_dtypes(node.optimizer.param_groups)
+            counted_in = fresh_step_dtypes()
             wrong = outside_dtypes(checked, counted_in)
             if wrong is not None:
                 names = " or ".join(sorted(map(torch_name, counted_in)))
