@@ -24,6 +24,17 @@ def conv() -> torch.nn.Conv2d:
     return torch.nn.Conv2d(2, 3, 2, bias=False)
 
 
+def channels_last(model: torch.nn.Conv2d) -> torch.nn.Conv2d:
+    """``model.to(memory_format=torch.channels_last)``, as it does it (each parameter's and
+    gradient's ``.data`` swapped), which torch 2.13's type stubs do not declare."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.contiguous(memory_format=torch.channels_last)
+            if param.grad is not None:
+                param.grad = param.grad.contiguous(memory_format=torch.channels_last)
+    return model
+
+
 def train(model: torch.nn.Conv2d, optimizer: torch.optim.Optimizer, steps: range) -> None:
     """The same inputs and the same global random numbers (PSGD's noise) at step ``k`` in every run."""
     for k in steps:
@@ -54,14 +65,14 @@ def trained_then_channels_last(build: Build) -> tuple[torch.nn.Conv2d, torch.opt
     optimizer = build(list(model.parameters()))
     train(model, optimizer, range(3))
     weight = model.weight
-    model.to(memory_format=torch.channels_last)
+    channels_last(model)
     assert model.weight is weight and weight.is_contiguous(memory_format=torch.channels_last)
     return model, optimizer
 
 
 def as_fresh(model: torch.nn.Conv2d, optimizer: torch.optim.Optimizer, build: Build) -> bool:
     """Whether three more steps of ``optimizer`` equal a fresh one's over the same weights."""
-    twin = conv().to(memory_format=torch.channels_last)
+    twin = channels_last(conv())
     with torch.no_grad():
         twin.weight.copy_(model.weight)
     fresh = build(list(twin.parameters()))
@@ -97,7 +108,7 @@ def test_psgd_history_zeroed_in_its_old_layout_trains_unlike_a_fresh_optimizer()
     optimizer = psgd(list(model.parameters()))
     train(model, optimizer, range(3))
     opttree.reset(optimizer)
-    model.to(memory_format=torch.channels_last)
+    channels_last(model)
 
     assert not as_fresh(model, optimizer, psgd)
 
@@ -117,3 +128,20 @@ def test_history_laid_out_as_a_fresh_optimizer_lays_it_out_is_not_refused() -> N
 
     assert opttree.validate(optimizer) == ()
     opttree.reset(optimizer)
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="no torch.optim.Muon in this torch")
+def test_history_built_like_a_gradient_set_by_hand_is_as_built() -> None:
+    """torch's Muon builds its momentum ``zeros_like`` the gradient, which a gradient set by
+    hand may lay out otherwise than its parameter: as built, not refused."""
+    param = torch.nn.Parameter(torch.randn(6, 4))
+    optimizer = torch.optim.Muon([param], lr=1e-2)
+    param.grad = torch.randn(4, 6).t()
+    optimizer.step()  # type: ignore[no-untyped-call]
+    assert optimizer.state[param]["momentum_buffer"].stride() == (1, 6) and param.stride() == (4, 1)
+
+    assert opttree.validate(optimizer) == ()
+    opttree.reset(optimizer)
+    param.grad = None
+    problems = opttree.validate(optimizer)  # without the gradient, nothing says it was built so
+    assert [p.key for p in problems] == ["momentum_buffer"]

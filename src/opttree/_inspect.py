@@ -939,7 +939,9 @@ class LeafInspector:
         tensor swapped in through ``.data``). Zeroed in place it keeps its old layout, and an
         optimizer that draws random numbers ``like`` its history (PSGD's) or multiplies it
         as a matrix steps otherwise than a fresh one."""
-        unlike = unlike_layouts(tensors, params)
+        with plain_reads():
+            grads = [_GRAD(param) if _IS_LEAF(param) else None for param in params]  # a view's .grad warns where none is set
+        unlike = unlike_layouts(tensors, params, grads)
         if not unlike:
             return
         _, strides, fresh = unlike[0]

@@ -213,7 +213,7 @@ def _overlaps_itself(tensor: torch.Tensor) -> bool:
 
 
 def unlike_layouts(
-    history: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
+    history: Sequence[torch.Tensor], params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]
 ) -> list[tuple[int, tuple[int, ...], tuple[int, ...] | None]]:
     """Where history that its optimizer builds ``zeros_like`` its parameter is not laid out
     in memory in the order ``zeros_like`` lays one out for the parameter now (the
@@ -222,19 +222,30 @@ def unlike_layouts(
     (None where torch cannot lay one out for the parameter). The order of the dimensions
     in memory is compared, not the gaps between elements (a slice of columns keeps the
     order of the contiguous history it is cut from), nor dimensions of one element, which
-    place nothing. For tensors of equal shapes, read where some are not contiguous:
-    contiguous ones of one shape are laid out alike."""
+    place nothing. History laid out as ``zeros_like`` lays one out for the parameter's
+    gradient (``grads``, None where it has none) is as built too: some optimizers build it
+    from the gradient (PSGD, torch's Muon), which autograd lays out as its parameter but a
+    gradient set by hand may not be. For tensors of equal shapes, read where some are not
+    contiguous: contiguous ones of one shape are laid out alike."""
     found: list[tuple[int, tuple[int, ...], tuple[int, ...] | None]] = []
     with plain_torch():
-        for index, (tensor, param) in enumerate(zip(history, params, strict=True)):
+        for index, (tensor, param, grad) in enumerate(zip(history, params, grads, strict=True)):
             shape, strides = tuple(tensor.shape), tuple(tensor.stride())
-            try:
-                fresh: tuple[int, ...] | None = tuple(torch.empty_like(param, device="meta").stride())
-            except Exception:  # noqa: BLE001  # a parameter subclass's own code may raise anything
-                fresh = None
-            if fresh is None or _memory_order(shape, strides) != _memory_order(shape, fresh):
+            fresh = _fresh_strides(param)
+            if fresh is not None and _memory_order(shape, strides) == _memory_order(shape, fresh):
+                continue
+            from_grad = None if grad is None or tuple(grad.shape) != shape else _fresh_strides(grad)
+            if from_grad is None or _memory_order(shape, strides) != _memory_order(shape, from_grad):
                 found.append((index, strides, fresh))
     return found
+
+
+def _fresh_strides(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides ``zeros_like(tensor)`` gives, or None where torch cannot lay one out."""
+    try:
+        return tuple(torch.empty_like(tensor, device="meta").stride())
+    except Exception:  # noqa: BLE001  # a tensor subclass's own code may raise anything
+        return None
 
 
 def _memory_order(shape: tuple[int, ...], strides: tuple[int, ...]) -> list[int]:
