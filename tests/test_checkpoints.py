@@ -574,13 +574,16 @@ def test_a_checkpoint_format_without_steps_is_refused_before_megatron_loads_half
     """Megatron's side: its load writes a step tensor into every state entry of torch's
     AdamW and then copies the checkpoint's tensors into each, and these formats hold no
     step: it raises ``KeyError: 'step'`` with the param groups, steps and loss scale of
-    the checkpoint already loaded. opttree's side: refused, naming the format, with the
-    stack as it was."""
+    the checkpoint already loaded. opttree's side: its save refuses to write such a
+    checkpoint, and its load refuses the one Megatron's save writes, naming the format,
+    with the stack as it was."""
     metadata: dict[str, object] = {"distrib_optim_sharding_type": sharding}
     saver = testing.build("dist_fp16")
     saver.train(0, K)
     with saver.device:
-        dist_checkpointing.save(opttree.sharded_state_dict(saver.optimizer, model_state(saver), metadata=metadata), str(tmp_path))
+        with pytest.raises(opttree.UnsupportedCheckpoint, match=f"a {sharding} checkpoint holds no per-parameter step, and AdamW counts its steps per parameter: no load takes it"):
+            opttree.sharded_state_dict(saver.optimizer, model_state(saver), metadata=metadata)
+        dist_checkpointing.save(saver.optimizer.sharded_state_dict(model_state(saver), metadata=metadata), str(tmp_path))  # Megatron's own save writes it
     live = testing.build("dist_fp16")
     live.train(0, 2 * K)
     with live.device:

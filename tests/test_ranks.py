@@ -371,16 +371,18 @@ def test_megatron_cannot_checkpoint_a_rank_that_holds_no_shard_and_opttree_refus
     """Megatron's side: ``DistributedOptimizer.state_dict()`` asserts one step among its inner
     optimizer's states, and rank 1's has none. opttree's: its ``sharded_state_dict`` (in the
     ``dp_reshardable`` format, the one Megatron saves on the CPU) refuses on that rank, as
-    ``UnsupportedCheckpoint``, and gives the other its state dict, which would go on into
-    Megatron's save and wait there; with ``group=``, both ranks refuse, rank 0 naming rank 1."""
+    ``UnsupportedCheckpoint``, before Megatron's runs, and gives the other its state dict,
+    which would go on into Megatron's save and wait there; with ``group=``, both ranks
+    refuse, rank 0 naming rank 1, before Megatron's runs on either (in a format that
+    gathers, rank 0 would otherwise wait in Megatron's gather)."""
     results = testing.run_ranks(checkpoint_where_a_rank_holds_no_shard, 2)
 
     assert [r.megatron for r in results] == ["done", "AssertionError"]
     assert results[0].ours == "done" and results[1].ours.startswith("UnsupportedCheckpoint: ")
-    assert "Megatron's own sharded_state_dict raised AssertionError" in results[1].ours
+    assert "holds no step on this rank (no parameter, or none stepped), and Megatron's own state_dict asserts one" in results[1].ours
     assert results[1].agreed == results[1].ours
     assert results[0].agreed.startswith("UnsupportedCheckpoint: ") and "rank 1" in results[0].agreed
-    assert "Megatron's own sharded_state_dict raised AssertionError" in results[0].agreed
+    assert "holds no step on this rank" in results[0].agreed
 
 
 class LoadResult(NamedTuple):

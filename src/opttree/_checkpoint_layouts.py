@@ -26,7 +26,7 @@ from opttree._adapter import instance_attribute, mapping_attribute, sequence_att
 from opttree._dispatch import LazyDispatch
 from opttree._fields import article, kind_of
 from opttree._inspect import STEP_DTYPES, step_number
-from opttree._nodes import LeafNode, Node
+from opttree._nodes import LeafNode, Node, tree_nodes
 from opttree._numbers import real_number
 from opttree._preflight import Extents, overlap, plain_reads, ranges, torch_name, unreadable_reason, unwritable_reason
 from opttree._problems import Problem, ProblemKind
@@ -813,6 +813,36 @@ def _mimo(node: Node, state: object, loading: Load | None) -> StateDicts:
                 elif isinstance(part, dict):
                     part = {key: _mimo_restored(node, several[key], value) if key in range(len(several)) else value for key, value in part.items()}
             yield from walk(member, part, loading)
+
+
+def check_saving(root: Node, metadata: Mapping[str, object] | None) -> None:
+    """What makes Megatron's own ``sharded_state_dict`` raise, or save what no load takes,
+    found before it runs (some of its formats gather over the data-parallel group, where a
+    rank that raised first would leave the others waiting): a ``DistributedOptimizer``
+    whose inner torch optimizer holds no step on this rank (its ``state_dict`` asserts one
+    step among the entries: a rank whose shard is all padding), and a format that saves no
+    per-parameter step over one that counts them (:func:`_check_sharding`'s load refuses
+    it, and Megatron's raises half-way)."""
+    sharding = (metadata or {}).get("distrib_optim_sharding_type")
+    for node in tree_nodes(root):
+        if _LAYOUTS.lookup(type(node.optimizer)) is not _steps_in_groups or not node.children:
+            continue
+        inner = node.children[0]
+        if not isinstance(inner, LeafNode) or not _counts_per_parameter(inner):
+            continue
+        if not any(isinstance(entry, Mapping) and "step" in entry for entry in inner.optimizer.state.values()):
+            message = (
+                f"its {type(inner.optimizer).__qualname__} holds no step on this rank (no parameter, or none stepped), "
+                "and Megatron's own state_dict asserts one: it cannot be checkpointed until it holds state"
+            )
+            raise layout_error(node, STEP_KEY, message)
+        if sharding in WITHOUT_STEPS:
+            message = (
+                f"a {sharding} checkpoint holds no per-parameter step, and {type(inner.optimizer).__qualname__} counts its "
+                "steps per parameter: no load takes it (Megatron's raises KeyError: 'step' half-way); save in the "
+                "dp_reshardable format"
+            )
+            raise layout_error(node, "distrib_optim_sharding_type", message)
 
 
 def _chain_of_several(node: Node) -> tuple[Node, ...] | None:

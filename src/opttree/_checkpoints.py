@@ -49,7 +49,7 @@ import torch.distributed as dist
 from opttree import _registry
 from opttree._distributed import agreed
 from opttree._trees import tree
-from opttree._checkpoint_layouts import STEP_KEY, Load, check_history_apart, layout_error, walk
+from opttree._checkpoint_layouts import STEP_KEY, Load, check_history_apart, check_saving, layout_error, walk
 from opttree._nodes import LeafNode, Node, tree_nodes
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import StepType
@@ -103,18 +103,24 @@ def sharded_state_dict(
     own ``sharded_state_dict`` raises. With a process group (collective: call it on every
     rank of ``group``), every rank raises where any rank could not build its state dict,
     naming that rank: the others would otherwise go on into Megatron's save and wait there
-    for the rank that raised.
+    for the rank that raised. The ranks agree twice: on opttree's own checks, before
+    Megatron's ``sharded_state_dict`` runs anywhere (some of its formats gather over the
+    data-parallel group, where a rank that raised first would leave the others waiting),
+    and on what Megatron's gave each rank.
     """
-    return agreed(group, lambda: _sharded_state_dict(optimizer, model_sharded_state_dict, is_loading=is_loading, metadata=metadata))
+    root = agreed(group, lambda: _checked_saving(optimizer, model_sharded_state_dict, is_loading=is_loading, metadata=metadata))
+    return agreed(group, lambda: _sharded_state_dict(root, model_sharded_state_dict, is_loading=is_loading, metadata=metadata))
 
 
-def _sharded_state_dict(
+def _checked_saving(
     optimizer: object,
     model_sharded_state_dict: dict[str, object],
     *,
     is_loading: bool,
     metadata: dict[str, object] | None,
-) -> dict[str, object]:
+) -> Node:
+    """The stack's root, its arguments checked as Megatron takes them, and, for a save, the
+    stack checked for what makes Megatron's save raise or write what no load takes."""
     root = _megatron_root(optimizer)
     given: tuple[object, object] = (model_sharded_state_dict, metadata)  # typed; checked for untyped callers
     if not isinstance(given[0], dict):
@@ -124,6 +130,18 @@ def _sharded_state_dict(
         raise layout_error(root, "metadata", f"is {kind_of(given[1])}, where Megatron takes a dict or None")
     if not isinstance(cast(object, is_loading), bool):
         raise layout_error(root, "is_loading", f"is {kind_of(is_loading)}, where Megatron takes True or False")
+    if not is_loading:
+        check_saving(root, metadata)
+    return root
+
+
+def _sharded_state_dict(
+    root: Node,
+    model_sharded_state_dict: dict[str, object],
+    *,
+    is_loading: bool,
+    metadata: dict[str, object] | None,
+) -> dict[str, object]:
     sharded_state_dict_of = getattr(root.optimizer, "sharded_state_dict")
     state: dict[str, object] = _megatrons(
         root, "sharded_state_dict", lambda: sharded_state_dict_of(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
