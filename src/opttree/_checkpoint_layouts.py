@@ -742,11 +742,10 @@ def _check_sharding(node: Node, sharding: object, param_state: object) -> None:
     stack's, which Megatron's load asserts after loading the rest."""
     if not isinstance(sharding, str) or sharding not in SHARDING_TYPES:
         raise layout_error(node, "param_state_sharding_type", f"{sharding!r} is not one of {', '.join(sorted(SHARDING_TYPES))}")
-    inner = node.children[0] if node.children else None
-    if sharding in WITHOUT_STEPS and isinstance(inner, LeafNode) and _counts_per_parameter(inner):
+    inner = _inner_counting_per_parameter(node)
+    if sharding in WITHOUT_STEPS and inner is not None:
         message = (
-            f"a {sharding} checkpoint holds no per-parameter step, and {type(inner.optimizer).__qualname__} counts "
-            "its steps per parameter: Megatron's own load raises KeyError: 'step' half-way, its param groups, steps "
+            _without_steps(sharding, inner) + "Megatron's own load raises KeyError: 'step' half-way, its param groups, steps "
             "and loss scaler loaded and the history not; save in the dp_reshardable format, which it loads"
         )
         raise layout_error(node, "param_state_sharding_type", message)
@@ -825,10 +824,8 @@ def check_saving(root: Node, metadata: Mapping[str, object] | None) -> None:
     it, and Megatron's raises half-way)."""
     sharding = (metadata or {}).get("distrib_optim_sharding_type")
     for node in tree_nodes(root):
-        if _LAYOUTS.lookup(type(node.optimizer)) is not _steps_in_groups or not node.children:
-            continue
-        inner = node.children[0]
-        if not isinstance(inner, LeafNode) or not _counts_per_parameter(inner):
+        inner = _inner_counting_per_parameter(node) if _LAYOUTS.lookup(type(node.optimizer)) is _steps_in_groups else None
+        if inner is None:
             continue
         if not any(isinstance(entry, Mapping) and "step" in entry for entry in inner.optimizer.state.values()):
             message = (
@@ -837,12 +834,20 @@ def check_saving(root: Node, metadata: Mapping[str, object] | None) -> None:
             )
             raise layout_error(node, STEP_KEY, message)
         if sharding in WITHOUT_STEPS:
-            message = (
-                f"a {sharding} checkpoint holds no per-parameter step, and {type(inner.optimizer).__qualname__} counts its "
-                "steps per parameter: no load takes it (Megatron's raises KeyError: 'step' half-way); save in the "
-                "dp_reshardable format"
-            )
+            message = _without_steps(sharding, inner) + "no load takes it (Megatron's raises KeyError: 'step' half-way); save in the dp_reshardable format"
             raise layout_error(node, "distrib_optim_sharding_type", message)
+
+
+def _inner_counting_per_parameter(node: Node) -> LeafNode | None:
+    """A ``DistributedOptimizer``'s inner torch optimizer where it counts its steps per
+    parameter (not a ``HybridDeviceOptimizer``'s sub-optimizers, whose load Megatron runs
+    otherwise); None where there is none."""
+    inner = node.children[0] if node.children else None
+    return inner if isinstance(inner, LeafNode) and _counts_per_parameter(inner) else None
+
+
+def _without_steps(sharding: str, inner: LeafNode) -> str:
+    return f"a {sharding} checkpoint holds no per-parameter step, and {type(inner.optimizer).__qualname__} counts its steps per parameter: "
 
 
 def _chain_of_several(node: Node) -> tuple[Node, ...] | None:
