@@ -419,14 +419,16 @@ def _state_and_gradients(root: Node) -> Iterator[tuple[LeafNode, str, list[torch
     """Each leaf's state tensors by key, and its parameters' gradients (``grad``, and
     Megatron's ``main_grad``): memory a sync must leave alone, as a copy that is also
     history (a registered ``master_of`` naming a view of ``exp_avg``) would write the
-    weights into it. A leaf whose state cannot be read is passed over: its problem is
-    reported where the copies are compared, and refuses the sync."""
+    weights into it. A leaf whose state cannot be read raises, and the sync is refused:
+    nothing could tell that no copy shares its memory."""
     for node in tree_nodes(root):
-        if not isinstance(node, LeafNode) or malformed(node.optimizer) is not None:
+        if not isinstance(node, LeafNode):
             continue
-        state = node.optimizer.state
-        if malformed_state(state) is not None:
-            continue
+        reason = malformed(node.optimizer)
+        state = node.optimizer.state if reason is None else {}
+        reason = reason or malformed_state(state)
+        if reason is not None:
+            raise ValueError(f"{type(node.optimizer).__qualname__} at {node.path}: {reason}")
         by_key: dict[str, list[object]] = {}
         for entry in state.values():
             for key, value in entry.items():
