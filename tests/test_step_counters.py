@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -204,36 +205,40 @@ def test_a_per_parameter_step_tensor_of_a_dtype_no_fresh_optimizer_counts_in_is_
     )
 
 
-def test_a_step_loaded_from_a_run_of_another_default_dtype_trains_unlike_a_fresh_optimizer() -> None:
-    """The other side: a float64 step zeroed in place, where a fresh Adam counts in float32,
-    and a differentiable step (bias correction computed with the step tensor) differs."""
-    def params() -> list[torch.Tensor]:
-        return [torch.randn(64, generator=torch.Generator().manual_seed(0)).requires_grad_() * 1.0]
-
+@pytest.mark.parametrize(("default", "step_dtype"), [(torch.float32, torch.float64), (torch.float64, torch.float32)])
+def test_a_step_loaded_from_a_run_of_another_default_dtype_trains_unlike_a_fresh_optimizer(default: torch.dtype, step_dtype: torch.dtype) -> None:
+    """The other side: a step of the other float dtype zeroed in place (float64 loaded from
+    a run of a float64 default; float32 under a float64 default, as Megatron's loads make
+    it), and a differentiable step (bias correction computed with the step tensor) differs."""
     def train_on(optimizer: torch.optim.Optimizer, ps: list[torch.Tensor]) -> None:
         for k in range(5):
             ps[0].grad = torch.sin(ps[0].detach() * 3 + k)
             with torch.no_grad():
                 optimizer.step()
 
-    ps = params()
-    optimizer = torch.optim.Adam(ps, differentiable=True)
-    train_on(optimizer, ps)
-    with torch.no_grad():
-        for entry in optimizer.state.values():
-            for value in entry.values():
-                value.zero_()
-        entry["step"] = entry["step"].double()
-    fresh_ps = [ps[0].detach().clone().requires_grad_() * 1.0]
-    fresh = torch.optim.Adam(fresh_ps, differentiable=True)
-    train_on(optimizer, ps)
-    train_on(fresh, fresh_ps)
-    assert not torch.equal(ps[0], fresh_ps[0])
+    previous = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(default)
+        ps = [torch.randn(64, generator=torch.Generator().manual_seed(0)).requires_grad_() * 1.0]
+        optimizer = torch.optim.Adam(ps, differentiable=True)
+        train_on(optimizer, ps)
+        with torch.no_grad():
+            for entry in optimizer.state.values():
+                for value in entry.values():
+                    value.zero_()
+            entry["step"] = entry["step"].to(step_dtype)
+        fresh_ps = [ps[0].detach().clone().requires_grad_() * 1.0]
+        fresh = torch.optim.Adam(fresh_ps, differentiable=True)
+        train_on(optimizer, ps)
+        train_on(fresh, fresh_ps)
+        assert not torch.equal(ps[0], fresh_ps[0])
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def test_a_step_counts_in_float64_under_that_default_dtype_and_in_float32_when_fused() -> None:
-    """No false refusal: what torch builds under a float64 default dtype, fused or not, and
-    a float32 step there, as Megatron's loads give it whatever the default dtype."""
+    """No false refusal: what torch builds under a float64 default dtype, fused or not, in
+    groups of one optimizer too."""
     default = torch.get_default_dtype()
     try:
         torch.set_default_dtype(torch.float64)
@@ -244,20 +249,72 @@ def test_a_step_counts_in_float64_under_that_default_dtype_and_in_float32_when_f
             assert {entry["step"].dtype for entry in optimizer.state.values()} == {torch.float32 if fused else torch.float64}
             assert opttree.validate(optimizer) == ()
             opttree.reset(optimizer)
-            for entry in optimizer.state.values():
-                entry["step"] = entry["step"].float()
-            assert opttree.validate(optimizer) == ()
+        net = model()
+        weights, biases = [p for p in net.parameters() if p.dim() == 2], [p for p in net.parameters() if p.dim() == 1]
+        optimizer = torch.optim.AdamW([{"params": weights, "fused": True}, {"params": biases, "fused": False}])
+        train(net, optimizer, 0, 2)
+        assert [optimizer.state[p]["step"].dtype for p in (weights[0], biases[0])] == [torch.float32, torch.float64]
+        assert opttree.validate(optimizer) == ()
+        opttree.reset(optimizer)
     finally:
         torch.set_default_dtype(default)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_step_of_the_other_groups_dtype_under_a_float64_default_is_refused(fused: bool) -> None:
+    """Under a float64 default dtype a fresh AdamW counts in float64, and in float32 where
+    fused: a float32 step in an unfused group (as Megatron's loads make one whatever the
+    default) or a float64 one in a fused group stays so when zeroed."""
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        net = model()
+        weights, biases = [p for p in net.parameters() if p.dim() == 2], [p for p in net.parameters() if p.dim() == 1]
+        optimizer = torch.optim.AdamW([{"params": weights, "fused": True}, {"params": biases, "fused": False}])
+        train(net, optimizer, 0, 2)
+        moved = (weights if fused else biases)[0]
+        optimizer.state[moved]["step"] = optimizer.state[moved]["step"].to(torch.float64 if fused else torch.float32)
+        wrong, fresh = ("float64", "float32") if fused else ("float32", "float64")
+        refused_with_one_step_problem(
+            optimizer, rf"key 'step': step counter: 1 of its 4 are; the first is {wrong}, where a fresh AdamW counts in a {fresh} tensor"
+        )
+    finally:
+        torch.set_default_dtype(default)
+
+
+@pytest.mark.parametrize("shape", [(1,), (1, 1)])
+def test_a_step_tensor_of_one_value_but_not_0_d_is_refused(shape: tuple[int, ...]) -> None:
+    """torch builds a step as a 0-d tensor, and so do Megatron's loads; one of shape (1,),
+    saved by other code and kept so by torch's load, would stay so when zeroed."""
+    _, optimizer = trained()
+    list(optimizer.state.values())[-1]["step"] = torch.full(shape, 3.0)
+
+    refused_with_one_step_problem(
+        optimizer, rf"key 'step': step counter: 1 of its 4 are; the first is of shape {re.escape(str(shape))}, where a fresh AdamW counts in a 0-d tensor"
+    )
+
+
+def test_a_step_of_shape_1_fails_a_differentiable_step_over_a_0_d_parameter() -> None:
+    """torch's side: an Adam whose steps are of shape (1,) cannot step a 0-d parameter
+    where computing with its step as a tensor, as a fresh one does."""
+    temperature = torch.tensor(0.5, requires_grad=True) * 1.0
+    fresh = torch.optim.Adam([temperature], differentiable=True)
+    temperature.grad = torch.tensor(1.0)
+    with torch.no_grad():
+        fresh.step()
+    fresh.state[temperature]["step"] = torch.zeros(1)
+    temperature.grad = torch.tensor(1.0)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="shape"):
+        fresh.step()
+
+
 def test_a_single_value_step_tensor_of_any_real_dtype_is_zeroed_in_place() -> None:
     """A one-element int32 group step (TE's capturable FusedAdam keeps its group step so)
-    counts, and a one-element float32 step in state."""
+    counts, and a 0-d float32 step in state."""
     _, optimizer = trained()
     optimizer.param_groups[0]["step"] = counter = torch.tensor([7], dtype=torch.int32)
     entry = list(optimizer.state.values())[-1]
-    entry["step"] = step = torch.tensor([7.0])
+    entry["step"] = step = torch.tensor(7.0)
 
     opttree.reset(optimizer)
 

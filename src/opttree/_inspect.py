@@ -37,6 +37,7 @@ from opttree._plan import ResetPlan, StateEntry, StatePlan
 from opttree._preflight import (
     _DTYPE,
     _IS_CONTIGUOUS,
+    _NDIM,
     _SHAPE,
     Extents,
     bytes_once,
@@ -298,14 +299,35 @@ def scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() is torch.float64 else torch.float32
 
 
-def fresh_step_dtypes() -> frozenset[torch.dtype]:
-    """What a tensor step may be counted in: torch's scalar dtype (:func:`scalar_dtype`),
-    which its optimizers build one in, and float32, which fused and capturable ones build
-    and Megatron's loads give whatever the default dtype (a foreach or plain step reads
-    either as the same number). A float64 step under a float32 default (loaded from a run
-    of another default) makes a compiled or differentiable step compute with it unlike a
-    fresh one."""
-    return frozenset({scalar_dtype(), torch.float32})
+def fresh_step_dtype(group: Mapping[str, object]) -> torch.dtype:
+    """The dtype a torch optimizer builds a tensor step in, in ``group``: float32 where the
+    group is fused (``_get_scalar_dtype(is_fused=True)``), else torch's scalar dtype
+    (:func:`scalar_dtype`). A step of another dtype (a float64 one under a float32 default,
+    loaded from a run of another default; a float32 one under a float64 default, as
+    Megatron's loads give it whatever the default) makes a compiled or differentiable
+    step, which computes bias correction with the step as a tensor, unlike a fresh one."""
+    return torch.float32 if group.get("fused") else scalar_dtype()
+
+
+def unfresh_step_dtypes(
+    dtypes: Sequence[torch.dtype], params: Callable[[], Sequence[torch.Tensor]], groups: Sequence[Mapping[str, object]]
+) -> tuple[int, torch.dtype, torch.dtype] | None:
+    """How many step tensors (of ``dtypes``, held for ``params``) are not of the dtype
+    :func:`fresh_step_dtype` gives their parameter's group, and the first one's dtype and
+    the fresh one; None where all are. ``params`` is called only where the groups differ."""
+    fresh = set(map(fresh_step_dtype, groups))
+    if len(fresh) == 1:
+        (only,) = fresh
+        if set(dtypes) <= fresh:
+            return None
+        expected: Sequence[torch.dtype] = [only] * len(dtypes)
+    else:  # fused and unfused groups under a float64 default: each step by its own group
+        by_param = {id(param): fresh_step_dtype(group) for group in groups for param in cast(Sequence[torch.Tensor], group["params"])}
+        expected = [by_param.get(id(param), scalar_dtype()) for param in params()]
+    wrong = [(dtype, want) for dtype, want in zip(dtypes, expected, strict=True) if dtype is not want]
+    if not wrong:
+        return None
+    return len(wrong), *wrong[0]
 
 
 def outside_dtypes(found: Extents, allowed: frozenset[torch.dtype]) -> tuple[int, torch.dtype] | None:
@@ -767,7 +789,8 @@ class LeafInspector:
                 continue
             tensors = tensors_in(values)
             if action is KeyAction.STEP:
-                self.plan_steps(node, owner, key, having, tensors, placement, into)
+                held_by = (lambda: held) if count == len(entries) else (lambda: list(compress(held, map(operator.contains, entries, repeat(key)))))
+                self.plan_steps(node, owner, key, having, tensors, placement, into, held_by, groups)
                 into.steps += count
                 continue
             if len(tensors) < count:
@@ -1143,11 +1166,17 @@ class LeafInspector:
         tensors: list[torch.Tensor],
         placement: Placement,
         into: StatePlan,
+        params: Callable[[], list[torch.Tensor]],
+        groups: Sequence[Mapping[str, object]],
     ) -> None:
-        """Per-parameter step counters: tensors are zeroed in place, Python numbers set to
-        a zero of their own type, anything else refused. Where the optimizer starts its
-        steps as ints (``StepType.INT``), every one becomes the int 0 a fresh one starts
-        from: a tensor step (as some loaders leave it) would change its arithmetic."""
+        """Per-parameter step counters (held in ``having``, for ``params()``, of ``groups``):
+        tensors are zeroed in place, Python numbers set to a zero of their own type,
+        anything else refused. Where the optimizer starts its steps as ints
+        (``StepType.INT``), every one becomes the int 0 a fresh one starts from: a tensor
+        step (as some loaders leave it) would change its arithmetic. Where it starts them
+        as tensors, each must be one as a fresh one builds: 0-d, in the dtype of
+        :func:`fresh_step_dtype` (zeroed in place, one of another shape or dtype stays so,
+        and a compiled or differentiable step computes with it unlike a fresh one)."""
         numbers = [] if len(tensors) == len(having) else [entry for entry in having if not isinstance(entry[key], torch.Tensor)]
         zeros: list[tuple[StateEntry, int | float]] = []
         for entry in numbers:
@@ -1182,24 +1211,50 @@ class LeafInspector:
             if odd is not None:
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"step counter: {_which(odd[0], len(tensors), 'are')} {odd[1]}{_ONE_COUNT}", key)
                 return
-            counted_in = fresh_step_dtypes()
-            wrong = outside_dtypes(checked, counted_in)
-            if wrong is not None:
-                names = " or ".join(sorted(map(torch_name, counted_in)))
-                message = (
-                    f"step counter: {_which(wrong[0], len(tensors), 'are')} {torch_name(wrong[1])}, where a fresh "
-                    f"{type(node.optimizer).__qualname__} counts in a {names} tensor (torch's default dtype is "
-                    f"{torch_name(torch.get_default_dtype())}): zeroed in place it would go on counting in that dtype, "
-                    "and a step that computes with it as a tensor (a compiled or differentiable one) unlike a fresh "
-                    "one (a checkpoint saved under another default dtype, whose steps torch's load keeps as saved); "
-                    + self.rebuild_advice()
-                )
-                self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
+            if self.unfresh_steps(node, key, tensors, checked, params, groups):
                 return
             into.zero_list((key, *placement)).extend(tensors)
             into.step_ranges.extend(checked.owned((*owner, key)))
             into.step_holders.append((key, having if not numbers else [entry for entry in having if isinstance(entry[key], torch.Tensor)]))
         into.number_steps.extend(zeros)
+
+    def unfresh_steps(
+        self,
+        node: LeafNode,
+        key: str,
+        tensors: list[torch.Tensor],
+        checked: Extents,
+        params: Callable[[], list[torch.Tensor]],
+        groups: Sequence[Mapping[str, object]],
+    ) -> bool:
+        """Whether one-value step tensors (``checked``) are not as a fresh optimizer builds
+        them (see :meth:`plan_steps`); reported as a problem."""
+        with plain_reads():
+            shaped = [tensor for tensor in tensors if _NDIM(tensor)] if any(map(_NDIM, tensors)) else []
+        if shaped:
+            message = (
+                f"step counter: {_which(len(shaped), len(tensors), 'are')} of shape {tuple(_SHAPE(shaped[0]))}, where a "
+                f"fresh {type(node.optimizer).__qualname__} counts in a 0-d tensor: zeroed in place it would keep that "
+                "shape, and a step that computes with it as a tensor (a compiled or differentiable one) would broadcast "
+                "its updates to that shape, and raise over a 0-d parameter (a checkpoint saved by other code: torch's "
+                "load keeps a step's shape); " + self.rebuild_advice()
+            )
+            self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
+            return True
+        wrong = unfresh_step_dtypes(checked.dtypes, params, groups)
+        if wrong is None:
+            return False
+        count, dtype, fresh = wrong
+        message = (
+            f"step counter: {_which(count, len(tensors), 'are')} {torch_name(dtype)}, where a fresh "
+            f"{type(node.optimizer).__qualname__} counts in a {torch_name(fresh)} tensor (torch's default dtype is "
+            f"{torch_name(torch.get_default_dtype())}; fused groups count in float32): zeroed in place it would go on "
+            "counting in that dtype, and a step that computes with it as a tensor (a compiled or differentiable one) "
+            "unlike a fresh one (a checkpoint saved under another default dtype, whose steps torch's load keeps as "
+            "saved, or loaded by Megatron, which makes them float32); " + self.rebuild_advice()
+        )
+        self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
+        return True
 
     def written_by_own_code(
         self, node: Node, containers: Sequence[object], what: str, key: str | None, kind: ProblemKind = ProblemKind.UNSUPPORTED_STATE
