@@ -380,7 +380,7 @@ def after_float_history(history: torch.Tensor) -> torch.optim.AdamW:
     ("history", "factor", "reason"),
     [
         (torch.tensor([0.0, 1e-39, 0.0, 0.0]), 1e39, "past its largest value"),  # the factor itself overflows float32
-        (torch.zeros(4, dtype=torch.float16), 1e6, "past its largest value"),
+        (torch.tensor([0.0, 1.0, 0.0, 0.0], dtype=torch.float16), 1e6, "past its largest value"),
         (torch.tensor([1.0, float("inf"), 0.0, 0.0]), 0.0, "holding inf or NaN"),  # 0 x inf is NaN
         (torch.tensor([1.0, float("nan"), 0.0, 0.0]), 0.5, "holding inf or NaN"),
         (torch.tensor([3e38 + 3e38j, 0, 0, 0], dtype=torch.complex64), 1.25, "past its largest value"),
@@ -406,6 +406,60 @@ def test_complex_history_scales_where_both_parts_stay_finite(element: complex, f
     opttree.scale(optimizer, factor, keys=["exp_avg"])
 
     assert torch.equal(history, expected) and bool(torch.view_as_real(history).isfinite().all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("factor", [0.3, 1 / 3, 1.7])
+def test_scale_multiplies_as_a_hand_written_mul_does(dtype: torch.dtype, factor: float) -> None:
+    """``tensor.mul_(factor)`` computes half-precision history in float32; torch's CPU
+    ``_foreach_mul_`` rounds the factor to the history's dtype first (0.3 is 0.30078125 in
+    bfloat16), which scaled about half the elements otherwise."""
+    history = (torch.randn(1000, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 10).to(dtype)
+    optimizer = after_float_history(history)
+    expected = history.clone().mul_(factor)
+    if dtype in (torch.float16, torch.bfloat16):
+        foreach = [history.clone()]
+        torch._foreach_mul_(foreach, factor)
+        assert not torch.equal(foreach[0], expected)  # what a foreach multiply gives instead
+
+    opttree.scale(optimizer, factor, keys=["exp_avg"])
+
+    assert torch.equal(history, expected)
+
+
+def test_scale_multiplies_each_part_of_complex_history_by_the_real_factor() -> None:
+    """A complex product by ``factor + 0j`` adds cross terms that turn a part of -0.0
+    into +0.0; the parts each multiplied keep their signs, as ``view_as_real`` shows."""
+    history = torch.complex(torch.tensor([-0.0, -0.0, 1.0, -1.0]), torch.tensor([-1.0, 1.0, -0.0, -0.0]))
+    optimizer = after_float_history(history)
+    expected = torch.view_as_real(history) * 0.5
+    assert bits([torch.view_as_real(history.clone().mul_(0.5))]) != bits([expected])  # torch's complex multiply
+
+    opttree.scale(optimizer, 0.5, keys=["exp_avg"])
+
+    assert bits([torch.view_as_real(history)]) == bits([expected])
+
+
+def test_prune_keeps_an_element_just_above_the_quantile() -> None:
+    """The 0.9 quantile of magnitudes 1 and 1 + 2**-23 lies below the second: interpolated
+    in float32 it rounded onto it, and both were pruned."""
+    history = torch.tensor([1.0, 1.0 + 2.0**-23])
+    optimizer = after_float_history(history)
+
+    opttree.prune(optimizer, 0.9, keys=["exp_avg"])
+
+    assert history.tolist() == [0.0, 1.0 + 2.0**-23]
+
+
+def test_scale_of_float64_history_by_a_factor_beyond_float32_is_not_refused() -> None:
+    """torch multiplies float64 history by the factor itself: 1e300 is inf only in float32."""
+    history = torch.tensor([1e-300, -2e-300, 3e-300, 0.0], dtype=torch.float64)
+    optimizer = after_float_history(history)
+    expected = history.clone().mul_(1e300)
+
+    opttree.scale(optimizer, 1e300, params=[optimizer.param_groups[0]["params"][1]], keys=["exp_avg"])
+
+    assert torch.equal(history, expected) and bool(history.isfinite().all())
 
 
 def test_scale_passes_over_empty_history() -> None:
@@ -582,10 +636,10 @@ def test_prune_without_keys_over_an_identity_names_the_keys_it_could_take() -> N
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.complex64], ids=str)
 def test_scale_near_the_largest_value_refuses_or_stays_finite(dtype: torch.dtype) -> None:
-    """Torch's ``_foreach_mul_`` rounds the factor to the history's dtype first on the CPU,
-    which can carry a product finite in float64 past the largest value (48064 in float16,
-    by 1.36285, was written as inf); near the limit every scale either refuses or keeps
-    the history finite."""
+    """A product finite in float64 can pass the largest value where torch multiplies with
+    the factor rounded (to float16 by torch's CPU ``_foreach_mul_``: 48064 in float16, by
+    1.36285, was written as inf); near the limit every scale either refuses or keeps the
+    history finite."""
     largest = torch.finfo(dtype).max
     generator = random.Random(0)
     refused = 0

@@ -12,6 +12,7 @@ does, over tensors its checks found writable.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from collections.abc import Callable, Iterable
 from typing import Literal, SupportsFloat, cast
 
@@ -117,27 +118,31 @@ def _tensors(plan: ResetPlan) -> list[torch.Tensor]:
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
-    """What magnitudes are compared in: float32, or float64 for float64 history; a
-    threshold rounded to bfloat16 or float16 could round up past elements above it."""
+    """What magnitudes are ordered and compared in: float32, or float64 for float64
+    history; either holds every magnitude of the history exactly."""
     return torch.promote_types(dtype, torch.float32)
 
 
 def _threshold(tensor: torch.Tensor, fraction: float) -> torch.Tensor | None:
-    """The ``fraction`` quantile of ``tensor``'s magnitudes (linear, as ``torch.quantile``,
-    without its size limit), in :func:`_wide`'s dtype; None where every element is NaN.
-    The quantile is of the elements that are not NaN (which sort last, and would make it
-    NaN where they are many): NaN is above no threshold. Overflowed (inf) history is
-    ordered as torch.quantile orders it: the largest."""
+    """The magnitude at or below which ``tensor``'s elements lie at or below its
+    ``fraction`` quantile (linear, as ``torch.quantile``, without its size limit), in
+    :func:`_wide`'s dtype; None where every element is NaN. The quantile lies between two
+    neighbouring magnitudes in order, the lower one included, and no element lies strictly
+    between them: the lower one is the threshold, exactly, where the interpolated quantile
+    could round up onto the higher one (magnitudes 1 and 1 + 2**-23 at 0.9 pruned both),
+    unless the higher one is inf, which the quantile then is.
+    Its index is taken exactly too. The quantile is of the elements that are not NaN (which
+    sort last, and would make it NaN where they are many): NaN is above no threshold.
+    Overflowed (inf) history is ordered as torch.quantile orders it: the largest."""
     ordered = tensor.flatten().abs().to(_wide(tensor.dtype)).sort().values
     count = int(ordered.numel() - ordered.isnan().sum())
     if count == 0:
         return None
-    position = fraction * (count - 1)
-    low, high = int(position), min(int(position) + 1, count - 1)
-    weight = position - low
-    if weight == 0 or bool(ordered[low].isinf()):  # inf times 0, or inf minus inf, would be NaN
-        return ordered[low]
-    return ordered[low] + (ordered[high] - ordered[low]) * weight
+    position = Fraction(fraction) * (count - 1)
+    low = math.floor(position)
+    if position != low and bool(ordered[low + 1].isinf()):
+        return ordered[low + 1]  # interpolated towards inf, the quantile is inf
+    return ordered[low]
 
 
 class _Scratch:
@@ -268,8 +273,26 @@ def scale(
         if tensors and ratio == 0.0:  # -0.0 too: multiplied, negative history would become -0.0, which a fresh one never holds
             torch._foreach_zero_(tensors)
         elif tensors:
-            torch._foreach_mul_(tensors, ratio)
+            _multiply(tensors, ratio)
     return evolve(plan.report(), action="scale")
+
+
+_HALVES = frozenset({torch.float16, torch.bfloat16})
+
+
+def _multiply(tensors: list[torch.Tensor], ratio: float) -> None:
+    """Multiply history by ``ratio`` in place as ``tensor.mul_(ratio)`` does, in float32 for
+    half-precision history (torch's CPU ``_foreach_mul_`` rounds the factor to the
+    history's dtype first: by 0.3, bfloat16 history was multiplied by 0.30078125), and a
+    complex tensor's parts each by the real factor (a complex product by ``ratio + 0j``
+    turns a part of -0.0 into +0.0)."""
+    parts = [torch.view_as_real(tensor) if tensor.is_complex() else tensor for tensor in tensors]
+    halves = [tensor for tensor in parts if tensor.dtype in _HALVES]
+    rest = [tensor for tensor in parts if tensor.dtype not in _HALVES]
+    if rest:
+        torch._foreach_mul_(rest, ratio)
+    for tensor in halves:
+        tensor.mul_(ratio)
 
 
 def _refuse_non_finite(tensors: list[torch.Tensor], ratio: float, plan: ResetPlan) -> None:
@@ -290,12 +313,11 @@ def _refuse_non_finite(tensors: list[torch.Tensor], ratio: float, plan: ResetPla
 
 
 def _largest_factor(ratio: float, dtype: torch.dtype) -> float:
-    """The largest factor a torch kernel may multiply ``dtype`` history by for ``ratio``:
-    the ratio, or it rounded to float32 or to the history's (real) dtype, which torch's
-    CPU ``_foreach_mul_`` does first. A product finite in float64 can overflow with the
-    rounded factor (history of 48064 in float16, by 1.36285, whose float16 is 1.36328)."""
+    """The largest factor :func:`_multiply` may multiply ``dtype`` history by for ``ratio``:
+    the ratio, or it rounded to float32, in which torch multiplies all but float64 history
+    (a factor of 1e39 is inf there)."""
     real = torch.empty(0, dtype=dtype).real.dtype
-    return max(abs(ratio), *(abs(float(torch.tensor(ratio, dtype=rounded))) for rounded in (torch.float32, real)))
+    return abs(ratio) if real is torch.float64 else max(abs(ratio), abs(float(torch.tensor(ratio, dtype=torch.float32))))
 
 
 def _holder(tensor: torch.Tensor, plan: ResetPlan) -> Owner:
