@@ -40,6 +40,8 @@ EXPECTED_SHAPES = {
     "offload_1.0": "ChainedOptimizer[DistributedOptimizer[HybridDeviceOptimizer(cpu=4,gpu=0)[AdamW,AdamW,AdamW,AdamW]]]",
     "sgd": "ChainedOptimizer[FP32Optimizer[SGD]]",
     "moe": "ChainedOptimizer[FP32Optimizer[AdamW],FP32Optimizer[AdamW]]",
+    "frozen_fp16": "ChainedOptimizer[Float16OptimizerWithFloat16Params[],Float16OptimizerWithFloat16Params[AdamW]]",
+    "frozen_dist_bf16": "ChainedOptimizer[DistributedOptimizer[],DistributedOptimizer[AdamW]]",
     "muon": "ChainedOptimizer[FP32Optimizer[TensorParallelMuon],FP32Optimizer[AdamW]]",
     "dist_muon": (
         "LayerWiseDistributedOptimizer[Float16OptimizerWithFloat16Params[TensorParallelMuon],"

@@ -31,7 +31,7 @@ from opttree._held import own_attributes
 from opttree._containers import malformed, malformed_state, tensors_held
 from opttree._inspect import held_gradients, key_label
 from opttree._master_groups import master_pairs
-from opttree._nodes import LeafNode, Node, tree_nodes
+from opttree._nodes import LeafNode, Node, WrapperNode, tree_nodes
 from opttree._preflight import Extents, overlap, plain_torch, ranges, unwritable_reason
 from opttree._problems import Problem, ProblemKind
 from opttree._registry import schema_for
@@ -112,6 +112,8 @@ def _pairs(node: Node) -> Iterator[tuple[torch.Tensor, Sequence[torch.Tensor | _
     if isinstance(node, LeafNode):
         yield from _leaf_masters(node)
         return
+    if isinstance(node, WrapperNode) and node.is_stub:
+        return  # it steps nothing (see inner_params_of)
     cls = type(node.optimizer)
     for table in (INNER_PARAMS, EXTRA_COPIES):
         found = table.lookup(cls)

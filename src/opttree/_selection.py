@@ -175,6 +175,16 @@ def builtin_inner_params() -> LazyDispatch[InnerParams]:
 
 INNER_PARAMS = builtin_inner_params()
 
+def inner_params_of(node: Node) -> InnerParams | None:
+    """The inner-params function of ``node``'s class, or None where it has none. A
+    Megatron stub steps nothing: its ``__init__`` returns before building the groups its
+    class's function reads (Megatron builds one for frozen parameters, or a rank without
+    any, to take part in the gradient statistics' reductions)."""
+    if isinstance(node, WrapperNode) and node.is_stub:
+        return None
+    return INNER_PARAMS.lookup(type(node.optimizer))
+
+
 STEP_UNITS: LazyDispatch[frozenset[StepLocation]] = LazyDispatch()
 """Megatron wrappers that save one step for all their leaves' parameters, with the step
 locations they unify: ``_extract_common_per_param_step`` for per-parameter steps in
@@ -221,7 +231,7 @@ def _stand_for(node: Node, copies: set[int]) -> bool:
     pending = list(node.children)
     while pending:
         child = pending.pop(0)
-        inner_params = INNER_PARAMS.lookup(type(child.optimizer))
+        inner_params = inner_params_of(child)
         if inner_params is not None:
             try:
                 pairs = list(inner_params(child.optimizer, child.path))
@@ -249,7 +259,7 @@ class SelectVisitor(TraverserVisitor):
 
     def through(self, node: Node) -> None:
         optimizer = node.optimizer
-        inner_params = INNER_PARAMS.lookup(type(optimizer))
+        inner_params = inner_params_of(node)
         if inner_params is None:
             self.visit_children(node)
             return

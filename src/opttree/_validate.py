@@ -27,7 +27,7 @@ from opttree._scalers import ScalerReset, held_scale, loss_scaler, plan_scaler
 from opttree._trees import lenient_tree
 from opttree._schema import StateSchema, StepLocation
 from opttree._runs import alike_runs, sibling_groups
-from opttree._selection import EVERYTHING, INNER_PARAMS, STEP_UNITS, Selection, tree_leaves, tree_params
+from opttree._selection import EVERYTHING, STEP_UNITS, Selection, inner_params_of, tree_leaves, tree_params
 from opttree._visitor import TraverserVisitor
 from opttree._fields import kind_of
 
@@ -502,7 +502,7 @@ class ValidateVisitor(TraverserVisitor):
         with those copies, as its inner-params function pairs them. The parameters are
         kept: history sharing their memory would zero model weights no leaf holds. None,
         with a problem, where the wrapper's pairs cannot be read."""
-        inner_params = INNER_PARAMS.lookup(type(node.optimizer))
+        inner_params = inner_params_of(node)
         if inner_params is None:
             return []
         cls = type(node.optimizer).__qualname__
@@ -739,7 +739,7 @@ def _subtree_coverage(outer: Node, root: Node, chosen: AbstractSet[int]) -> Sele
     inside = identity_keys(cast(list[object], tree_leaves(root)))
     coverage: list[tuple[object, int, int]] = []
     for node in tree_nodes(outer):
-        inner_params = INNER_PARAMS.lookup(type(node.optimizer))
+        inner_params = inner_params_of(node)
         if inner_params is None:
             continue
         try:

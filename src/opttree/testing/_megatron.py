@@ -74,6 +74,10 @@ class Recipe:
     layer_wise: bool = field(default=False, validator=of(bool))
     experts: bool = field(default=False, validator=of(bool))
     description: str = field(default="", validator=of(str))
+    frozen_dense: bool = field(default=False, validator=of(bool))
+    """Train the experts only: Megatron's factory then builds a stub optimizer (holding no
+    optimizer) for the frozen dense parameters, first in the chain, whose loss scaler the
+    chain scales the loss by."""
     hidden: int = field(default=HIDDEN, validator=_width)
     """The model's width: a narrow one (4, with ``distributed`` and ``experts`` on 2 ranks)
     leaves a rank whose shard of the expert buffer is all padding, and whose
@@ -82,6 +86,9 @@ class Recipe:
     def __attrs_post_init__(self) -> None:
         if self.bf16 and self.fp16:
             msg = f"Recipe {self.name!r} is both bf16 and fp16: Megatron trains in one of them"
+            raise OptTreeError(msg)
+        if self.frozen_dense and not self.experts:
+            msg = f"Recipe {self.name!r} freezes the dense layers without experts=True: nothing would train"
             raise OptTreeError(msg)
         if self.offload_fraction is not None and not self.distributed:
             msg = f"Recipe {self.name!r} offloads without distributed=True: Megatron offloads under its DistributedOptimizer"
@@ -131,6 +138,23 @@ RECIPES: dict[str, Recipe] = {
         ),
         Recipe("sgd", "sgd", description="FP32Optimizer over SGD with momentum"),
         Recipe("moe", "adam", experts=True, description="ChainedOptimizer of a dense and an expert optimizer"),
+        Recipe(
+            "frozen_fp16",
+            "adam",
+            fp16=True,
+            experts=True,
+            frozen_dense=True,
+            description="experts only, fp16: a stub Float16OptimizerWithFloat16Params for the frozen dense layers",
+        ),
+        Recipe(
+            "frozen_dist_bf16",
+            "adam",
+            bf16=True,
+            distributed=True,
+            experts=True,
+            frozen_dense=True,
+            description="experts only, bf16: a stub DistributedOptimizer for the frozen dense layers",
+        ),
         Recipe("muon", "muon", description="TensorParallelMuon chained with AdamW"),
         Recipe(
             "dist_muon",
@@ -498,6 +522,9 @@ def build(configuration: str | Recipe, *, seed: int = 0, lr: float = 1e-2) -> Me
     )
     torch.manual_seed(seed)
     model = _tiny_mlp(config, experts=recipe.experts, hidden=recipe.hidden)
+    if recipe.frozen_dense:
+        for name, param in model.named_parameters():
+            param.requires_grad_(name.startswith("expert."))
     device.mark_on_gpu(*model.parameters())
     offload = recipe.offload_fraction is not None
     try:
