@@ -1213,3 +1213,58 @@ def test_a_hook_raising_while_two_registrations_are_weighed_is_reported_not_rais
     assert problem.kind is opttree.ProblemKind.UNSUPPORTED_OPTIMIZER and "asked about another registration" in problem.message
     with pytest.raises(opttree.UnsupportedOptimizer, match="cannot be told"):
         opttree.reset(optimizer)
+
+
+def test_a_wrapper_kind_registered_for_a_base_leaves_a_subclass_with_a_schema_a_leaf() -> None:
+    """The nearer registration applies: a subclass with a schema of its own stays a leaf
+    under a wrapper kind registered later for its base, where it became a wrapper holding
+    nothing and a reset kept its group step in silence."""
+
+    class CountingBase(torch.optim.Optimizer):
+        @torch.no_grad()
+        def step(self, closure: None = None) -> None:  # type: ignore[override]
+            for group in self.param_groups:
+                group["step"] = group.get("step", 0) + 1
+                for p in group["params"]:
+                    p.sub_(p.grad, alpha=group["lr"] / group["step"])
+
+    class Counting(CountingBase):
+        def __init__(self, params: list[torch.nn.Parameter]) -> None:
+            super().__init__(params, {"lr": 0.1})
+
+    opttree.register_schema(Counting, opttree.StateSchema(step=opttree.StepLocation.PER_GROUP))
+    opttree.register_wrapper(CountingBase, children=lambda wrapper: [])
+    param = torch.nn.Parameter(torch.ones(3))
+    optimizer = Counting([param])
+    for _ in range(3):
+        param.grad = torch.ones(3)
+        optimizer.step()
+
+    assert isinstance(opttree.tree(optimizer), opttree.LeafNode)
+    report = opttree.reset(optimizer)
+
+    assert report.leaves == 1 and report.steps == 1 and optimizer.param_groups[0]["step"] == 0
+
+
+def test_a_class_with_a_built_in_schema_cannot_be_registered_as_a_wrapper() -> None:
+    with pytest.raises(opttree.RegistrationError, match=r"torch\.optim\.adam\.Adam has a schema: a class is a leaf with a schema or a wrapper, not both"):
+        opttree.register_wrapper(torch.optim.Adam, children=lambda wrapper: [])
+    with pytest.raises(opttree.RegistrationError, match=r"has a schema"):
+        opttree.register_wrapper("torch.optim.adam.Adam", children=lambda wrapper: [])
+    assert isinstance(opttree.tree(torch.optim.Adam([torch.nn.Parameter(torch.ones(2))])), opttree.LeafNode)
+
+
+def test_a_class_given_a_schema_by_its_path_and_a_wrapper_kind_as_a_class_is_refused_not_a_wrapper() -> None:
+    """A schema registered by dotted path before its module is imported, then a wrapper
+    kind for the class itself: refused, the class staying a leaf."""
+    module = types.ModuleType("opttree_both_kinds")
+    exec("import torch\nclass Both(torch.optim.SGD):\n    pass\n", module.__dict__)
+    opttree.register_schema("opttree_both_kinds.Both", opttree.StateSchema(zero={"momentum_buffer"}))
+    sys.modules["opttree_both_kinds"] = module
+    try:
+        optimizer = module.Both([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+        with pytest.raises(opttree.RegistrationError, match="a schema for opttree_both_kinds.Both is registered already"):
+            opttree.register_wrapper(module.Both, children=lambda wrapper: [])
+        assert isinstance(opttree.tree(optimizer), opttree.LeafNode)
+    finally:
+        del sys.modules["opttree_both_kinds"]

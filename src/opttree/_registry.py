@@ -174,8 +174,18 @@ def kind_for(cls: type) -> Expander | None:
     wrapper kind that defines anything of its own (see :mod:`opttree._overrides`) may keep
     optimizers or state elsewhere: its kind refuses it until it is registered."""
     users = _user_kinds.resolved(cls)
+    if isinstance(users, str):
+        return refusing_kind(users)
     if users is not None:
-        return refusing_kind(users) if isinstance(users, str) else users[1]
+        leaf = _schema_owner(cls)
+        if leaf is None or _nearness(cls, users[0]) < _nearness(cls, leaf):
+            return users[1]
+        if leaf is users[0]:
+            return refusing_kind(
+                f"{dotted_name(leaf)} is registered as a wrapper kind and has a schema: a class is a leaf with a schema "
+                "or a wrapper, not both"
+            )
+        # a schema nearer than the wrapper kind: a leaf, as the schema says
     found = _builtin_kinds.lookup_owner(cls)
     if found is None:
         return None
@@ -190,6 +200,24 @@ def kind_for(cls: type) -> Expander | None:
         "and state where opttree reads them: a method of its own may keep others; register it with "
         "opttree.register_wrapper(cls, children=...) to say where its optimizers are"
     )
+
+
+def _schema_owner(cls: type) -> type | None:
+    """The class whose schema applies to ``cls`` (a user's, else a built-in one), or None."""
+    users = _user_schemas.resolved(cls)
+    if isinstance(users, tuple):
+        return users[0]
+    found = _builtin_schemas.lookup_owner(cls)
+    return None if found is None else found[0]
+
+
+def _nearness(cls: type, owner: type) -> int:
+    """How far up ``cls``'s bases ``owner`` is: 0 for ``cls`` itself; an ABC ``cls`` is
+    registered under, outside its bases, is the furthest. A wrapper kind registered for a
+    base does not make a subclass with a schema of its own a wrapper, whose reset would
+    then reset nothing; the nearer registration applies."""
+    mro = cls.__mro__
+    return mro.index(owner) if owner in mro else len(mro)
 
 
 def _is_dotted(path: str) -> bool:
@@ -229,6 +257,9 @@ def _refuse_odd_class(function: str, cls_or_dotted: type | str) -> None:
             raise RegistrationError(msg)
     elif issubclass(torch.optim.Optimizer, cls_or_dotted):
         msg = f"register_wrapper registers a wrapper class, got {name}, a base of every torch optimizer"
+        raise RegistrationError(msg)
+    elif _schema_owner(cls_or_dotted) is cls_or_dotted:
+        msg = f"{name} has a schema: a class is a leaf with a schema or a wrapper, not both"
         raise RegistrationError(msg)
     if cls_or_dotted is abc.ABC or vars(builtins).get(cls_or_dotted.__qualname__) is cls_or_dotted:
         msg = f"{function} registers an optimizer or wrapper class, got {name}, one of Python's own"
