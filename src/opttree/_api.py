@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from attrs import evolve
 
+from opttree._eager import eager
 from opttree import _distributed
 from opttree._describe import DescribeVisitor
 from opttree._errors import OptTreeError, ReleaseRefused
@@ -24,6 +25,7 @@ from opttree._validate import ValidateVisitor
 from opttree._fields import kind_of
 
 
+@eager
 def validate(
     optimizer: object, *, group: dist.ProcessGroup | None = None, model: torch.nn.Module | None = None
 ) -> tuple[Problem, ...]:
@@ -51,6 +53,7 @@ def validate(
     return (*gathered, *_distributed.shape_problems(summaries))
 
 
+@eager
 def reset(
     optimizer: object,
     *,
@@ -123,6 +126,7 @@ def _planned_reset(
     return visitor
 
 
+@eager
 def sync_masters(optimizer: object, *, model: torch.nn.Module | None = None, group: dist.ProcessGroup | None = None) -> SyncReport:
     """Make every master copy the stack steps equal to the model's weights again, after
     weights were written into the model out of band.
@@ -142,6 +146,7 @@ def sync_masters(optimizer: object, *, model: torch.nn.Module | None = None, gro
     return _sync_masters(optimizer, model, group)
 
 
+@eager
 def describe(optimizer: object, *, group: dist.ProcessGroup | None = None) -> str:
     """An indented description of the tree: class, path, parameters, state bytes, step.
 

@@ -46,6 +46,7 @@ from typing import TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from opttree._eager import eager
 from opttree import _registry
 from opttree._distributed import agreed
 from opttree._trees import tree
@@ -87,6 +88,7 @@ def _megatron_root(optimizer: object) -> Node:
     return root
 
 
+@eager
 def sharded_state_dict(
     optimizer: object,
     model_sharded_state_dict: dict[str, object],
@@ -156,6 +158,7 @@ def _sharded_state_dict(
     return state
 
 
+@eager
 def load_state_dict(
     optimizer: object,
     state_dict: Mapping[str, object] | Mapping[int, object] | Sequence[Mapping[str, object]],

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from attrs import evolve
 
+from opttree._eager import eager
 from opttree import _distributed
 from opttree._trees import tree
 from opttree._errors import OptTreeError, PartialResetRefused
@@ -165,6 +166,7 @@ class _Scratch:
         return self._buffers[(tensor.device, torch.bool)][: tensor.numel()].view(tensor.shape)
 
 
+@eager
 def prune(
     optimizer: object,
     fraction: SupportsFloat,
@@ -238,6 +240,7 @@ def prune(
     return evolve(plan.report(), action="prune")
 
 
+@eager
 def scale(
     optimizer: object,
     factor: SupportsFloat,

@@ -7,12 +7,14 @@ import operator
 
 from attrs import evolve
 
+from opttree._eager import eager
 from opttree import _paths, _registry
 from opttree._adapter import TreeBuilder, Truncated, node_at, too_deep_in, unlike_built
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._problems import Problem, ProblemKind
 
 
+@eager
 def tree(optimizer: object) -> Node:
     """Build the typed tree of an optimizer stack.
 
