@@ -655,3 +655,59 @@ def test_scale_near_the_largest_value_refuses_or_stays_finite(dtype: torch.dtype
         held = optimizer.state[optimizer.param_groups[0]["params"][1]]["exp_avg"]
         assert bool(torch.isfinite(held).all()), (float(value.real), factor)
     assert 0 < refused < 200
+
+
+def centered_rmsprop(centered: bool = True) -> tuple[torch.nn.Parameter, torch.optim.RMSprop]:
+    """An RMSprop stepped over one gradient until its variance is all but zero."""
+    param = torch.nn.Parameter(torch.zeros(16))
+    optimizer = torch.optim.RMSprop([param], lr=1e-2, alpha=0.5, centered=centered)
+    for _ in range(20):
+        param.grad = torch.ones(16)
+        optimizer.step()
+    return param, optimizer
+
+
+def test_scaled_apart_centered_rmsprop_history_makes_the_next_step_nan() -> None:
+    """torch's side: square_avg less grad_avg squared, made negative, is rooted."""
+    param, optimizer = centered_rmsprop()
+    for key in ("square_avg", "grad_avg"):
+        optimizer.state[param][key].mul_(2.0)
+    param.grad = torch.ones(16)
+    optimizer.step()
+    assert bool(param.isnan().any())
+
+
+@pytest.mark.parametrize(
+    ("change", "keys"),
+    [("scale", None), ("scale", ["square_avg"]), ("scale", ["grad_avg"]), ("prune", None), ("prune", ["square_avg"])],
+)
+def test_prune_and_scale_refuse_history_bound_to_other_history(change: str, keys: list[str] | None) -> None:
+    param, optimizer = centered_rmsprop()
+    before = {key: value.clone() for key, value in optimizer.state[param].items()}
+
+    with pytest.raises(opttree.PartialResetRefused, match=r"RMSprop at <root>: key '(grad|square)_avg': \w+ changes each tensor apart, and the entries hold grad_avg, square_avg, whose values bound one another"):
+        if change == "scale":
+            opttree.scale(optimizer, 2.0, keys=keys)
+        else:
+            opttree.prune(optimizer, 0.5, keys=keys)
+
+    assert all(torch.equal(value, before[key]) for key, value in optimizer.state[param].items())
+
+
+def test_uncentered_rmsprop_history_and_a_centered_ones_momentum_are_scaled() -> None:
+    param, optimizer = centered_rmsprop(centered=False)
+    expected = optimizer.state[param]["square_avg"] * 0.5
+    opttree.scale(optimizer, 0.5)
+    assert torch.equal(optimizer.state[param]["square_avg"], expected)
+    param = torch.nn.Parameter(torch.zeros(4))
+    centered = torch.optim.RMSprop([param], momentum=0.9, centered=True)
+    param.grad = torch.ones(4)
+    centered.step()
+    opttree.scale(centered, 0.5, keys=["momentum_buffer"])
+
+
+def test_a_schema_binds_two_or_more_of_its_history_keys_together() -> None:
+    with pytest.raises(opttree.RegistrationError, match=r"bound_together names \['a'\]: two or more"):
+        opttree.StateSchema(zero={"a", "b"}, bound_together={"a"})
+    with pytest.raises(opttree.RegistrationError, match=r"bound_together names \['a', 'c'\]"):
+        opttree.StateSchema(zero={"a"}, keep={"c"}, bound_together={"a", "c"})

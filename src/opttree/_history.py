@@ -30,7 +30,8 @@ from opttree._plan import ResetPlan
 from opttree._preflight import Owner, plain_torch
 from opttree._problems import Problem, ProblemKind
 from opttree._report import ResetReport
-from opttree._selection import ParamsArg, key_names, select
+from opttree._registry import schema_for
+from opttree._selection import ParamsArg, Selection, key_names, select
 from opttree._validate import ValidateVisitor
 from opttree._fields import kind_of
 
@@ -84,6 +85,7 @@ def _plan(
         )
         msg = f"{what} changes history in place, and it is not zero at the start (its schema drops, fills, scales or starts it as an identity): {advice}"
         raise _unchangeable(path, cls, name, msg)
+    _refuse_bound_together(root, chosen, key_list, what)
     kind, accepts = dtypes
     for (key, _, _), tensors in state.lists.items():
         with plain_torch():
@@ -92,6 +94,29 @@ def _plan(
             path, cls, _ = _holder(wrong, plan)
             raise _unchangeable(path, cls, key, f"{what} changes {kind} history, and this holds {wrong.dtype} tensors: leave it out of keys")
     return plan
+
+
+def _refuse_bound_together(root: Node, chosen: Selection, keys: list[str] | None, what: str) -> None:
+    """Refuse to change history its schema's ``bound_together`` binds to other history a
+    leaf holds for the selected parameters: changed tensor by tensor, the bound breaks."""
+    for node in tree_nodes(root):
+        if not isinstance(node, LeafNode) or node.shared_with is not None:
+            continue
+        schema = schema_for(type(node.optimizer))
+        if schema is None or not schema.bound_together:
+            continue
+        entries = [
+            entry for param, entry in node.optimizer.state.items() if chosen.tensors is None or id(param) in chosen.tensors
+        ]
+        held = sorted(schema.bound_together.intersection(set().union(*entries)))
+        if len(held) > 1 and (keys is None or not set(keys).isdisjoint(held)):
+            name = held[0] if keys is None else min(set(keys) & set(held))
+            msg = (
+                f"{what} changes each tensor apart, and the entries hold {', '.join(held)}, whose values bound one "
+                "another (its schema's bound_together: centered RMSprop's step takes the square root of square_avg "
+                "less grad_avg squared): changed apart, the bound can break and the next step write NaN; reset them instead"
+            )
+            raise _unchangeable(node.path, type(node.optimizer).__qualname__, name, msg)
 
 
 def _unchangeable(path: str, cls: str, key: str | None, message: str) -> OptTreeError:

@@ -277,6 +277,12 @@ class StateSchema:
     would be read in the basis the reset starts anew, as no run leaves them. Taking them
     without their basis is fine: zero is zero in every basis.
 
+    ``bound_together``: history keys whose values bound one another element by element,
+    where a leaf holds more than one of them (centered RMSprop's ``square_avg`` is at least
+    ``grad_avg`` squared, and its step takes the square root of the difference): a reset
+    zeroes them together, but ``prune`` and ``scale``, which change each tensor apart, are
+    refused for them, since they would break the bound and the next step would write NaN.
+
     ``step_attributes``: instance attributes each holding a tensor that the optimizer
     creates as zeros and reads in counting its steps (TE's and apex's ``FusedAdam`` keep
     ``_dummy_overflow_buf``: a capturable step adds one to the step only where the step
@@ -327,6 +333,7 @@ class StateSchema:
     known_attributes: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     counted_with_step: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     expressed_in: tuple[tuple[str, frozenset[str]], ...] = field(converter=_bases, factory=tuple, kw_only=True)
+    bound_together: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
 
     @functools.cached_property
     def built_with_entry(self) -> tuple[tuple[str, str | None], ...]:
@@ -491,6 +498,9 @@ class StateSchema:
             if key in bases or not bases or not {key} | bases <= history:
                 msg = f"expressed_in maps {key!r} to {sorted(bases)}: a zeroed, filled or identity key to the other such keys holding its basis"
                 raise RegistrationError(msg)
+        if len(self.bound_together) == 1 or not self.bound_together <= history:
+            msg = f"bound_together names {sorted(self.bound_together)}: two or more zeroed, filled or identity keys"
+            raise RegistrationError(msg)
         if self.step_attributes and self.step is StepLocation.NONE:
             msg = "step_attributes take part in counting steps; this schema's step is none"
             raise RegistrationError(msg)

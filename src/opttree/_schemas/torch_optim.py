@@ -68,6 +68,7 @@ def _per_step(
     built_if: Mapping[str, str] | None = None,
     built_for: Mapping[str, BuiltFor] | None = None,
     counted_with_step: frozenset[str] = frozenset(),
+    bound_together: frozenset[str] = frozenset(),
 ) -> StateSchema:
     """A schema whose history is built ``*_like`` its parameter but for the keys of
     ``shape_of`` (Adafactor's factored ones, typed as the parameter in a shape derived from
@@ -92,6 +93,7 @@ def _per_step(
         built_for=dict(built_for or {}),
         always_built=(set(zero) | set(fills)) - set(optional) - set(built_for or {}),
         counted_with_step=counted_with_step,
+        bound_together=bound_together,
     )
 
 
@@ -111,7 +113,13 @@ SCHEMAS: dict[str, StateSchema] = {
     "RAdam": _per_step("exp_avg", "exp_avg_sq"),
     "Adagrad": _per_step(fill={"sum": _initial_accumulator}, rebuilds_missing=False),  # built in __init__
     "Adadelta": _per_step("square_avg", "acc_delta"),
-    "RMSprop": _per_step("square_avg", "momentum_buffer", "grad_avg", built_if={"momentum_buffer": "momentum", "grad_avg": "centered"}),
+    "RMSprop": _per_step(
+        "square_avg",
+        "momentum_buffer",
+        "grad_avg",
+        built_if={"momentum_buffer": "momentum", "grad_avg": "centered"},
+        bound_together=frozenset({"square_avg", "grad_avg"}),  # centered: sqrt(square_avg - grad_avg**2)
+    ),
     "Rprop": _per_step("prev", fill={"step_size": _lr}, starts_at_first_step=True),
     "ASGD": _per_step(
         "ax", fill={"eta": _lr, "mu": 1.0}, starts_at_first_step=True, one_value=frozenset({"eta", "mu"}), counted_with_step=frozenset({"eta", "mu"})
