@@ -522,3 +522,10 @@ def test_a_destroyed_process_group_is_an_opttree_error_and_a_reset_changes_nothi
         with pytest.raises(opttree.OptTreeError, match="group cannot be used: ValueError"):
             call(optimizer, group=group)
     assert unchanged(optimizer, before)
+
+
+@pytest.mark.parametrize("keys", [b"exp_avg", bytearray(b"exp_avg")], ids=["bytes", "bytearray"])
+def test_keys_as_bytes_are_refused_as_what_they_are(keys: object) -> None:
+    """Iterated, bytes gave ints: the refusal said "got an int"."""
+    with pytest.raises(opttree.OptTreeError, match=rf"keys must be a state key or a list of them, got an? {type(keys).__name__}"):
+        opttree.reset(stepped_adamw(2), keys=keys)  # type: ignore[arg-type]

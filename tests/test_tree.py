@@ -7,8 +7,10 @@ from typing import cast
 import attrs
 import pytest
 import torch
+from megatron.core.optimizer.optimizer import FP32Optimizer
 
 import opttree
+from opttree.testing import cuda_on_cpu
 from tests.helpers import model, train
 from tests.megatron_parts import chained, config, fp32, hybrid
 
@@ -249,3 +251,28 @@ def test_leaves_built_in_bulk_are_the_leaves_one_by_one() -> None:
     with pytest.raises(opttree.OptTreeError, match=r"LeafNode.under must be None or the \(path, Megatron wrapper\) pair"):
         leaves_in_bulk(["a", "b"], members[:2], ("a", 3))
     assert leaves_in_bulk([], [], None) == []
+
+
+class HidingFP32(FP32Optimizer):
+    """A Megatron wrapper whose registered kind finds none of the optimizer it holds."""
+
+
+opttree.register_wrapper(HidingFP32, children=lambda wrapper: [])
+
+
+def test_a_megatron_wrapper_whose_kind_finds_nothing_where_it_holds_an_optimizer_is_no_stub() -> None:
+    """describe called it a stub of a rank without an optimizer, while validate found the
+    optimizer it hides."""
+    leaf = adamw()
+    with cuda_on_cpu():
+        node = opttree.tree(HidingFP32(leaf, config(), None))
+
+    assert isinstance(node, opttree.WrapperNode) and not node.is_stub
+    assert "stub" not in opttree.describe(node)
+    assert [p.kind for p in opttree.validate(node)] == [opttree.ProblemKind.HIDDEN_OPTIMIZER]
+
+
+@pytest.mark.parametrize("visitor", [None, "visitor", opttree.TraverserVisitor], ids=["none", "str", "class"])
+def test_accept_refuses_what_is_not_a_visitor_instance(visitor: object) -> None:
+    with pytest.raises(opttree.OptTreeError, match="accept takes a NodeVisitor instance"):
+        opttree.tree(adamw()).accept(visitor)  # type: ignore[arg-type]

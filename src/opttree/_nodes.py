@@ -25,6 +25,16 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+
+def _visitor(visitor: NodeVisitor[T]) -> NodeVisitor[T]:
+    """``visitor``, where it is a visitor object: ``accept(None)``, or given a visitor
+    class, raised Python's own AttributeError or TypeError from inside the walk."""
+    if isinstance(visitor, type) or not hasattr(visitor, "visit_leaf"):
+        given = f"the class {visitor.__qualname__}" if isinstance(visitor, type) else kind_of(visitor)
+        msg = f"accept takes a NodeVisitor instance (opttree.DescribeVisitor(), a TraverserVisitor subclass's), got {given}"
+        raise OptTreeError(msg)
+    return visitor
+
 _CHILD_FIELDS = frozenset({"members", "cpu", "gpu", "inner"})
 """The fields of the node kinds that hold child nodes."""
 
@@ -133,7 +143,7 @@ class ChainedNode(Node):
 
     def accept(self, visitor: NodeVisitor[T]) -> T:
         """Call the ``visit_*`` method of ``visitor`` that matches this node's kind."""
-        return visitor.visit_chained(self)
+        return _visitor(visitor).visit_chained(self)
 
 
 @frozen(repr=False, eq=False)
@@ -155,7 +165,7 @@ class HybridNode(Node):
 
     def accept(self, visitor: NodeVisitor[T]) -> T:
         """Call the ``visit_*`` method of ``visitor`` that matches this node's kind."""
-        return visitor.visit_hybrid(self)
+        return _visitor(visitor).visit_hybrid(self)
 
 
 @frozen(repr=False, eq=False)
@@ -177,12 +187,13 @@ class WrapperNode(Node):
     @property
     def is_stub(self) -> bool:
         """Whether this is a Megatron stub optimizer, with no optimizer on this rank: a
-        Megatron wrapper holding none (a wrapper of a user's kind holding none is not one)."""
-        return not self.inner and is_megatron_class(type(self.optimizer))
+        Megatron wrapper whose ``optimizer`` is None (one of a user's kind holding none is
+        not one, nor one whose registered kind finds nothing where it holds an optimizer)."""
+        return not self.inner and is_megatron_class(type(self.optimizer)) and getattr(self.optimizer, "optimizer", False) is None
 
     def accept(self, visitor: NodeVisitor[T]) -> T:
         """Call the ``visit_*`` method of ``visitor`` that matches this node's kind."""
-        return visitor.visit_wrapper(self)
+        return _visitor(visitor).visit_wrapper(self)
 
 
 @frozen(repr=False, eq=False)
@@ -203,7 +214,7 @@ class LeafNode(Node):
 
     def accept(self, visitor: NodeVisitor[T]) -> T:
         """Call the ``visit_*`` method of ``visitor`` that matches this node's kind."""
-        return visitor.visit_leaf(self)
+        return _visitor(visitor).visit_leaf(self)
 
 
 _LEAF_FIELDS = tuple(attribute.name for attribute in fields(LeafNode))

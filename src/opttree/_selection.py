@@ -397,7 +397,7 @@ def key_names(keys: Iterable[str]) -> frozenset[str]:
     (a ``str`` subclass's own ``__hash__`` or ``__eq__`` never runs in a lookup)."""
     if isinstance(keys, str):
         return frozenset([str.__str__(keys)])
-    if not isinstance(cast(object, keys), Iterable):
+    if isinstance(cast(object, keys), (bytes, bytearray)) or not isinstance(cast(object, keys), Iterable):
         msg = f"keys must be a state key or a list of them, got {kind_of(keys)}"
         raise OptTreeError(msg)
     names = _listed(keys, "the state keys keys gives")
