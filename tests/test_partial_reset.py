@@ -261,6 +261,54 @@ def test_a_subtree_under_a_megatron_wrapper_is_checked_against_the_wrapper_it_is
     assert all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))
 
 
+@pytest.mark.parametrize("name", [n for n in ("fp32", "fp16", "dist_bf16", "offload_0.75") if n in testing.available()])
+def test_an_optimizer_the_factory_built_passed_without_its_wrapper_is_refused(name: str) -> None:
+    """Passed as itself, the inner optimizer hides the wrapper above it: its reset kept an
+    fp16 stack's warmed-up loss scale (trained unlike a fresh stack), and a release left a
+    DistributedOptimizer that cannot save. Refused with nothing changed; its node in the
+    stack's tree, which records the wrapper, is reset as the stack's checks say."""
+    stack = testing.build(name)
+    stack.train(0, K)
+    inner = stack.leaves()[0]
+    before = snapshot(inner)
+
+    changes: list[Callable[[], object]] = [
+        lambda: opttree.reset(inner),
+        lambda: opttree.reset(inner, release=True),
+        lambda: opttree.prune(inner, 0.5),
+    ]
+    for change in changes:
+        with pytest.raises(opttree.UnsupportedOptimizer, match=r"at <root>: its param groups are Megatron's factory's \(they hold 'is_expert_parallel'\): passed without the Megatron wrapper above it"):
+            change()
+    assert unchanged(inner, before)
+    assert [p.kind for p in opttree.validate(inner)] == [opttree.ProblemKind.WITHOUT_ITS_WRAPPER]
+    assert opttree.describe(inner)
+
+    pending: list[opttree.Node] = [opttree.tree(stack.optimizer)]
+    while pending[-1].optimizer is not inner:
+        pending.extend(pending.pop().children)
+    if name.startswith("offload"):  # one of four sub-optimizers, whose steps the stack saves as one
+        with pytest.raises(opttree.PartialResetRefused, match="saves one step for 4 parameters, of which the reset takes 1"):
+            opttree.reset(pending[-1])
+    else:
+        assert opttree.reset(pending[-1]).steps > 0
+
+
+@pytest.mark.skipif("fp16" not in testing.available(), reason="no fp16 recipe in this lane")
+def test_an_fp16_stacks_inner_optimizer_reset_alone_trains_unlike_a_fresh_stack() -> None:
+    """The other side: its history and steps zeroed by hand, the wrapper's loss scale kept."""
+    stack = testing.build("fp16")
+    stack.train(0, K)
+    for entry in stack.leaves()[0].state.values():
+        for value in entry.values():
+            value.zero_()
+    fresh = testing.build("fp16")
+    fresh.copy_weights_from(stack)
+    stack.train(K, K)
+    fresh.train(K, K)
+    assert not all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))
+
+
 @pytest.mark.parametrize("name", [n for n in ("bf16",) if n in testing.available()])
 def test_a_subtree_whose_record_of_the_wrapper_above_it_is_not_opttrees_is_a_foreign_tree(name: str) -> None:
     """``under`` makes a subtree's checks those of the whole stack: a record naming another
@@ -308,12 +356,17 @@ def test_a_subtree_is_checked_without_what_lies_outside_it() -> None:
 
 @pytest.mark.skipif("offload_0.75" not in testing.available(), reason="no offload recipe in this lane")
 def test_steps_a_megatron_wrapper_saves_as_one_made_unequal_outside_opttree_are_warned_of() -> None:
-    """An inner optimizer reset as itself, past the stack's checks, leaves some steps at 0
-    and the others at 3: Megatron's checkpoint then fails. validate warns, naming the
-    wrapper; a reset of the stack sets the steps equal, and the checkpoint saves again."""
+    """An inner optimizer's steps reset by hand, or an inner optimizer reset as itself
+    (refused: its param groups are the factory's), leave some steps at 0 and the others
+    at 3: Megatron's checkpoint then fails. validate warns, naming the wrapper; a reset of
+    the stack sets the steps equal, and the checkpoint saves again."""
     stack = testing.build("offload_0.75")
     stack.train(0, K + 1)
-    opttree.reset(stack.leaves()[0])
+    inner = stack.leaves()[0]
+    with pytest.raises(opttree.UnsupportedOptimizer, match=r"AdamW at <root>: its param groups are Megatron's factory's"):
+        opttree.reset(inner)
+    for entry in inner.state.values():
+        entry["step"].zero_()
     with stack.device, pytest.raises(AssertionError):  # Megatron's side
         stack.optimizer.state_dict()
 

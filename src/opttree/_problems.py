@@ -82,6 +82,11 @@ class ProblemKind(enum.Enum):
     kept state in its entries, captured addresses, or a Megatron wrapper above it."""
     FOREIGN_TREE = "foreign-tree"
     """A tree built by hand that is not the one opttree builds for its optimizer."""
+    WITHOUT_ITS_WRAPPER = "without-its-wrapper"
+    """An optimizer Megatron's factory built (its param groups hold the factory's
+    ``is_expert_parallel``), passed without the Megatron wrapper above it, which a reset
+    of it alone cannot see: it would keep an fp16 wrapper's loss scale, split the steps a
+    wrapper saves as one, or empty a state the wrapper checkpoints."""
     CHECKPOINT_LAYOUT = "checkpoint-layout"
     """A state dict that is not laid out as Megatron writes it, met while saving or loading."""
     UNCHANGEABLE_HISTORY = "unchangeable-history"
@@ -118,6 +123,7 @@ _ERRORS: dict[ProblemKind, type[OptTreeError]] = {
     ProblemKind.FOREIGN_TREE: MalformedWrapper,
     ProblemKind.HIDDEN_OPTIMIZER: HiddenOptimizer,
     ProblemKind.UNSUPPORTED_OPTIMIZER: UnsupportedOptimizer,
+    ProblemKind.WITHOUT_ITS_WRAPPER: UnsupportedOptimizer,
     ProblemKind.PARTIAL_GROUP: PartialResetRefused,
     ProblemKind.PARTIAL_STEP: PartialResetRefused,
     ProblemKind.PARTIAL_LOSS_SCALE: PartialResetRefused,

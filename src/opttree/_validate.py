@@ -20,6 +20,7 @@ from opttree._identity import identity_key, identity_keys
 from opttree._adapter import TreeBuilder
 from opttree._inspect import GRADIENTS, LeafInspector, held_gradients, key_label, step_numbers
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode, tree_nodes
+from opttree._paths import ROOT
 from opttree._plan import ResetPlan, StateEntry
 from opttree._preflight import Owner, duplicates, overlap, plain_torch, ranges, unique_ranges
 from opttree._problems import Problem, ProblemKind, Severity
@@ -631,6 +632,7 @@ class ValidateVisitor(TraverserVisitor):
         resets the loss scalers of the fp16 wrappers whose steps it takes (those above the
         subtree too), as a reset of the stack that selected the subtree's parameters would."""
         if root.under is None:
+            self._check_factory_built(root)
             return
         selection = self._selection
         path, wrapper = root.under
@@ -661,6 +663,26 @@ class ValidateVisitor(TraverserVisitor):
                 )
                 self.problems.append(Problem(ProblemKind.PARTIAL_STEP, root.path, cls, message, "step"))
                 return
+
+    def _check_factory_built(self, root: Node) -> None:
+        """An optimizer passed as itself whose param groups Megatron's factory made (each
+        holds its ``is_expert_parallel``) sits under a Megatron wrapper that opttree cannot
+        see from it: refused, for the stack, or the optimizer's node in its tree, to be
+        passed instead (a reset of an fp16 stack's inner optimizer kept the warmed-up loss
+        scale and trained unlike a fresh stack; a release left a DistributedOptimizer that
+        cannot save)."""
+        if not isinstance(root, (LeafNode, HybridNode)) or root.path != ROOT:
+            return  # a node at another path is one of a tree, whose own checks see what is above it
+        groups = _readable_groups(root.optimizer)
+        if not groups or not all(isinstance(group, Mapping) and _FACTORY_OPTION in group for group in groups):
+            return
+        message = (
+            f"its param groups are Megatron's factory's (they hold {_FACTORY_OPTION!r}): passed without the Megatron "
+            "wrapper above it, a reset cannot see that wrapper's loss scale, the steps it saves as one or its "
+            "checkpoints; pass the stack (params= selects this optimizer's parameters) or this optimizer's node in "
+            "opttree.tree(stack)"
+        )
+        self.problems.append(Problem(ProblemKind.WITHOUT_ITS_WRAPPER, root.path, type(root.optimizer).__qualname__, message))
 
     def _check_step_unit(self, node: Node) -> None:
         """A Megatron wrapper that saves one step for all its parameters (see
@@ -861,6 +883,21 @@ def _sharing(holders: list[tuple[str, list[StateEntry]]]) -> list[tuple[StateEnt
                 sharing.append((entry, key))
             seen.add(place)
     return sharing
+
+
+_FACTORY_OPTION = "is_expert_parallel"
+"""An option Megatron's ``get_megatron_optimizer`` gives every param group it makes (0.13
+to 0.19), which torch's optimizers do not read."""
+
+
+def _readable_groups(optimizer: object) -> list[object]:
+    """``optimizer``'s param groups as a list, or none where they cannot be read (reported
+    by the state checks)."""
+    try:
+        groups = vars(optimizer).get("param_groups")
+    except TypeError:
+        return []
+    return list(groups) if isinstance(groups, list) else []
 
 
 def _built_under(cls: type) -> frozenset[str]:
