@@ -278,7 +278,7 @@ def test_an_optimizer_the_factory_built_passed_without_its_wrapper_is_refused(na
         lambda: opttree.prune(inner, 0.5),
     ]
     for change in changes:
-        with pytest.raises(opttree.UnsupportedOptimizer, match=r"at <root>: its param groups are Megatron's factory's \(they hold 'is_expert_parallel'\): passed without the Megatron wrapper above it"):
+        with pytest.raises(opttree.UnsupportedOptimizer, match=r"at <root>: its param groups are Megatron's factory's \(they hold is_expert_parallel, max_lr, min_lr\): passed without the Megatron wrapper above it"):
             change()
     assert unchanged(inner, before)
     assert [p.kind for p in opttree.validate(inner)] == [opttree.ProblemKind.WITHOUT_ITS_WRAPPER]

@@ -84,7 +84,7 @@ class ProblemKind(enum.Enum):
     """A tree built by hand that is not the one opttree builds for its optimizer."""
     WITHOUT_ITS_WRAPPER = "without-its-wrapper"
     """An optimizer Megatron's factory built (its param groups hold the factory's
-    ``is_expert_parallel``), passed without the Megatron wrapper above it, which a reset
+    ``is_expert_parallel``, ``max_lr`` and ``min_lr``), passed without the Megatron wrapper above it, which a reset
     of it alone cannot see: it would keep an fp16 wrapper's loss scale, split the steps a
     wrapper saves as one, or empty a state the wrapper checkpoints."""
     CHECKPOINT_LAYOUT = "checkpoint-layout"

@@ -666,7 +666,7 @@ class ValidateVisitor(TraverserVisitor):
 
     def _check_factory_built(self, root: Node) -> None:
         """An optimizer passed as itself whose param groups Megatron's factory made (each
-        holds its ``is_expert_parallel``) sits under a Megatron wrapper that opttree cannot
+        holds its :data:`_FACTORY_OPTIONS`) sits under a Megatron wrapper that opttree cannot
         see from it: refused, for the stack, or the optimizer's node in its tree, to be
         passed instead (a reset of an fp16 stack's inner optimizer kept the warmed-up loss
         scale and trained unlike a fresh stack; a release left a DistributedOptimizer that
@@ -674,10 +674,10 @@ class ValidateVisitor(TraverserVisitor):
         if not isinstance(root, (LeafNode, HybridNode)) or root.path != ROOT:
             return  # a node at another path is one of a tree, whose own checks see what is above it
         groups = _readable_groups(root.optimizer)
-        if not groups or not all(isinstance(group, Mapping) and _FACTORY_OPTION in group for group in groups):
+        if not groups or not all(isinstance(group, Mapping) and _FACTORY_OPTIONS <= group.keys() for group in groups):
             return
         message = (
-            f"its param groups are Megatron's factory's (they hold {_FACTORY_OPTION!r}): passed without the Megatron "
+            f"its param groups are Megatron's factory's (they hold {', '.join(sorted(_FACTORY_OPTIONS))}): passed without the Megatron "
             "wrapper above it, a reset cannot see that wrapper's loss scale, the steps it saves as one or its "
             "checkpoints; pass the stack (params= selects this optimizer's parameters) or this optimizer's node in "
             "opttree.tree(stack)"
@@ -885,9 +885,9 @@ def _sharing(holders: list[tuple[str, list[StateEntry]]]) -> list[tuple[StateEnt
     return sharing
 
 
-_FACTORY_OPTION = "is_expert_parallel"
-"""An option Megatron's ``get_megatron_optimizer`` gives every param group it makes (0.13
-to 0.19), which torch's optimizers do not read."""
+_FACTORY_OPTIONS = frozenset({"is_expert_parallel", "max_lr", "min_lr"})
+"""Options Megatron's ``get_megatron_optimizer`` gives every param group it makes (0.13 to
+0.19), which torch's optimizers do not read."""
 
 
 def _readable_groups(optimizer: object) -> list[object]:
