@@ -331,7 +331,7 @@ def test_a_step_sharing_memory_with_a_wrappers_own_tensor_is_refused(name: str, 
     stack.train(0, 2)
     kept = held(getattr(stack.optimizer, "chained_optimizers")[0])
     value = kept.clone()
-    next(iter(stack.leaves()[0].state.values()))["step"] = kept
+    next(iter(stack.leaves()[0].state.values()))["step"] = kept.view(())  # 0-d, as a step is
 
     with pytest.raises(opttree.UnsupportedOptimizerState, match=f"key 'step': shares memory with '{key}' of "):
         opttree.reset(stack.optimizer)
@@ -367,7 +367,7 @@ def test_a_step_sharing_memory_with_megatrons_gradient_buffer_is_refused(name: s
     main_grad = next(grad for grad in (getattr(param, "main_grad", None) for param in stack.model.parameters()) if isinstance(grad, torch.Tensor))
     main_grad.fill_(0.5)
     flat = main_grad.view(-1)
-    next(iter(stack.leaves()[0].state.values()))["step"] = flat[:1] if flat.dtype == torch.float32 else flat[:2].view(torch.float32)
+    next(iter(stack.leaves()[0].state.values()))["step"] = flat[0] if flat.dtype == torch.float32 else flat[:2].view(torch.float32)[0]  # 0-d, as a step is
 
     with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'step': shares memory with a parameter's gradient of "):
         opttree.reset(stack.optimizer)

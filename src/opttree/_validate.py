@@ -891,12 +891,9 @@ _FACTORY_OPTIONS = frozenset({"is_expert_parallel", "max_lr", "min_lr"})
 
 
 def _readable_groups(optimizer: object) -> list[object]:
-    """``optimizer``'s param groups as a list, or none where they cannot be read (reported
-    by the state checks)."""
-    try:
-        groups = vars(optimizer).get("param_groups")
-    except TypeError:
-        return []
+    """``optimizer``'s param groups as its ``__dict__`` holds them, or none where they are
+    not a list there (reported by the state checks)."""
+    groups = own_attributes(optimizer).get("param_groups")
     return list(groups) if isinstance(groups, list) else []
 
 
