@@ -1268,3 +1268,27 @@ def test_a_class_given_a_schema_by_its_path_and_a_wrapper_kind_as_a_class_is_ref
         assert isinstance(opttree.tree(optimizer), opttree.LeafNode)
     finally:
         del sys.modules["opttree_both_kinds"]
+
+
+def test_a_class_registered_under_two_of_its_paths_before_either_is_imported_is_refused() -> None:
+    """Its defining path and a re-export, both registered while neither module was
+    imported: which schema applied depended on import order (the other passed over in
+    silence). Both met, the class is refused, naming both paths."""
+    impl = types.ModuleType("opttree_twice_impl")
+    exec("import torch\nclass Twice(torch.optim.SGD):\n    pass\n", impl.__dict__)
+    reexport = types.ModuleType("opttree_twice")
+    reexport.__dict__["Twice"] = impl.__dict__["Twice"]
+    opttree.register_schema("opttree_twice.Twice", opttree.StateSchema(zero={"momentum_buffer"}))
+    opttree.register_schema("opttree_twice_impl.Twice", opttree.StateSchema(drop={"momentum_buffer"}))
+    sys.modules.update(opttree_twice_impl=impl, opttree_twice=reexport)
+    try:
+        param = torch.nn.Parameter(torch.ones(2))
+        optimizer = impl.__dict__["Twice"]([param], lr=0.1, momentum=0.9)
+        param.grad = torch.ones(2)
+        optimizer.step()
+        before = snapshot(optimizer)
+        with pytest.raises(opttree.UnsupportedOptimizer, match=r"opttree_twice_impl\.Twice is registered under two of its paths \(opttree_twice\.Twice too\)"):
+            opttree.reset(optimizer)
+        assert unchanged(optimizer, before)
+    finally:
+        del sys.modules["opttree_twice_impl"], sys.modules["opttree_twice"]

@@ -364,3 +364,18 @@ def test_a_registered_wrapper_that_is_a_torch_optimizer_has_its_own_hooks_checke
     with pytest.raises(opttree.UnsupportedOptimizer):
         opttree.reset(wrapper)
     assert unchanged(wrapper.inner, before)
+
+
+def test_the_refusal_of_a_lambda_hook_says_how_to_declare_it() -> None:
+    """register_step_hook refuses a lambda (every lambda there shares its name): the reset's
+    advice to declare it said what could not be done."""
+    param = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([param])
+    param.grad = torch.ones(3)
+    optimizer.step()
+    handle = optimizer.register_step_pre_hook(lambda opt, args, kwargs: None)
+    try:
+        with pytest.raises(opttree.UnsupportedOptimizer, match=r"it cannot be declared as it is \(.*<lambda> is known by a name that every <lambda> defined there shares.*give the hook a def of its own\), then declare that with opttree\.register_step_hook"):
+            opttree.reset(optimizer)
+    finally:
+        handle.remove()

@@ -103,6 +103,8 @@ class LazyDispatch(Generic[V]):
         self._values: dict[type, V] = {}
         self._lazy: dict[str, V] = {}
         self._found: dict[type, tuple[type, V] | str | None] = {}
+        self._twice: dict[type, str] = {}
+        """Classes registered under two of their paths, met once both were imported."""
         self._token = self._cache_token()
         self._lock = threading.Lock()
 
@@ -209,14 +211,22 @@ class LazyDispatch(Generic[V]):
                 self._add(klass, self._lazy.pop(dotted))
         for dotted in list(self._lazy):  # a path through a re-export (torch.optim.AdamW), once imported
             imported = imported_class(dotted)
-            if imported is not None and imported not in self._values:
-                self._add(imported, self._lazy.pop(dotted))
+            if imported is None:
+                continue
+            value = self._lazy.pop(dotted)
+            if imported in self._values:  # registered under its own path as well, before either was imported
+                self._twice[imported] = (
+                    f"{dotted_name(imported)} is registered under two of its paths ({dotted} too), which of them "
+                    "applies depending on what was imported first: register it once"
+                )
+            else:
+                self._add(imported, value)
         found: tuple[type, V] | str | None
         try:
             owner = self._owners.dispatch(cls)(None)
         except Exception as error:  # noqa: BLE001  # singledispatch's "Ambiguous dispatch", or a registered ABC's own hook
             found = self._unresolved(cls, error)
         else:
-            found = None if owner is None else (owner, self._values[owner])
+            found = None if owner is None else self._twice.get(owner, (owner, self._values[owner]))
         self._found[cls] = found
         return found

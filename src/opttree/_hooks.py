@@ -145,22 +145,28 @@ def register_step_hook(hook: Callable[..., object]) -> None:
     if not callable(cast(object, hook)):  # untyped callers pass anything
         msg = f"register_step_hook takes the hook function, got {kind_of(hook)}"
         raise RegistrationError(msg)
+    key = _declarable_key(hook)
+    if isinstance(key, str):
+        raise RegistrationError(key)
+    with _lock:
+        _registered.add(key)
+
+
+def _declarable_key(hook: object) -> HookKey | str:
+    """What ``hook`` is known by (see :func:`_key`), or why it cannot be declared."""
     key = _key(hook)
     if key is None:
-        msg = (
+        return (
             f"{kind_of(hook)} runs a function that has no module and qualified name to be known by (a callable object "
             "is known by its class's __call__, which a class written in C has not): make the hook a function of your own"
         )
-        raise RegistrationError(msg)
     unnamed = [part for _, qualname in key for part in qualname.split(".") if part.startswith("<") and part != "<locals>"]
     if unnamed:
-        msg = (
+        return (
             f"{hook_name(hook)} is known by a name that every {unnamed[0]} defined there shares: declaring it would declare "
             "them all; give the hook a def of its own"
         )
-        raise RegistrationError(msg)
-    with _lock:
-        _registered.add(key)
+    return key
 
 
 _NOT_A_DICT = object()
@@ -188,7 +194,8 @@ def _unknown_in(held: Callable[[str], object], attributes: tuple[tuple[str, str]
         if found is _NOT_A_DICT:
             return _reason(f"{whose} {kind}s, held in {kind_of(hooks)} where torch holds a dict, run inside {inside}")
         if found is not None:
-            return _reason(f"{whose} {kind} {hook_name(found)} runs inside {inside}")
+            declared_as = _declarable_key(found)
+            return _reason(f"{whose} {kind} {hook_name(found)} runs inside {inside}", declared_as if isinstance(declared_as, str) else None)
     return None
 
 
@@ -231,8 +238,8 @@ def unknown_global_step_hook() -> str | None:
     return _unknown_in(lambda attribute: getattr(torch_optimizer, attribute, None), _GLOBAL, "torch's global", "every optimizer's step")
 
 
-def _reason(what: str) -> str:
-    return (
-        f"{what}: opttree cannot tell that it builds and changes no state, so a reset could not be exact; "
-        "if it leaves optimizer state alone, declare it with opttree.register_step_hook"
-    )
+def _reason(what: str, undeclarable: str | None = None) -> str:
+    """Why a hook makes a reset unsafe, and what to do: declare it, or, where it cannot be
+    declared as it is (``undeclarable``: a lambda), first make it declarable."""
+    advice = "declare it with opttree.register_step_hook" if undeclarable is None else f"it cannot be declared as it is ({undeclarable}), then declare that with opttree.register_step_hook"
+    return f"{what}: opttree cannot tell that it builds and changes no state, so a reset could not be exact; if it leaves optimizer state alone, {advice}"
