@@ -77,9 +77,12 @@ def test_children_sharing_a_label_are_a_malformed_wrapper_and_under_two_labels_o
     [
         (("a", "a.optimizer"), "gave the labels 'a' and 'a.optimizer': the second's path lies below the first's"),
         (("a", "a[0]"), "gave the labels 'a' and 'a[0]': the second's path lies below the first's"),
-        (("", "b"), "gave a child the empty label"),
+        (("", "b"), "gave a child the label '', which names no path below it"),
+        (("<root>", "b"), "gave a child the label '<root>', which names no path below it"),
+        (("a", "."), "gave a child the label '.', which names no path below it"),
+        (("a", "b..c"), "gave a child the label 'b..c', which names no path below it"),
     ],
-    ids=["dotted", "indexed", "empty"],
+    ids=["dotted", "indexed", "empty", "root", "dot", "empty-part"],
 )
 def test_children_whose_labels_would_give_two_nodes_one_path_are_a_malformed_wrapper(labels: tuple[str, str], message: str) -> None:
     """A label ``a.optimizer`` beside a child ``a`` that holds a child ``optimizer`` names two

@@ -348,8 +348,12 @@ def labelled(pairs: list[object], wrapper: object, path: str) -> list[tuple[str,
         twice = next(label for label in labels if labels.count(label) > 1)
         message = f"its children function gave the label {twice!r} to more than one child: give each its own label"
         raise refusal(ProblemKind.MALFORMED_WRAPPER, wrapper, path, message)
-    if "" in labels:
-        message = "its children function gave a child the empty label: give each a label of its own"
+    pathless = next((label for label in labels if label == _paths.ROOT or "" in label.split(".")), None)
+    if pathless is not None:
+        message = (
+            f"its children function gave a child the label {pathless!r}, which names no path below it (empty, the "
+            "root's, or with nothing between dots): give each a label of its own"
+        )
         raise refusal(ProblemKind.MALFORMED_WRAPPER, wrapper, path, message)
     return checked
 
