@@ -1231,27 +1231,25 @@ class LeafInspector:
         them (see :meth:`plan_steps`); reported as a problem."""
         with plain_reads():
             shaped = [tensor for tensor in tensors if _NDIM(tensor)] if any(map(_NDIM, tensors)) else []
+        wrong = None if shaped else unfresh_step_dtypes(checked.dtypes, params, groups)
         if shaped:
-            message = (
-                f"step counter: {_which(len(shaped), len(tensors), 'are')} of shape {tuple(_SHAPE(shaped[0]))}, where a "
-                f"fresh {type(node.optimizer).__qualname__} counts in a 0-d tensor: zeroed in place it would keep that "
-                "shape, and a step that computes with it as a tensor (a compiled or differentiable one) would broadcast "
-                "its updates to that shape, and raise over a 0-d parameter (a checkpoint saved by other code: torch's "
-                "load keeps a step's shape); " + self.rebuild_advice()
+            count, what, fresh = len(shaped), f"of shape {tuple(_SHAPE(shaped[0]))}", "a 0-d tensor"
+            differs = "broadcast its updates to that shape, and raise over a 0-d parameter (a checkpoint saved by other code: torch's load keeps a step's shape)"
+        elif wrong is not None:
+            count, what, fresh = wrong[0], torch_name(wrong[1]), (
+                f"a {torch_name(wrong[2])} tensor (torch's default dtype is {torch_name(torch.get_default_dtype())}; fused "
+                "groups count in float32)"
             )
-            self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
-            return True
-        wrong = unfresh_step_dtypes(checked.dtypes, params, groups)
-        if wrong is None:
+            differs = (
+                "compute bias correction unlike a fresh one (a checkpoint saved under another default dtype, whose steps "
+                "torch's load keeps as saved, or loaded by Megatron, which makes them float32)"
+            )
+        else:
             return False
-        count, dtype, fresh = wrong
         message = (
-            f"step counter: {_which(count, len(tensors), 'are')} {torch_name(dtype)}, where a fresh "
-            f"{type(node.optimizer).__qualname__} counts in a {torch_name(fresh)} tensor (torch's default dtype is "
-            f"{torch_name(torch.get_default_dtype())}; fused groups count in float32): zeroed in place it would go on "
-            "counting in that dtype, and a step that computes with it as a tensor (a compiled or differentiable one) "
-            "unlike a fresh one (a checkpoint saved under another default dtype, whose steps torch's load keeps as "
-            "saved, or loaded by Megatron, which makes them float32); " + self.rebuild_advice()
+            f"step counter: {_which(count, len(tensors), 'are')} {what}, where a fresh {type(node.optimizer).__qualname__} "
+            f"counts in {fresh}: zeroed in place it would stay so, and a step that computes with it as a tensor (a "
+            f"compiled or differentiable one) would {differs}; " + self.rebuild_advice()
         )
         self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
         return True
