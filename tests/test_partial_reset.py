@@ -687,3 +687,27 @@ def test_a_copy_stepped_for_a_selected_and_an_unselected_parameter_is_refused() 
     opttree.reset(wrapper, params=[weight, bias])  # every parameter of the copy; a partial reset keeps steps
     entry = wrapper.inner.state[wrapper.flat]
     assert not entry["exp_avg"].any() and not entry["exp_avg_sq"].any() and float(entry["step"]) == 3
+
+
+@pytest.mark.parametrize("name", [n for n in ("fp16", "dist_bf16") if n in testing.available()])
+def test_main_copies_selected_from_the_leafs_param_groups_select_their_parameters(name: str) -> None:
+    """Code that walks ``optimizer.param_groups`` selects the main copies (or shards) a
+    wrapper steps, not its model parameters: passed through as tensors of their own, they
+    escaped the wrapper's step unit (one step reset, a checkpoint that then failed) and
+    its loss scale (every step reset, the warmed-up scale kept). Each selects its parameter."""
+    stack = testing.build(name)
+    stack.train(0, K)
+    mains = [p for group in stack.leaves()[0].param_groups for p in group["params"]]
+    before = snapshot(stack.leaves()[0])
+
+    with pytest.raises(opttree.PartialResetRefused, match="saves one step for|of the 4 parameters whose steps it saves as one"):
+        opttree.reset(stack.optimizer, params=mains[:1], keys=["step"])
+    assert unchanged(stack.leaves()[0], before)
+
+    report = opttree.reset(stack.optimizer, params=mains, keys=["exp_avg", "exp_avg_sq", "step"])
+    assert report.steps == len(mains) and report.loss_scales_reset == (1 if "fp16" in name else 0)
+    fresh = testing.build(name)
+    fresh.copy_weights_from(stack)
+    stack.train(K, K)
+    fresh.train(K, K)
+    assert all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))

@@ -273,6 +273,10 @@ class SelectVisitor(TraverserVisitor):
             listed.add(id(param))
             copies.update(map(id, inner_tensors))
             found = outer.get(id(param))
+            if found is None:  # a copy selected itself (a main copy from the leaf's param_groups) selects its parameter
+                through_copies = [outer[id(tensor)] for tensor in inner_tensors if id(tensor) in outer]
+                if through_copies:
+                    found = (param, frozenset().union(*(indices for _, indices in through_copies)))
             if found is None:
                 unselected.update(id(tensor) for tensor in inner_tensors if isinstance(tensor, torch.Tensor))  # not a None placeholder
                 continue

@@ -665,15 +665,20 @@ class ValidateVisitor(TraverserVisitor):
                 return
 
     def _check_factory_built(self, root: Node) -> None:
-        """An optimizer passed as itself whose param groups Megatron's factory made (each
-        holds its :data:`_FACTORY_OPTIONS`) sits under a Megatron wrapper that opttree cannot
-        see from it: refused, for the stack, or the optimizer's node in its tree, to be
-        passed instead (a reset of an fp16 stack's inner optimizer kept the warmed-up loss
-        scale and trained unlike a fresh stack; a release left a DistributedOptimizer that
-        cannot save)."""
-        if not isinstance(root, (LeafNode, HybridNode)) or root.path != ROOT:
+        """An optimizer passed as itself that Megatron's factory built below the chain it
+        returns (every param group of the leaves it holds, or its own, holds the factory's
+        :data:`_FACTORY_OPTIONS`) sits under a wrapper opttree cannot see from it: refused,
+        for the stack, or the optimizer's node in its tree, to be passed instead. Alone, an
+        fp16 stack's inner optimizer kept the warmed-up loss scale and trained unlike a fresh
+        stack; a release left a DistributedOptimizer that cannot save; a chain's member reset
+        alone left the chain scaling its loss by one scale and unscaling by another, or a
+        checkpoint that failed to load. The factory returns a chain (a
+        ``ChainedOptimizer``, or its subclass ``LayerWiseDistributedOptimizer``), which is
+        not refused."""
+        if isinstance(root, ChainedNode) or root.path != ROOT:
             return  # a node at another path is one of a tree, whose own checks see what is above it
-        groups = _readable_groups(root.optimizer)
+        leaves = [root.optimizer] if isinstance(root, (LeafNode, HybridNode)) else tree_leaves(root)
+        groups = [group for leaf in leaves for group in _readable_groups(leaf)]
         if not groups or not all(isinstance(group, Mapping) and _FACTORY_OPTIONS <= group.keys() for group in groups):
             return
         message = (
