@@ -272,17 +272,14 @@ def test_an_optimizer_the_factory_built_passed_without_its_wrapper_is_refused(na
     inner = stack.leaves()[0]
     before = snapshot(inner)
 
-    changes: list[Callable[[], object]] = [
-        lambda: opttree.reset(inner),
-        lambda: opttree.reset(inner, release=True),
-        lambda: opttree.prune(inner, 0.5),
-    ]
+    changes: list[Callable[[], object]] = [lambda: opttree.reset(inner), lambda: opttree.reset(inner, release=True)]
     for change in changes:
         with pytest.raises(opttree.UnsupportedOptimizer, match=r"at <root>: its param groups are Megatron's factory's \(they hold is_expert_parallel, max_lr, min_lr\): passed without the Megatron wrapper above it"):
             change()
     assert unchanged(inner, before)
     assert [p.kind for p in opttree.validate(inner)] == [opttree.ProblemKind.WITHOUT_ITS_WRAPPER]
     assert opttree.describe(inner)
+    assert opttree.scale(inner, 1.0, keys=["exp_avg"]).tensors_zeroed > 0  # history alone is its own: no step, no scale
 
     pending: list[opttree.Node] = [opttree.tree(stack.optimizer)]
     while pending[-1].optimizer is not inner:
@@ -711,3 +708,22 @@ def test_main_copies_selected_from_the_leafs_param_groups_select_their_parameter
     stack.train(K, K)
     fresh.train(K, K)
     assert all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))
+
+
+@pytest.mark.skipif("frozen_fp16" not in testing.available(), reason="no frozen_fp16 recipe in this lane")
+def test_a_member_of_the_factorys_chain_passed_alone_is_refused_where_it_takes_steps() -> None:
+    """The trained member of an fp16 chain, reset alone, reset its loss scale apart from the
+    stub's, which the chain scales its loss by; the stub alone reset that one alone. Both
+    refused with nothing changed; history alone is reset."""
+    stack = testing.build("frozen_fp16")
+    stack.train(0, K)
+    stub, member = getattr(stack.optimizer, "chained_optimizers")
+    before = snapshot(stack.leaves()[0])
+
+    with pytest.raises(opttree.UnsupportedOptimizer, match=r"Float16OptimizerWithFloat16Params at <root>: its param groups are Megatron's factory's"):
+        opttree.reset(member)
+    with pytest.raises(opttree.UnsupportedOptimizer, match=r"Float16OptimizerWithFloat16Params at <root>: a Megatron stub"):
+        opttree.reset(stub)
+    assert unchanged(stack.leaves()[0], before)
+    assert [float(m.get_loss_scale()) for m in (stub, member)] == [float(stub.get_loss_scale())] * 2
+    assert opttree.reset(member, keys=["exp_avg"]).tensors_zeroed > 0

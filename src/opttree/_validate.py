@@ -674,18 +674,24 @@ class ValidateVisitor(TraverserVisitor):
         alone left the chain scaling its loss by one scale and unscaling by another, or a
         checkpoint that failed to load. The factory returns a chain (a
         ``ChainedOptimizer``, or its subclass ``LayerWiseDistributedOptimizer``), which is
-        not refused."""
-        if isinstance(root, ChainedNode) or root.path != ROOT:
-            return  # a node at another path is one of a tree, whose own checks see what is above it
-        leaves = [root.optimizer] if isinstance(root, (LeafNode, HybridNode)) else tree_leaves(root)
-        groups = [group for leaf in leaves for group in _readable_groups(leaf)]
-        if not groups or not all(isinstance(group, Mapping) and _FACTORY_OPTIONS <= group.keys() for group in groups):
-            return
+        not refused; nor is a reset that keeps steps (``prune``, ``scale``, ``keys``
+        without ``"step"``), which touches none of those. A Megatron stub passed alone,
+        whose loss scale is its chain's, is refused alike."""
+        if isinstance(root, ChainedNode) or root.path != ROOT or not (self._selection.steps or self._selection.release):
+            return  # a node at another path is one of a tree, whose own checks see what is above it; history alone is its own
+        if isinstance(root, WrapperNode) and root.is_stub:
+            what = "a Megatron stub (it holds no optimizer, and is built only as a member of a chain, whose loss scale it holds)"
+        else:
+            leaves = [root.optimizer] if isinstance(root, (LeafNode, HybridNode)) else tree_leaves(root)
+            groups = [group for leaf in leaves for group in _readable_groups(leaf)]
+            if not groups or not all(isinstance(group, Mapping) and _FACTORY_OPTIONS <= group.keys() for group in groups):
+                return
+            what = f"its param groups are Megatron's factory's (they hold {', '.join(sorted(_FACTORY_OPTIONS))})"
         message = (
-            f"its param groups are Megatron's factory's (they hold {', '.join(sorted(_FACTORY_OPTIONS))}): passed without the Megatron "
-            "wrapper above it, a reset cannot see that wrapper's loss scale, the steps it saves as one or its "
-            "checkpoints; pass the stack (params= selects this optimizer's parameters) or this optimizer's node in "
-            "opttree.tree(stack)"
+            f"{what}: passed without the Megatron wrapper above it, a reset of its steps cannot see that wrapper's loss "
+            "scale, the steps it saves as one or its checkpoints; pass the stack (params= selects this optimizer's "
+            "parameters) or this optimizer's node in opttree.tree(stack) (a torch optimizer that loaded a Megatron "
+            "checkpoint holds those options too: delete them from its groups, which only Megatron reads)"
         )
         self.problems.append(Problem(ProblemKind.WITHOUT_ITS_WRAPPER, root.path, type(root.optimizer).__qualname__, message))
 
