@@ -43,10 +43,14 @@ def _plan(
     model: torch.nn.Module | None,
     what: str,
     dtypes: tuple[str, Callable[[torch.dtype], bool]],
+    *,
+    keeps_bounds: bool,
 ) -> ResetPlan:
     """The checked plan of a partial reset of ``keys``, whose history ``what`` changes in
     place: refused, as a reset is, for anything a reset refuses, and for history that is
-    not zero at the start or whose dtype ``what`` cannot change (``dtypes``: its name and test)."""
+    not zero at the start or whose dtype ``what`` cannot change (``dtypes``: its name and test),
+    or that bounds other history, unless ``what`` ``keeps_bounds`` where it changes all of them
+    alike (a scale by at most 1, a prune of everything)."""
     key_list = None if keys is None else sorted(key_names(keys))
     if key_list is not None and "step" in key_list:
         raise PartialResetRefused(f"{what} keeps step counters: leave 'step' out of keys")
@@ -85,7 +89,7 @@ def _plan(
         )
         msg = f"{what} changes history in place, and it is not zero at the start (its schema drops, fills, scales or starts it as an identity): {advice}"
         raise _unchangeable(path, cls, name, msg)
-    _refuse_bound_together(root, chosen, key_list, what)
+    _refuse_bound_together(root, chosen, key_list, what, keeps_bounds=keeps_bounds)
     kind, accepts = dtypes
     for (key, _, _), tensors in state.lists.items():
         with plain_torch():
@@ -96,9 +100,12 @@ def _plan(
     return plan
 
 
-def _refuse_bound_together(root: Node, chosen: Selection, keys: list[str] | None, what: str) -> None:
+def _refuse_bound_together(root: Node, chosen: Selection, keys: list[str] | None, what: str, *, keeps_bounds: bool) -> None:
     """Refuse to change history its schema's ``bound_together`` binds to other history a
-    leaf holds for the selected parameters: changed tensor by tensor, the bound breaks."""
+    leaf holds for the selected parameters: changed tensor by tensor, the bound breaks;
+    not where ``what`` ``keeps_bounds`` and changes all of them (centered RMSprop's
+    square_avg less grad_avg squared, both scaled by f <= 1, is f times what it was less
+    f squared times the square: no smaller than f times the difference, which is >= 0)."""
     for node in tree_nodes(root):
         if not isinstance(node, LeafNode) or node.shared_with is not None:
             continue
@@ -109,7 +116,8 @@ def _refuse_bound_together(root: Node, chosen: Selection, keys: list[str] | None
             entry for param, entry in node.optimizer.state.items() if chosen.tensors is None or id(param) in chosen.tensors
         ]
         held = sorted(schema.bound_together.intersection(set().union(*entries)))
-        if len(held) > 1 and (keys is None or not set(keys).isdisjoint(held)):
+        every = keys is None or set(held) <= set(keys)
+        if len(held) > 1 and (keys is None or not set(keys).isdisjoint(held)) and not (keeps_bounds and every):
             name = held[0] if keys is None else min(set(keys) & set(held))
             msg = (
                 f"{what} changes each tensor apart, and the entries hold {', '.join(held)}, whose values bound one "
@@ -231,7 +239,7 @@ def prune(
             raise PartialResetRefused(f"by must be 'magnitude' or 'random', got {_described(by)}")
         if generator is not None and not isinstance(cast(object, generator), torch.Generator):
             raise PartialResetRefused(f"generator must be a torch.Generator or None, got {_described(generator)}")
-        plan = _plan(optimizer, params, keys, model, "prune", _REAL_FLOATS)
+        plan = _plan(optimizer, params, keys, model, "prune", _REAL_FLOATS, keeps_bounds=share == 1.0)
         if by == "random" and generator is not None:
             with plain_torch():
                 devices = {tensor.device.type for tensor in _tensors(plan)} - {generator.device.type}
@@ -289,7 +297,7 @@ def scale(
             ratio = real_number(factor)
         if ratio is None or not 0.0 <= ratio < math.inf:
             raise PartialResetRefused(f"factor must be a finite number >= 0, got {_described(factor)}")
-        plan = _plan(optimizer, params, keys, model, "scale", _FLOATS)
+        plan = _plan(optimizer, params, keys, model, "scale", _FLOATS, keeps_bounds=ratio <= 1.0)
         with plain_torch(), torch.no_grad():
             tensors = [tensor for tensor in _tensors(plan) if tensor.numel()]
             if tensors:

@@ -541,6 +541,25 @@ class LeafInspector:
                 return True
         return False
 
+    def bound_apart(self, node: LeafNode, held: Counter[str]) -> bool:
+        """Whether a partial reset takes some of the history keys whose values bound one
+        another (``bound_together``) that the entries hold (``held`` counts their keys), and
+        keeps the others: refused (centered RMSprop's square_avg zeroed under its kept
+        grad_avg made the next step write NaN)."""
+        if self.selection.keys is None:
+            return False
+        bound = sorted(key for key in self.schema.bound_together if held[key])
+        taken = [key for key in bound if self.resets(key)]
+        if len(bound) < 2 or not taken or len(taken) == len(bound):
+            return False
+        kept = [key for key in bound if key not in taken]
+        message = (
+            f"its {', '.join(bound)} bound one another (its schema's bound_together), and keys names {', '.join(taken)} "
+            f"without {', '.join(kept)}: changed apart, the bound can break and the next step write NaN; name them all, or none"
+        )
+        self.problem(node, ProblemKind.PARTIAL_GROUP, message, taken[0])
+        return True
+
     def takes_part(self, node: LeafNode, params: list[torch.Tensor], state: Mapping[torch.Tensor, StateEntry]) -> bool:
         """Whether a partial reset takes part of an indivisible state (some of the leaf's
         parameters, or some of the keys it holds), which is refused."""
@@ -753,7 +772,7 @@ class LeafInspector:
         layouts: _ParamLayouts | None = None  # read at the first key built like them
         counts = Counter(chain.from_iterable(entries))
         into.found_keys.update(counts)
-        if self.read_in_another_basis(node, counts):
+        if self.read_in_another_basis(node, counts) or self.bound_apart(node, counts):
             return
         if self.schema.step is StepLocation.PER_PARAMETER and counts["step"] < len(entries):
             self.stepless_entries(node, held, entries, in_groups)
