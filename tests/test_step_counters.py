@@ -517,3 +517,34 @@ def test_odd_step_counters_are_reported_or_reset_never_raised_raw(odd: str) -> N
     steps = [entry["step"] for entry in optimizer.state.values()]
     assert all(not step.any() if isinstance(step, torch.Tensor) else step == 0 for step in steps)
     assert all(type(step) in (int, float, torch.Tensor) for step in steps)  # an int subclass becomes the int 0
+
+
+class SharedAdam(torch.optim.Adam):
+    """The A3C "SharedAdam": builds its state in __init__, the step of shape (1,), to share
+    it across processes; registered with Adam's schema, as the README says to."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(params, lr=1e-2)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p].update(step=torch.zeros(1), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+
+
+adam_schema = opttree.schema_for(torch.optim.Adam)
+assert adam_schema is not None
+opttree.register_schema(SharedAdam, adam_schema)
+
+
+def test_a_class_registered_with_a_schema_builds_its_steps_as_it_does() -> None:
+    """The 0-d shape and exact dtype of a fresh step are torch's classes' own: a user's
+    class, registered with their schema, may build its step otherwise (SharedAdam's is of
+    shape (1,)); its steps are still counted in a float dtype torch counts in."""
+    param = torch.nn.Parameter(torch.ones(3))
+    optimizer = SharedAdam([param])
+    for _ in range(3):
+        param.grad = torch.ones(3)
+        optimizer.step()
+
+    assert opttree.reset(optimizer).steps == 1 and optimizer.state[param]["step"].shape == (1,)
+    optimizer.state[param]["step"] = torch.zeros(1, dtype=torch.bfloat16)
+    refused_with_one_step_problem(optimizer, r"key 'step': step counter: it is bfloat16, where a fresh SharedAdam counts in a float32 tensor")

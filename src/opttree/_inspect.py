@@ -357,6 +357,9 @@ class LeafInspector:
         """Whether the reset takes a key of this schema's: a partial one's keys, with those counted with a step it takes."""
         self.actions: dict[str, KeyAction] = schema.actions if selection.everything else schema.actions_for(self.resets)
         self.megatron_above: str | None = None
+        self.fresh_steps_known = False
+        """Whether the leaves' class builds its tensor steps as torch's optimizers do (see
+        :meth:`unfresh_steps`): opttree's built-in schema applies to it unchanged."""
         """The class of the innermost Megatron wrapper above the leaf inspected, if any."""
 
     def problem(self, node: Node, kind: ProblemKind, message: str, key: str | None = None) -> None:
@@ -1248,16 +1251,24 @@ class LeafInspector:
     ) -> bool:
         """Whether one-value step tensors (``checked``) are not as a fresh optimizer builds
         them (see :meth:`plan_steps`); reported as a problem."""
+        known = self.fresh_steps_known  # else any of the dtypes torch builds steps in, and any shape of one value
         with plain_reads():
-            shaped = [tensor for tensor in tensors if _NDIM(tensor)] if any(map(_NDIM, tensors)) else []
-        wrong = None if shaped else unfresh_step_dtypes(checked.dtypes, params, groups)
+            shaped = [tensor for tensor in tensors if _NDIM(tensor)] if known and any(map(_NDIM, tensors)) else []
+        wrong: tuple[int, torch.dtype, str] | None = None
+        if known:
+            unfresh = None if shaped else unfresh_step_dtypes(checked.dtypes, params, groups)
+            wrong = None if unfresh is None else (unfresh[0], unfresh[1], torch_name(unfresh[2]))
+        else:
+            counted_in = frozenset({scalar_dtype(), torch.float32})
+            outside = outside_dtypes(checked, counted_in)
+            wrong = None if outside is None else (*outside, " or ".join(sorted(map(torch_name, counted_in))))
         if shaped:
             count, what, fresh = len(shaped), f"of shape {tuple(_SHAPE(shaped[0]))}", "a 0-d tensor"
             differs = "broadcast its updates to that shape, and raise over a 0-d parameter (a checkpoint saved by other code: torch's load keeps a step's shape)"
         elif wrong is not None:
             count, what, fresh = wrong[0], torch_name(wrong[1]), (
-                f"a {torch_name(wrong[2])} tensor (torch's default dtype is {torch_name(torch.get_default_dtype())}; fused "
-                "groups count in float32)"
+                f"a {wrong[2]} tensor (torch's default dtype is "
+                f"{torch_name(torch.get_default_dtype())}; fused groups count in float32)"
             )
             differs = (
                 "compute bias correction unlike a fresh one (a checkpoint saved under another default dtype, whose steps "

@@ -66,6 +66,14 @@ def schema_for(cls: type) -> StateSchema | None:
     return _applying(cls)[0]
 
 
+def builds_as_its_schema_says(cls: type) -> bool:
+    """Whether ``cls``'s state is built as its schema's own class builds it: the schema is
+    opttree's built-in one, which applies because ``cls`` defines nothing of its own. A
+    user's schema (a class whose ``__init__`` builds a step of shape ``(1,)``, registered with
+    Adam's) says what the state holds, not the shapes and dtypes its class builds."""
+    return _user_schemas.resolved(cls) is None and _applying(cls)[0] is not None
+
+
 def instance_builder(optimizer: object) -> str | None:
     """The first method ``optimizer`` holds in its own ``__dict__`` over its class's,
     where a built-in schema applies to the class: a ``step`` set on one instance may keep

@@ -309,6 +309,8 @@ class ValidateVisitor(TraverserVisitor):
             return self._inspectors[cls]
         schema = _registry.schema_for(cls) if self._patch_of(cls) is None else None
         inspector = None if schema is None else LeafInspector(schema, self._plan, self.problems, self._selection)
+        if inspector is not None:
+            inspector.fresh_steps_known = _registry.builds_as_its_schema_says(cls)
         self._inspectors[cls] = inspector
         return inspector
 
