@@ -31,3 +31,24 @@ def test_validate_describe_and_reset_inside_a_compiled_function_run_eagerly() ->
 
     assert report.steps == len(optimizer.state) > 0
     assert all(not value.any() for entry in optimizer.state.values() for value in entry.values())
+
+
+def test_the_visitors_entry_points_inside_a_compiled_function_run_eagerly() -> None:
+    """ValidateVisitor.check, DescribeVisitor.render and ResetVisitor.reset take a tree as
+    the functions do, and run as they do inside compiled code too."""
+    net = model()
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-2)
+    train(net, optimizer, 0, 3)
+    root = opttree.tree(optimizer)
+    expected_text = opttree.DescribeVisitor().render(root)
+
+    @torch.compile(backend="eager")
+    def checked_and_reset() -> tuple[tuple[opttree.Problem, ...], str, opttree.ResetReport]:
+        validator = opttree.ValidateVisitor()
+        validator.check(root)
+        return tuple(validator.problems), opttree.DescribeVisitor().render(root), opttree.ResetVisitor().reset(root)
+
+    torch._dynamo.reset()
+    problems, text, report = checked_and_reset()
+
+    assert problems == () and text == expected_text and report.steps == len(optimizer.state) > 0

@@ -272,7 +272,21 @@ def test_a_megatron_wrapper_whose_kind_finds_nothing_where_it_holds_an_optimizer
     assert [p.kind for p in opttree.validate(node)] == [opttree.ProblemKind.HIDDEN_OPTIMIZER]
 
 
-@pytest.mark.parametrize("visitor", [None, "visitor", opttree.TraverserVisitor], ids=["none", "str", "class"])
+class LeafOnly:
+    def visit_leaf(self, node: opttree.Node) -> None:
+        pass
+
+
+class NotCallable:
+    visit_leaf = None
+
+
+@pytest.mark.parametrize("visitor", [None, "visitor", opttree.TraverserVisitor, NotCallable()], ids=["none", "str", "class", "not-callable"])
 def test_accept_refuses_what_is_not_a_visitor_instance(visitor: object) -> None:
-    with pytest.raises(opttree.OptTreeError, match="accept takes a NodeVisitor instance"):
+    with pytest.raises(opttree.OptTreeError, match="accept takes a NodeVisitor instance .*, whose visit_leaf it calls"):
         opttree.tree(adamw()).accept(visitor)  # type: ignore[arg-type]
+
+
+def test_accept_refuses_a_visitor_without_the_method_of_the_nodes_kind() -> None:
+    with pytest.raises(opttree.OptTreeError, match="whose visit_wrapper it calls; got a LeafOnly"):
+        opttree.tree(Holder(adamw())).accept(LeafOnly())  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ from typing import cast
 import torch
 from attrs import evolve, field, frozen
 
+from opttree._eager import eager
 from opttree._containers import malformed, pooled, tensors_held
 from opttree._errors import OptTreeError
 from opttree._fields import kind_of
@@ -194,6 +195,7 @@ class DescribeVisitor(NodeVisitor[Summary]):
             text = leaf_text(node.optimizer)
         return Summary(text, (), node.path)
 
+    @eager
     def render(self, root: Node) -> str:
         """The indented description of the tree under ``root``, as :func:`opttree.describe`
         gives it: objects the adapter refuses stand as lines saying why, a tree nested too

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice, repeat
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 from attrs import Attribute, field, fields, frozen
@@ -26,14 +26,16 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def _visitor(visitor: NodeVisitor[T]) -> NodeVisitor[T]:
-    """``visitor``, where it is a visitor object: ``accept(None)``, or given a visitor
-    class, raised Python's own AttributeError or TypeError from inside the walk."""
-    if isinstance(visitor, type) or not hasattr(visitor, "visit_leaf"):
+def _visit(visitor: NodeVisitor[T], name: str) -> Callable[[Node], T]:
+    """``visitor``'s method ``name`` (``visit_leaf``, ...): ``accept(None)``, a visitor class, or an object
+    without that method, callable, raised Python's own AttributeError or TypeError
+    from inside the walk."""
+    method = None if isinstance(visitor, type) else getattr(visitor, name, None)
+    if not callable(method):
         given = f"the class {visitor.__qualname__}" if isinstance(visitor, type) else kind_of(visitor)
-        msg = f"accept takes a NodeVisitor instance (opttree.DescribeVisitor(), a TraverserVisitor subclass's), got {given}"
+        msg = f"accept takes a NodeVisitor instance (opttree.DescribeVisitor(), a TraverserVisitor subclass's), whose {name} it calls; got {given}"
         raise OptTreeError(msg)
-    return visitor
+    return cast(Callable[[Node], T], method)
 
 _CHILD_FIELDS = frozenset({"members", "cpu", "gpu", "inner"})
 """The fields of the node kinds that hold child nodes."""
@@ -143,7 +145,7 @@ class ChainedNode(Node):
 
     def accept(self, visitor: NodeVisitor[T]) -> T:
         """Call the ``visit_*`` method of ``visitor`` that matches this node's kind."""
-        return _visitor(visitor).visit_chained(self)
+        return _visit(visitor, "visit_chained")(self)
 
 
 @frozen(repr=False, eq=False)
@@ -165,7 +167,7 @@ class HybridNode(Node):
 
     def accept(self, visitor: NodeVisitor[T]) -> T:
         """Call the ``visit_*`` method of ``visitor`` that matches this node's kind."""
-        return _visitor(visitor).visit_hybrid(self)
+        return _visit(visitor, "visit_hybrid")(self)
 
 
 @frozen(repr=False, eq=False)
@@ -193,7 +195,7 @@ class WrapperNode(Node):
 
     def accept(self, visitor: NodeVisitor[T]) -> T:
         """Call the ``visit_*`` method of ``visitor`` that matches this node's kind."""
-        return _visitor(visitor).visit_wrapper(self)
+        return _visit(visitor, "visit_wrapper")(self)
 
 
 @frozen(repr=False, eq=False)
@@ -214,7 +216,7 @@ class LeafNode(Node):
 
     def accept(self, visitor: NodeVisitor[T]) -> T:
         """Call the ``visit_*`` method of ``visitor`` that matches this node's kind."""
-        return _visitor(visitor).visit_leaf(self)
+        return _visit(visitor, "visit_leaf")(self)
 
 
 _LEAF_FIELDS = tuple(attribute.name for attribute in fields(LeafNode))

@@ -7,6 +7,7 @@ import logging
 import sys
 import traceback
 
+from opttree._eager import eager
 from opttree._errors import OptTreeError
 from opttree._nodes import Node
 from opttree._problems import Severity
@@ -22,12 +23,14 @@ class ResetVisitor(ValidateVisitor):
     _checked_root: Node | None = None
     """The tree :meth:`refusal` last passed, which :meth:`carry_out` checks again."""
 
+    @eager
     def refusal(self, root: Node) -> OptTreeError | None:
         """:meth:`check` the whole tree: the error a reset of it raises, or None."""
         refused = super().refusal(root)
         self._checked_root = root if refused is None else None
         return refused
 
+    @eager
     def reset(self, root: Node) -> ResetReport:
         """Check the whole tree, then, only if no error was found, carry out the plan."""
         refused = self.refusal(root)
@@ -35,6 +38,7 @@ class ResetVisitor(ValidateVisitor):
             raise refused
         return self._carry_out_passed()
 
+    @eager
     def carry_out(self) -> ResetReport:
         """Carry out the reset of the tree :meth:`refusal` has just checked and found
         nothing wrong with, once, checked again first from the state as it is now: code

@@ -9,6 +9,7 @@ from typing import Self, cast
 
 import torch
 
+from opttree._eager import eager
 from opttree import _registry
 from opttree._containers import PLAIN_STATES, malformed, own_writes
 from opttree._dispatch import dotted_name, is_megatron_class
@@ -114,6 +115,7 @@ class ValidateVisitor(TraverserVisitor):
         visitor._selection = selection
         return visitor
 
+    @eager
     def refusal(self, root: Node) -> OptTreeError | None:
         """:meth:`check` the whole tree: the error a reset of it raises, or None."""
         self.check(root)
@@ -132,6 +134,7 @@ class ValidateVisitor(TraverserVisitor):
         self._passed = True
         return None
 
+    @eager
     def check(self, root: Node) -> None:
         """Check the tree ``root`` afresh, forgetting any earlier check: a tree built by
         hand that is not the one opttree builds for its root's optimizer is a problem
