@@ -727,3 +727,23 @@ def test_a_member_of_the_factorys_chain_passed_alone_is_refused_where_it_takes_s
     assert unchanged(stack.leaves()[0], before)
     assert [float(m.get_loss_scale()) for m in (stub, member)] == [float(stub.get_loss_scale())] * 2
     assert opttree.reset(member, keys=["exp_avg"]).tensors_zeroed > 0
+
+
+@pytest.mark.skipif("frozen_fp16" not in testing.available(), reason="no frozen_fp16 recipe in this lane")
+def test_a_stubs_loss_scaler_follows_the_stacks_others_in_a_partial_reset() -> None:
+    """The stub holds no parameter to select: selecting every trained parameter with its
+    step was refused as keeping the stub's scaler, with advice no selection could follow.
+    It is reset with the others, and the stack trains as a fresh one."""
+    stack = testing.build("frozen_fp16")
+    stack.train(0, K)
+
+    report = opttree.reset(stack.optimizer, params=lambda name: "expert" in name, model=stack.model, keys=["exp_avg", "exp_avg_sq", "step"])
+
+    assert report.loss_scales_reset == 2 and report.loss_scales_kept == 0
+    fresh = testing.build("frozen_fp16")
+    fresh.copy_weights_from(stack)
+    stack.train(K, K)
+    fresh.train(K, K)
+    assert all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))
+    kept = opttree.reset(stack.optimizer, params=lambda name: "expert" in name, model=stack.model, keys=["exp_avg"])
+    assert kept.loss_scales_reset == 0 and kept.loss_scales_kept == 2

@@ -102,6 +102,9 @@ class ValidateVisitor(TraverserVisitor):
         self._scalers_seen: list[object] = []
         self._scalers_decided: list[tuple[Node, bool]] = []
         """Each resettable loss scaler's wrapper, and whether the reset resets it."""
+        self._stub_scalers: list[ScalerReset] = []
+        """The loss scalers of Megatron stubs met by a partial reset: reset where the
+        stack's other scalers all are, kept where they are kept."""
 
     def _forget_plan(self) -> None:
         """Drop the plan, and the inspectors that add to it, with every tensor they hold."""
@@ -579,7 +582,7 @@ class ValidateVisitor(TraverserVisitor):
         some ranks only)."""
         planned = plan_scaler(node.optimizer)
         if self._keep_loss_scale or not self._selection.steps:
-            if chosen is None or _takes_any(node, chosen, counted):
+            if chosen is None or node.is_stub or _takes_any(node, chosen, counted):  # a stub follows the stack's others
                 self._plan.scalers_kept += 1
             return None
         if isinstance(planned, str):
@@ -588,6 +591,9 @@ class ValidateVisitor(TraverserVisitor):
             return None
         if planned is None:
             return None
+        if chosen is not None and node.is_stub:  # it holds no parameter to select: it follows the stack's other scalers
+            self._stub_scalers.append(planned)
+            return planned
         taken = chosen is None or _takes_any(node, chosen, counted)
         self._scalers_decided.append((node, taken))
         if not taken:
@@ -603,6 +609,10 @@ class ValidateVisitor(TraverserVisitor):
         wrong from then on. A fresh stack's are all equal. Refused, naming both ways out."""
         decided = self._scalers_decided
         reset = [node for node, taken in decided if taken]
+        if reset and len(reset) == len(decided):
+            self._plan.scalers.extend(self._stub_scalers)  # a stub's, which the chain may scale its loss by, with the rest
+        elif self._stub_scalers:
+            self._plan.scalers_kept += len(self._stub_scalers)
         if not reset or len(reset) == len(decided):
             return
         kept = [node for node, taken in decided if not taken]
