@@ -103,7 +103,7 @@ def _plan(
 def _refuse_bound_together(root: Node, chosen: Selection, keys: list[str] | None, what: str, *, keeps_bounds: bool) -> None:
     """Refuse to change history its schema's ``bound_together`` binds to other history a
     leaf holds for the selected parameters: changed tensor by tensor, the bound breaks;
-    not where ``what`` ``keeps_bounds`` and changes all of them (centered RMSprop's
+    not where ``what`` ``keeps_bounds`` (it then changes all of them: centered RMSprop's
     square_avg less grad_avg squared, both scaled by f <= 1, is f times what it was less
     f squared times the square: no smaller than f times the difference, which is >= 0)."""
     for node in tree_nodes(root):
@@ -116,15 +116,14 @@ def _refuse_bound_together(root: Node, chosen: Selection, keys: list[str] | None
             entry for param, entry in node.optimizer.state.items() if chosen.tensors is None or id(param) in chosen.tensors
         ]
         held = sorted(schema.bound_together.intersection(set().union(*entries)))
-        every = keys is None or set(held) <= set(keys)
-        if len(held) > 1 and (keys is None or not set(keys).isdisjoint(held)) and not (keeps_bounds and every):
-            name = held[0] if keys is None else min(set(keys) & set(held))
+        # keys naming some of them only were refused by the partial reset's own check (bound_apart)
+        if len(held) > 1 and not set(held).isdisjoint(held if keys is None else keys) and not keeps_bounds:
             msg = (
                 f"{what} changes each tensor apart, and the entries hold {', '.join(held)}, whose values bound one "
                 "another (its schema's bound_together: centered RMSprop's step takes the square root of square_avg "
                 "less grad_avg squared): changed apart, the bound can break and the next step write NaN; reset them instead"
             )
-            raise _unchangeable(node.path, type(node.optimizer).__qualname__, name, msg)
+            raise _unchangeable(node.path, type(node.optimizer).__qualname__, held[0], msg)
 
 
 def _unchangeable(path: str, cls: str, key: str | None, message: str) -> OptTreeError:
