@@ -116,12 +116,24 @@ class LoraChain:
         return list(self.optimizers.items())
 
 
+class ExpertChain(MegatronOptimizer):
+    """An abstract wrapper base (MegatronOptimizer's abstract methods are left so), which a
+    wrapper kind is registered for once, for all its subclasses."""
+
+    experts: list[MegatronOptimizer]
+
+
 def register() -> None:
     opttree.register_wrapper(LoraChain, children=lambda chain: chain.items())
+    opttree.register_wrapper(ExpertChain, children=lambda chain: enumerate_experts(chain.experts))
     opttree.register_schema(
         "my_pkg.optim.Rprop",
         opttree.StateSchema(fill={"step_size": lambda group, defaults: group["lr"]}, step=opttree.StepLocation.PER_PARAMETER),
     )
+
+
+def enumerate_experts(experts: list[MegatronOptimizer]) -> list[tuple[str, MegatronOptimizer]]:
+    return [(f"expert{i}", expert) for i, expert in enumerate(experts)]
 
 
 def thin(optimizer: torch.optim.Optimizer) -> int:
@@ -140,7 +152,12 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
 import opttree
 
 
+def by_rank(rank: int) -> list[tuple[str, MegatronOptimizer]]:
+    return []
+
+
 def broken(optimizer: MegatronOptimizer) -> None:
+    opttree.register_wrapper(MegatronOptimizer, children=by_rank)  # E: misc
     OptimizerConfig(clip_grad="1.0")  # E: arg-type
     OptimizerConfig(lr=1e-3, learning_rate=1e-3)  # E: call-arg
     report: int = opttree.reset(optimizer)  # E: assignment
@@ -361,5 +378,5 @@ def test_mypy_reports_the_deliberate_errors(downstream: Downstream) -> None:
     lines = (downstream.code / "broken.py").read_text().splitlines()
     expected = {(n, m.group(1)) for n, line in enumerate(lines, 1) if (m := re.search(r"# E: (\S+)", line))}
     reported = {(int(n), c) for n, c in re.findall(r"^broken\.py:(\d+): error: .*\[([a-z-]+)\]$", done.stdout, re.M)}
-    assert len(expected) == 4
+    assert len(expected) == 5
     assert reported == expected, done.stdout

@@ -235,13 +235,15 @@ def _is_dotted(path: str) -> bool:
     return len(parts) > 1 and all(part.isidentifier() or part == "<locals>" for part in parts)
 
 
-def _refuse_non_class(function: str, cls_or_dotted: object) -> None:
+def _class_or_dotted(function: str, cls_or_dotted: object) -> type | str:
+    """``cls_or_dotted``, refused unless it is a class or a dotted path to one."""
     if not isinstance(cls_or_dotted, (type, str)):
         msg = f"{function} registers a class or a dotted path, got {kind_of(cls_or_dotted)}"
         raise RegistrationError(msg)
     if isinstance(cls_or_dotted, str) and not _is_dotted(cls_or_dotted):
         msg = f"{function} registers a class or its dotted path, module and class name ('my_pkg.optim.Lion'), got {cls_or_dotted!r}"
         raise RegistrationError(msg)
+    return cls_or_dotted
 
 
 def _refuse_odd_class(function: str, cls_or_dotted: type | str) -> None:
@@ -332,7 +334,7 @@ def register_schema(cls_or_dotted: type | str, schema: StateSchema | None) -> No
     if not isinstance(cast(object, schema), StateSchema):
         msg = f"register_schema expects a StateSchema, got {type(schema).__qualname__}"
         raise RegistrationError(msg)
-    _refuse_non_class("register_schema", cls_or_dotted)
+    _class_or_dotted("register_schema", cls_or_dotted)
     _refuse_repeat(_user_schemas, "schema", cls_or_dotted)
     _refuse_both(cls_or_dotted, "schema")
     _refuse_odd_class("register_schema", cls_or_dotted)
@@ -347,7 +349,9 @@ _Wrapper = TypeVar("_Wrapper")
 
 @overload
 def register_wrapper(
-    cls_or_dotted: type[_Wrapper],
+    # Not ``type[_Wrapper]`` alone: mypy refuses an abstract class there (``type-abstract``),
+    # and a wrapper kind is often registered for an abstract base such as MegatronOptimizer.
+    cls_or_dotted: type[_Wrapper] | Callable[..., _Wrapper],
     *,
     children: Callable[[_Wrapper], Iterable[tuple[str, object]]],
     inner_params: Callable[[_Wrapper, str], Iterable[tuple[torch.Tensor, Sequence[torch.Tensor]]]] | None = None,
@@ -359,7 +363,7 @@ def register_wrapper(cls_or_dotted: str, *, children: ChildrenFn, inner_params: 
 
 
 def register_wrapper(
-    cls_or_dotted: type | str,
+    cls_or_dotted: type | str | Callable[..., object],
     *,
     children: Callable[..., Iterable[tuple[str, object]]],
     inner_params: Callable[..., Iterable[tuple[torch.Tensor, Sequence[torch.Tensor]]]] | None = None,
@@ -371,22 +375,22 @@ def register_wrapper(
     copies of its parameters, ``inner_params(wrapper, path)`` yields ``(param, copies)``
     pairs so that a partial reset can follow a parameter to its copies.
     """
-    _refuse_non_class("register_wrapper", cls_or_dotted)
+    target = _class_or_dotted("register_wrapper", cls_or_dotted)
     _refuse_uncallable("children", children)
     if inner_params is not None:
         _refuse_uncallable("inner_params", inner_params)
-    _refuse_repeat(_user_kinds, "wrapper kind", cls_or_dotted)
-    _refuse_both(cls_or_dotted, "wrapper")
-    _refuse_odd_class("register_wrapper", cls_or_dotted)
+    _refuse_repeat(_user_kinds, "wrapper kind", target)
+    _refuse_both(target, "wrapper")
+    _refuse_odd_class("register_wrapper", target)
     expand = children_expander(children)
-    if isinstance(cls_or_dotted, str):
-        _user_kinds.register_lazy(cls_or_dotted, expand)
+    if isinstance(target, str):
+        _user_kinds.register_lazy(target, expand)
         if inner_params is not None:
-            INNER_PARAMS.register_lazy(cls_or_dotted, guarded_inner_params(inner_params))
+            INNER_PARAMS.register_lazy(target, guarded_inner_params(inner_params))
     else:
-        _user_kinds.register(cls_or_dotted, expand)
+        _user_kinds.register(target, expand)
         if inner_params is not None:
-            INNER_PARAMS.register(cls_or_dotted, guarded_inner_params(inner_params))
+            INNER_PARAMS.register(target, guarded_inner_params(inner_params))
 
 
 def guarded_inner_params(inner_params: InnerParams) -> InnerParams:
