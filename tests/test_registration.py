@@ -1246,6 +1246,75 @@ def test_a_wrapper_kind_registered_for_a_base_leaves_a_subclass_with_a_schema_a_
     assert report.leaves == 1 and report.steps == 1 and optimizer.param_groups[0]["step"] == 0
 
 
+def buffered_classes() -> tuple[type[torch.optim.Optimizer], type[torch.optim.Optimizer]]:
+    """A base that a wrapper kind is registered for, and a subclass that keeps history:
+    new classes for each test, since registrations are kept for a class's lifetime."""
+
+    class BufferedBase(torch.optim.Optimizer):
+        def __init__(self, params: list[torch.nn.Parameter]) -> None:
+            super().__init__(params, {"lr": 0.1})
+
+    class Buffered(BufferedBase):
+        @torch.no_grad()
+        def step(self, closure: None = None) -> None:  # type: ignore[override]
+            for group in self.param_groups:
+                for p in group["params"]:
+                    buffer = self.state[p].setdefault("buf", torch.zeros_like(p))
+                    buffer.mul_(0.9).add_(p.grad)
+                    p.sub_(buffer, alpha=group["lr"])
+
+    return BufferedBase, Buffered
+
+
+def stepped(cls: type[torch.optim.Optimizer]) -> tuple[torch.optim.Optimizer, torch.nn.Parameter]:
+    param = torch.nn.Parameter(torch.ones(3))
+    optimizer = cast(Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], cls)([param])
+    for _ in range(3):
+        param.grad = torch.ones(3)
+        optimizer.step()
+    return optimizer, param
+
+
+def test_a_schema_through_a_registered_abc_and_a_wrapper_kind_for_a_base_are_refused_as_neither_nearer() -> None:
+    """An ABC the class is registered under is not one of its bases: against a wrapper
+    kind for a base, neither registration is nearer, and the class was taken for a wrapper
+    holding nothing. It is refused, changing nothing, until the class itself is registered."""
+
+    class Momentum(abc.ABC):
+        pass
+
+    BufferedBase, Buffered = buffered_classes()
+    Momentum.register(Buffered)
+    opttree.register_wrapper(BufferedBase, children=lambda wrapper: [])
+    opttree.register_schema(Momentum, opttree.StateSchema(zero={"buf"}, step=opttree.StepLocation.NONE))
+    optimizer, param = stepped(Buffered)
+    before = snapshot(optimizer)
+
+    (problem, *_) = opttree.validate(optimizer)
+    assert problem.kind is opttree.ProblemKind.UNKNOWN_WRAPPER and "neither is nearer" in problem.message
+    with pytest.raises(opttree.UnknownWrapper, match=r"a schema, for .*Momentum, and a wrapper kind, for .*BufferedBase"):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before)
+
+    opttree.register_schema(Buffered, opttree.StateSchema(zero={"buf"}, step=opttree.StepLocation.NONE))
+    assert isinstance(opttree.tree(optimizer), opttree.LeafNode)
+    assert opttree.reset(optimizer).tensors_zeroed == 1 and not optimizer.state[param]["buf"].any()
+
+
+def test_a_wrapper_kind_for_the_class_itself_is_nearer_than_a_schema_through_an_abc() -> None:
+    class Stepping(abc.ABC):
+        pass
+
+    _, Buffered = buffered_classes()
+    Stepping.register(Buffered)
+    opttree.register_schema(Stepping, opttree.StateSchema(zero={"buf"}, step=opttree.StepLocation.NONE))
+    inner = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    opttree.register_wrapper(Buffered, children=lambda wrapper: [("inner", inner)])
+    optimizer, _ = stepped(Buffered)
+    node = opttree.tree(optimizer)
+    assert isinstance(node, opttree.WrapperNode) and [child.path for child in node.children] == ["inner"]
+
+
 def test_a_class_with_a_built_in_schema_cannot_be_registered_as_a_wrapper() -> None:
     with pytest.raises(opttree.RegistrationError, match=r"torch\.optim\.adam\.Adam has a schema: a class is a leaf with a schema or a wrapper, not both"):
         opttree.register_wrapper(torch.optim.Adam, children=lambda wrapper: [])

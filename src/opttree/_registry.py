@@ -186,13 +186,25 @@ def kind_for(cls: type) -> Expander | None:
         return refusing_kind(users)
     if users is not None:
         leaf = _schema_owner(cls)
-        if leaf is None or _nearness(cls, users[0]) < _nearness(cls, leaf):
+        if leaf is None:
             return users[1]
         if leaf is users[0]:
             return refusing_kind(
                 f"{dotted_name(leaf)} is registered as a wrapper kind and has a schema: a class is a leaf with a schema "
                 "or a wrapper, not both"
             )
+        wrapper_at, leaf_at = _base_index(cls, users[0]), _base_index(cls, leaf)
+        if wrapper_at == 0:
+            return users[1]
+        if leaf_at != 0:
+            if wrapper_at is None or leaf_at is None:
+                return refusing_kind(
+                    f"{dotted_name(cls)} has a schema, for {dotted_name(leaf)}, and a wrapper kind, for "
+                    f"{dotted_name(users[0])}, one of them through an ABC it is registered under, not one of its bases, "
+                    "so neither is nearer: register the class itself with register_schema or register_wrapper"
+                )
+            if wrapper_at < leaf_at:
+                return users[1]
         # a schema nearer than the wrapper kind: a leaf, as the schema says
     found = _builtin_kinds.lookup_owner(cls)
     if found is None:
@@ -219,13 +231,14 @@ def _schema_owner(cls: type) -> type | None:
     return None if found is None else found[0]
 
 
-def _nearness(cls: type, owner: type) -> int:
-    """How far up ``cls``'s bases ``owner`` is: 0 for ``cls`` itself; an ABC ``cls`` is
-    registered under, outside its bases, is the furthest. A wrapper kind registered for a
-    base does not make a subclass with a schema of its own a wrapper, whose reset would
-    then reset nothing; the nearer registration applies."""
+def _base_index(cls: type, owner: type) -> int | None:
+    """Where ``owner`` is in ``cls``'s bases (0 for ``cls`` itself), or None for an ABC
+    ``cls`` is registered under: of a schema and a wrapper kind that both apply, the nearer
+    one does (a wrapper kind for a base does not make a subclass with a schema of its own a
+    wrapper, whose reset would then reset nothing), and where one applies through an ABC
+    neither is nearer unless the other is registered for ``cls`` itself."""
     mro = cls.__mro__
-    return mro.index(owner) if owner in mro else len(mro)
+    return mro.index(owner) if owner in mro else None
 
 
 def _is_dotted(path: str) -> bool:
