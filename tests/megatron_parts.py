@@ -132,3 +132,14 @@ def precision_aware(monkeypatch: pytest.MonkeyPatch, *, remainders: bool, seed: 
             "TE holds them there only for another main_params_dtype or delayed FP8 scaling"
         )
     return MegatronStack("precision_aware", ddp, optimizer, device)
+
+
+def mimo_over(stack: MegatronStack) -> object:
+    """A MimoOptimizer whose one module, ``vision``, is ``stack``'s optimizer."""
+    mimo = pytest.importorskip("megatron.core.models.mimo.optimizer")
+    import torch.distributed as dist
+
+    groups = pytest.importorskip("megatron.core.process_groups_config").ProcessGroupCollection()
+    groups.tp = groups.pp = groups.dp = dist.group.WORLD
+    (wrapper, *_) = getattr(stack.optimizer, "chained_optimizers")
+    return mimo.MimoOptimizer({"vision": mimo.ModuleOptimizerInfo(stack.optimizer, None, groups, True)}, wrapper.config)

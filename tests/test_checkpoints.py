@@ -24,6 +24,7 @@ from megatron.core.transformer.module import MegatronModule
 import opttree
 from opttree import testing
 from tests.helpers import megatron_release, needs_dp_reshardable
+from tests.megatron_parts import mimo_over
 
 K = 2
 
@@ -508,17 +509,6 @@ def test_a_dp_reshardable_load_of_fp32_weights_runs_outside_autograd(reset_first
     assert all(torch.equal(a, b) for a, b in zip(loaded.main_params(), stack.main_params(), strict=True))
 
 
-def _mimo_over(stack: testing.MegatronStack) -> object:
-    """A MimoOptimizer whose one module, ``vision``, is ``stack``'s optimizer."""
-    mimo = pytest.importorskip("megatron.core.models.mimo.optimizer")
-    import torch.distributed as dist
-
-    groups = pytest.importorskip("megatron.core.process_groups_config").ProcessGroupCollection()
-    groups.tp = groups.pp = groups.dp = dist.group.WORLD
-    (wrapper, *_) = getattr(stack.optimizer, "chained_optimizers")
-    return mimo.MimoOptimizer({"vision": mimo.ModuleOptimizerInfo(stack.optimizer, None, groups, True)}, wrapper.config)
-
-
 def _vision_state(stack: testing.MegatronStack) -> dict[str, object]:
     module = stack.model.module
     assert isinstance(module, MegatronModule)
@@ -533,12 +523,12 @@ def test_a_sharded_mimo_checkpoint_of_a_mixed_precision_module_loads_and_trains_
     read them as it puts them back, where they once refused every such checkpoint that
     Megatron's own load takes. Training goes on bitwise as the saver's, either way."""
     stack = testing.build(name)
-    saver = _mimo_over(stack)
+    saver = mimo_over(stack)
     stack.train(0, K)
     with stack.device:
         dist_checkpointing.save(getattr(saver, "sharded_state_dict")(_vision_state(stack)), str(tmp_path))
     loaded = fresh_like(stack)
-    mimo = _mimo_over(loaded)
+    mimo = mimo_over(loaded)
     with loaded.device:
         wanted = getattr(mimo, "sharded_state_dict")(_vision_state(loaded), is_loading=True)
         state = dist_checkpointing.load(wanted, str(tmp_path))

@@ -274,7 +274,7 @@ def test_an_optimizer_the_factory_built_passed_without_its_wrapper_is_refused(na
 
     changes: list[Callable[[], object]] = [lambda: opttree.reset(inner), lambda: opttree.reset(inner, release=True)]
     for change in changes:
-        with pytest.raises(opttree.UnsupportedOptimizer, match=r"at <root>: its param groups are Megatron's factory's \(they hold is_expert_parallel, max_lr, min_lr\): passed without the Megatron wrapper above it"):
+        with pytest.raises(opttree.UnsupportedOptimizer, match=r"at <root>: its param groups are Megatron's factory's \(they hold is_expert_parallel, max_lr, min_lr\): reached without the Megatron chain the factory built it under"):
             change()
     assert unchanged(inner, before)
     assert [p.kind for p in opttree.validate(inner)] == [opttree.ProblemKind.WITHOUT_ITS_WRAPPER]
@@ -289,6 +289,46 @@ def test_an_optimizer_the_factory_built_passed_without_its_wrapper_is_refused(na
             opttree.reset(pending[-1])
     else:
         assert opttree.reset(pending[-1]).steps > 0
+
+
+class UsersWrapper:
+    """A wrapper of the user's, registered with the optimizers it names."""
+
+    def __init__(self, named: list[tuple[str, object]]) -> None:
+        self.named = named
+
+
+opttree.register_wrapper(UsersWrapper, children=lambda wrapper: list(wrapper.named))
+
+
+@pytest.mark.parametrize("name", [n for n in ("fp16", "dist_bf16") if n in testing.available()])
+def test_an_optimizer_the_factory_built_reached_below_no_chain_is_refused_at_any_depth(name: str) -> None:
+    """The inner optimizer or the chain's member, held by a user's wrapper (beside an
+    optimizer of its own) or standing in a node built by hand, hides the chain above it as
+    much as passed alone: its reset was accepted and kept an fp16 stack's loss scale, or
+    its release left a DistributedOptimizer that cannot save. Refused at its path, with
+    nothing changed."""
+    stack = testing.build(name)
+    stack.train(0, K)
+    (member,) = getattr(stack.optimizer, "chained_optimizers")
+    inner = stack.leaves()[0]
+    own = stepped_adamw(2)
+    before = snapshot(inner), snapshot(own), float(member.get_loss_scale())
+
+    refused: list[tuple[object, str]] = [
+        (UsersWrapper([("own", own), ("inner", inner)]), "inner"),
+        (UsersWrapper([("own", own), ("member", member)]), "member.optimizer"),
+        (opttree.LeafNode("inner", inner), "inner"),
+    ]
+    for optimizer, path in refused:
+        assert [(p.kind, p.path) for p in opttree.validate(optimizer)] == [(opttree.ProblemKind.WITHOUT_ITS_WRAPPER, path)]
+        for release in (False, True):
+            with pytest.raises(opttree.UnsupportedOptimizer, match=rf"AdamW at {re.escape(path)}: its param groups are Megatron's factory's"):
+                opttree.reset(optimizer, release=release)
+    assert unchanged(inner, before[0]) and unchanged(own, before[1]) and float(member.get_loss_scale()) == before[2]
+
+    report = opttree.reset(UsersWrapper([("own", own), ("stack", stack.optimizer)]))  # the chain above it: reset as the stack's
+    assert report.leaves == 2 and float(member.get_loss_scale()) == float(testing.build(name).optimizer.get_loss_scale())
 
 
 @pytest.mark.skipif("fp16" not in testing.available(), reason="no fp16 recipe in this lane")
@@ -318,13 +358,15 @@ def test_a_subtree_whose_record_of_the_wrapper_above_it_is_not_opttrees_is_a_for
     leaf = opttree.tree(stack.optimizer).children[0].children[0]
     assert isinstance(leaf, opttree.LeafNode) and leaf.under is not None
     before = snapshot(leaf.optimizer)
+    foreign, alone = opttree.ProblemKind.FOREIGN_TREE, opttree.ProblemKind.WITHOUT_ITS_WRAPPER
     forged = [
-        (attrs.evolve(leaf, under=("<root>", other.optimizer)), "a node for another AdamW than the one opttree finds there"),
-        (attrs.evolve(leaf, under=("elsewhere", stack.optimizer)), "ChainedOptimizer at 'elsewhere' above it \\(under\\), whose tree has no node"),
+        (attrs.evolve(leaf, under=("<root>", other.optimizer)), "a node for another AdamW than the one opttree finds there", [foreign]),
+        # checked as what it is without the record: the factory's optimizer, without its chain
+        (attrs.evolve(leaf, under=("elsewhere", stack.optimizer)), "ChainedOptimizer at 'elsewhere' above it \\(under\\), whose tree has no node", [foreign, alone]),
     ]
-    for node, message in forged:
+    for node, message, kinds in forged:
         problems = opttree.validate(node)
-        assert [p.kind for p in problems] == [opttree.ProblemKind.FOREIGN_TREE], message
+        assert [p.kind for p in problems] == kinds, message
         assert re.search(message, problems[0].message), (message, problems[0].message)
         with pytest.raises(opttree.MalformedWrapper):
             opttree.reset(node)
@@ -720,7 +762,7 @@ def test_a_member_of_the_factorys_chain_passed_alone_is_refused_where_it_takes_s
     stub, member = getattr(stack.optimizer, "chained_optimizers")
     before = snapshot(stack.leaves()[0])
 
-    with pytest.raises(opttree.UnsupportedOptimizer, match=r"Float16OptimizerWithFloat16Params at <root>: its param groups are Megatron's factory's"):
+    with pytest.raises(opttree.UnsupportedOptimizer, match=r"AdamW at optimizer: its param groups are Megatron's factory's"):
         opttree.reset(member)
     with pytest.raises(opttree.UnsupportedOptimizer, match=r"Float16OptimizerWithFloat16Params at <root>: a Megatron stub"):
         opttree.reset(stub)

@@ -223,7 +223,7 @@ def test_a_users_registered_subclass_of_a_megatron_wrapper_still_refuses_a_relea
 
     with pytest.raises(opttree.ReleaseRefused, match="Megatron cannot checkpoint an emptied optimizer state"):
         opttree.reset(root, release=True)
-    with pytest.raises(opttree.UnsupportedOptimizer, match="passed without the Megatron wrapper above it"):
+    with pytest.raises(opttree.UnsupportedOptimizer, match="reached without the Megatron chain the factory built it under"):
         opttree.reset(distributed, release=True)  # the chain's member alone
 
     assert all(unchanged(leaf, b) for leaf, b in zip(stack.leaves(), before, strict=True))

@@ -11,7 +11,8 @@ from megatron.core.optimizer import ChainedOptimizer, FP32Optimizer, MegatronOpt
 
 import opttree
 from tests.helpers import clone_model, model, snapshot, train, unchanged, weights_equal
-from tests.megatron_parts import chained, config, fp32
+from opttree import testing
+from tests.megatron_parts import chained, config, fp32, mimo_over
 
 pytestmark = pytest.mark.usefixtures("process_group")
 
@@ -21,6 +22,27 @@ def trained_adamw(seed: int) -> tuple[torch.nn.Module, torch.optim.AdamW]:
     optimizer = torch.optim.AdamW(net.parameters())
     train(net, optimizer, 0, 3)
     return net, optimizer
+
+
+@pytest.mark.parametrize("name", [n for n in ("fp32", "fp16", "dist_bf16") if n in testing.available()])
+def test_a_mimo_optimizer_over_the_factorys_chain_is_reset_exactly(name: str) -> None:
+    """As megatron-core 0.19's ``get_mimo_optimizer`` builds it: each module's optimizer is
+    the chain the factory returns. Its leaves' param groups are the factory's, and the
+    chain above them is in the tree: reset (a check for the factory's optimizers passed
+    without their chain once refused every such stack), training on as a fresh stack."""
+    stack = testing.build(name)
+    mimo_optimizer = mimo_over(stack)
+    stack.train(0, 2)
+
+    assert opttree.validate(mimo_optimizer) == ()
+    report = opttree.reset(mimo_optimizer)
+
+    assert report.leaves == 1 and report.steps > 0
+    fresh = testing.build(name)
+    fresh.copy_weights_from(stack)
+    stack.train(2, 2)
+    fresh.train(2, 2)
+    assert all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))
 
 
 def test_mimo_optimizer_is_a_wrapper_of_its_modules_and_is_reset_exactly() -> None:

@@ -84,9 +84,10 @@ class ProblemKind(enum.Enum):
     """A tree built by hand that is not the one opttree builds for its optimizer."""
     WITHOUT_ITS_WRAPPER = "without-its-wrapper"
     """An optimizer Megatron's factory built (its param groups hold the factory's
-    ``is_expert_parallel``, ``max_lr`` and ``min_lr``), passed without the Megatron wrapper above it, which a reset
-    of it alone cannot see: it would keep an fp16 wrapper's loss scale, split the steps a
-    wrapper saves as one, or empty a state the wrapper checkpoints."""
+    ``is_expert_parallel``, ``max_lr`` and ``min_lr``), or a Megatron stub, reached without the chain the factory
+    built it under (passed alone, as a node built by hand, or held by a user's wrapper),
+    whose wrappers a reset of it cannot see: it would keep an fp16 wrapper's loss scale,
+    split the steps a wrapper saves as one, or empty a state the wrapper checkpoints."""
     CHECKPOINT_LAYOUT = "checkpoint-layout"
     """A state dict that is not laid out as Megatron writes it, met while saving or loading."""
     UNCHANGEABLE_HISTORY = "unchangeable-history"

@@ -680,35 +680,44 @@ class ValidateVisitor(TraverserVisitor):
                 return
 
     def _check_factory_built(self, root: Node) -> None:
-        """An optimizer passed as itself that Megatron's factory built below the chain it
-        returns (every param group of the leaves it holds, or its own, holds the factory's
-        :data:`_FACTORY_OPTIONS`) sits under a wrapper opttree cannot see from it: refused,
-        for the stack, or the optimizer's node in its tree, to be passed instead. Alone, an
-        fp16 stack's inner optimizer kept the warmed-up loss scale and trained unlike a fresh
+        """An optimizer that Megatron's factory built below the chain it returns (every param
+        group of a leaf, or of a hybrid, holds the factory's :data:`_FACTORY_OPTIONS`), or a
+        Megatron stub (built only as a chain's member), reached in a tree without passing
+        that chain, sits under wrappers opttree cannot see from it: refused, for the stack,
+        or the optimizer's node in its tree, to be passed instead. Without the chain, an fp16
+        stack's inner optimizer kept the warmed-up loss scale and trained unlike a fresh
         stack; a release left a DistributedOptimizer that cannot save; a chain's member reset
         alone left the chain scaling its loss by one scale and unscaling by another, or a
-        checkpoint that failed to load. The factory returns a chain (a
-        ``ChainedOptimizer``, or its subclass ``LayerWiseDistributedOptimizer``), which is
-        not refused; nor is a reset that keeps steps (``prune``, ``scale``, ``keys``
-        without ``"step"``), which touches none of those. A Megatron stub passed alone,
-        whose loss scale is its chain's, is refused alike."""
-        if isinstance(root, ChainedNode) or root.path != ROOT or not (self._selection.steps or self._selection.release):
-            return  # a node at another path is one of a tree, whose own checks see what is above it; history alone is its own
-        if isinstance(root, WrapperNode) and root.is_stub:
-            what = "a Megatron stub (it holds no optimizer, and is built only as a member of a chain, whose loss scale it holds)"
-        else:
-            leaves = [root.optimizer] if isinstance(root, (LeafNode, HybridNode)) else tree_leaves(root)
-            groups = [group for leaf in leaves for group in _readable_groups(leaf)]
-            if not groups or not all(isinstance(group, Mapping) and _FACTORY_OPTIONS <= group.keys() for group in groups):
-                return
-            what = f"its param groups are Megatron's factory's (they hold {', '.join(sorted(_FACTORY_OPTIONS))})"
-        message = (
-            f"{what}: passed without the Megatron wrapper above it, a reset of its steps cannot see that wrapper's loss "
-            "scale, the steps it saves as one or its checkpoints; pass the stack (params= selects this optimizer's "
-            "parameters) or this optimizer's node in opttree.tree(stack) (a torch optimizer that loaded a Megatron "
-            "checkpoint holds those options too: delete them from its groups, which only Megatron reads)"
-        )
-        self.problems.append(Problem(ProblemKind.WITHOUT_ITS_WRAPPER, root.path, type(root.optimizer).__qualname__, message))
+        checkpoint that failed to load. That holds at any depth: passed alone, as a node
+        built by hand, or held by a user's wrapper. The factory returns a chain (a
+        ``ChainedOptimizer``, or its subclass ``LayerWiseDistributedOptimizer``), and what
+        is below one is not refused; nor is a reset that keeps steps (``prune``, ``scale``,
+        ``keys`` without ``"step"``), which touches none of those."""
+        if not (self._selection.steps or self._selection.release):
+            return  # history alone is its own
+        nodes = [root]
+        while nodes:
+            node = nodes.pop()
+            if isinstance(node, ChainedNode) or (isinstance(node, LeafNode) and node.shared_with is not None):
+                continue
+            if isinstance(node, WrapperNode) and node.is_stub:
+                what = "a Megatron stub (it holds no optimizer, and is built only as a member of a chain, whose loss scale it holds)"
+            elif isinstance(node, (LeafNode, HybridNode)):
+                groups = _readable_groups(node.optimizer)
+                if not groups or not all(isinstance(group, Mapping) and _FACTORY_OPTIONS <= group.keys() for group in groups):
+                    continue
+                what = f"its param groups are Megatron's factory's (they hold {', '.join(sorted(_FACTORY_OPTIONS))})"
+            else:
+                nodes.extend(reversed(node.children))
+                continue
+            message = (
+                f"{what}: reached without the Megatron chain the factory built it under, a reset of its steps cannot "
+                "see the loss scale, the steps saved as one or the checkpoints of the wrappers above it; pass the stack "
+                "(params= selects this optimizer's parameters) or this optimizer's node in opttree.tree(stack) (a torch "
+                "optimizer that loaded a Megatron checkpoint holds those options too: delete them from its groups, which "
+                "only Megatron reads)"
+            )
+            self.problems.append(Problem(ProblemKind.WITHOUT_ITS_WRAPPER, node.path, type(node.optimizer).__qualname__, message))
 
     def _check_step_unit(self, node: Node) -> None:
         """A Megatron wrapper that saves one step for all its parameters (see
