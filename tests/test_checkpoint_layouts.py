@@ -208,6 +208,28 @@ def test_a_step_numpy_counts_in_is_loaded() -> None:
     assert opttree.validate(loaded.optimizer) == ()
 
 
+def test_a_hysteresis_tracker_overflows_counted_below_zero_is_loaded() -> None:
+    """``DynamicGradScaler.update`` lowers its hysteresis tracker at every overflow, below 0
+    too, and sets it back only when the scale grows: a checkpoint saved after one overflow
+    in a row more than its hysteresis holds -1. Megatron's own load takes it, and so does
+    opttree's, where it refused it as a count from 0. A tracker that is no whole number
+    is still refused."""
+    stack = recipe("fp16")
+    (member,) = getattr(stack.optimizer, "chained_optimizers")
+    scaler = member.grad_scaler
+    for _ in range(scaler.hysteresis + 1):
+        scaler.update(found_inf=True)
+    state = saved(stack)
+    assert scaler._hysteresis_tracker == -1
+
+    ours = loaded_as_by_megatron(stack, copy.deepcopy(state), steps=1)
+    assert opttree.validate(ours.optimizer) == ()
+    refused = fresh_like(stack)
+    put(state["grad_scaler"], "hysteresis_tracker", 0.5)  # type: ignore[arg-type]
+    with refused.device, pytest.raises(opttree.UnsupportedCheckpoint, match="its 'hysteresis_tracker' is 0.5, where it is a whole number"):
+        opttree.load_state_dict(refused.optimizer, state)
+
+
 def test_param_groups_saved_with_a_step_of_none_load_and_train_as_megatrons_own_load() -> None:
     """megatron-core 0.14's ``ChainedOptimizer`` saves ``step: None`` in every param group
     where none counts there (torch's optimizers count per parameter): no step, as ``reset``

@@ -623,12 +623,18 @@ def _held_kind(value: object) -> str:
 
 def _scaler_fault(key: object, value: object) -> str | None:
     """What is wrong with a saved loss-scaler value, or None: the scale must be one positive
-    finite number, a tracker a count from 0."""
+    finite number, the growth tracker a count from 0, and the hysteresis tracker a whole
+    number: ``DynamicGradScaler.update`` lowers it at every overflow, below 0 too, and
+    sets it back only when the scale grows, so a checkpoint saved after a run of overflows
+    holds -1 or less."""
     number = real_number(value)
     what = kind_of(value) if number is None else f"{number:g}"
     if key == "scale":
         if number is None or not (math.isfinite(number) and number > 0):
             return f"{what}, where the loss scale is one positive finite number (a NaN one makes every later gradient NaN, a zero or infinite one skips every step)"
+    elif key == "hysteresis_tracker":
+        if number is None or not (math.isfinite(number) and number.is_integer()):
+            return f"{what}, where it is a whole number, counted down at each overflow"
     elif number is None or not _whole_count(number):
         return f"{what}, where it counts steps from 0"
     return None
