@@ -120,6 +120,53 @@ def test_a_scaler_of_unknown_class_is_refused() -> None:
     assert "loss_scale=1 (HomegrownScaler)" in opttree.describe(stack.optimizer)
 
 
+class CleanCountingScaler(DynamicGradScaler):
+    """A scaler that counts its clean steps, for a warm-up of its own."""
+
+    def update(self, found_inf: bool) -> None:
+        self.clean_steps = 0 if found_inf else getattr(self, "clean_steps", 0) + 1
+        super().update(found_inf)
+
+
+def counting_update(self: DynamicGradScaler, found_inf: bool) -> None:
+    """``DynamicGradScaler.update`` with a count of its own, patched in from here."""
+    setattr(self, "updates", getattr(self, "updates", 0) + 1)
+
+
+def scaler_state_of(stack: testing.MegatronStack, scaler: DynamicGradScaler) -> list[object]:
+    return [*scaler_state(scaler), *(v.clone() for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values())]
+
+
+@pytest.mark.parametrize("how", ["subclass", "patched class", "instance method"])
+def test_a_scaler_running_code_of_its_own_is_refused_with_nothing_changed(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reset puts back what a DynamicGradScaler keeps: a subclass, a patched class or a
+    method on the instance may count or keep more (a warm-up's count of clean steps), which
+    the reset kept while it reported the scale reset, and the stack trained unlike a fresh
+    one. Refused, as a leaf or a wrapper running code of its own is; ``keep_loss_scale``
+    leaves the scaler to its owner."""
+    stack, scaler = trained()
+    if how == "subclass":
+        scaler.__class__ = CleanCountingScaler
+        expected = r"is a tests\.test_loss_scale\.CleanCountingScaler, which defines update of its own over megatron\.core\.optimizer\.grad_scaler\.DynamicGradScaler"
+    elif how == "patched class":
+        monkeypatch.setattr(DynamicGradScaler, "update", counting_update)
+        expected = r"is a megatron\.core\.optimizer\.grad_scaler\.DynamicGradScaler, whose .*DynamicGradScaler\.update runs code from .*test_loss_scale\.py, outside Megatron"
+    else:
+        setattr(scaler, "update", counting_update.__get__(scaler))
+        expected = r"holds its own update on the instance, otherwise than its class megatron\.core\.optimizer\.grad_scaler\.DynamicGradScaler"
+    before = scaler_state_of(stack, scaler)
+
+    (problem,) = opttree.validate(stack.optimizer)
+    assert problem.kind is opttree.ProblemKind.UNSUPPORTED_STATE and problem.key == "grad_scaler"
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=f"key 'grad_scaler': its loss scaler {expected}"):
+        opttree.reset(stack.optimizer)
+    after = scaler_state_of(stack, scaler)
+    assert len(after) == len(before) and all(torch.equal(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else a == b for a, b in zip(after, before, strict=True))
+
+    report = opttree.reset(stack.optimizer, keep_loss_scale=True)
+    assert report.loss_scales_kept == 1 and report.loss_scales_reset == 0 and list(scaler_state(scaler)) == before[:3]
+
+
 def test_a_scale_tensor_that_cannot_hold_the_initial_scale_is_refused_with_nothing_changed() -> None:
     """An fp16 scale tensor holds at most 65504, below the recipe's initial 2**20: filling
     it would write inf, a scale no fresh optimizer starts from."""

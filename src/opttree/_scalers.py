@@ -6,7 +6,8 @@ after ``loss_scale_window`` clean steps. A fresh optimizer's scaler starts at it
 ``OptimizerConfig.initial_loss_scale`` with both trackers at rest, so a reset that kept a
 warmed-up scale would not train as a fresh optimizer does: a reset of the wrapper's steps
 puts the scaler back to that start (``keep_loss_scale=True`` keeps it). Scalers are known
-by class: a ``ConstantGradScaler`` has nothing to reset, and any other class is refused.
+by class: a ``ConstantGradScaler`` has nothing to reset, and any other class is refused,
+as is a known one running code of its own (a subclass's, a patch's, an instance's).
 A ``DynamicGradScaler`` is reset only where it was built as Megatron's factory builds it,
 from the wrapper's config: otherwise the scale it started from is not known. It keeps no
 record of that scale, so one built by hand with the factory's settings but another
@@ -22,8 +23,9 @@ from collections.abc import Callable
 import torch
 from attrs import frozen
 
-from opttree._dispatch import LazyDispatch
+from opttree._dispatch import LazyDispatch, dotted_name
 from opttree._held import own_attributes
+from opttree._overrides import foreign_method, own_definition, own_instance_method
 from opttree._numbers import real_number
 from opttree._preflight import unfillable_reason, writable_ranges
 
@@ -130,11 +132,36 @@ def plan_scaler(wrapper: object) -> Planned:
     scaler = loss_scaler(wrapper)
     if scaler is None:
         return None
-    planner = _SCALERS.lookup(type(scaler))
-    if planner is None:
-        cls = type(scaler)
-        return f"its loss scaler is a {cls.__module__}.{cls.__qualname__}: only DynamicGradScaler and ConstantGradScaler are known"
+    cls = type(scaler)
+    found = _SCALERS.lookup_owner(cls)
+    if found is None:
+        return f"its loss scaler is a {dotted_name(cls)}: only DynamicGradScaler and ConstantGradScaler are known"
+    known, planner = found
+    own_code = _own_code(scaler, known)
+    if own_code is not None:
+        return (
+            f"its loss scaler {own_code}: it may count or keep what a reset of a {known.__qualname__} does not put back "
+            "(reset with keep_loss_scale=True and put the scaler back yourself)"
+        )
     return planner(scaler, own_attributes(wrapper).get("config"))
+
+
+def _own_code(scaler: object, known: type) -> str | None:
+    """Where a scaler runs code other than the class opttree knows, as leaves and wrappers
+    are checked (see :mod:`opttree._overrides`): a subclass defining anything of its own, a
+    method patched into the class from outside Megatron, or one set on the instance."""
+    cls = type(scaler)
+    name = own_definition(cls, known)
+    if name is not None:
+        return f"is a {dotted_name(cls)}, which defines {name} of its own over {dotted_name(known)}"
+    patch = foreign_method(cls)
+    if patch is not None:
+        klass, name, file = patch
+        return f"is a {dotted_name(cls)}, whose {dotted_name(klass)}.{name} runs code from {file}, outside Megatron"
+    name = own_instance_method(scaler)
+    if name is not None:
+        return f"holds its own {name} on the instance, otherwise than its class {dotted_name(cls)}"
+    return None
 
 
 def scaler_text(wrapper: object) -> str:
