@@ -752,6 +752,23 @@ def test_main_copies_selected_from_the_leafs_param_groups_select_their_parameter
     assert all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))
 
 
+@pytest.mark.parametrize("name", [n for n in ("fp16", "dist_bf16") if n in testing.available()])
+def test_parameters_selected_beside_their_main_copies_are_selected_once(name: str) -> None:
+    """A model's parameters and the main copies a leaf's param groups hold, selected
+    together: each copy stands for its parameter, selected already. Its parameter was
+    reported as held by no optimizer, the copy's own selection having replaced it."""
+    stack = testing.build(name)
+    stack.train(0, K)
+    mains = [p for group in stack.leaves()[0].param_groups for p in group["params"]]
+    weights = list(stack.model.parameters())
+
+    both = opttree.reset(stack.optimizer, params=[*mains, *weights], keys=["exp_avg"])
+    again = opttree.reset(stack.optimizer, params=[*weights, *mains], keys=["exp_avg"])
+
+    assert both.tensors_zeroed == again.tensors_zeroed == opttree.reset(stack.optimizer, params=weights, keys=["exp_avg"]).tensors_zeroed > 0
+    assert not any(entry["exp_avg"].any() for entry in stack.leaves()[0].state.values())
+
+
 @pytest.mark.skipif("frozen_fp16" not in testing.available(), reason="no frozen_fp16 recipe in this lane")
 def test_a_member_of_the_factorys_chain_passed_alone_is_refused_where_it_takes_steps() -> None:
     """The trained member of an fp16 chain, reset alone, reset its loss scale apart from the

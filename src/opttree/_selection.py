@@ -296,7 +296,10 @@ class SelectVisitor(TraverserVisitor):
                 "both; select every parameter of that copy, or reset all of them"
             )
             raise PartialResetRefused(msg)
-        inner.update({k: v for k, v in outer.items() if k not in claimed})
+        for key, (tensor, indices) in outer.items():
+            if key not in claimed:  # passed on below; a copy selected beside its parameter stands for both
+                earlier = inner.get(key)
+                inner[key] = (tensor, indices if earlier is None else earlier[1] | indices)
         if _stand_for(node, copies):
             self.coverage.append((optimizer, len(claimed), len(listed)))
         self.flow = inner
