@@ -369,6 +369,34 @@ def test_a_visitor_checks_afresh_each_time_it_is_used() -> None:
     assert again.tensors_zeroed == other.tensors_zeroed == 2 and again.steps == other.steps == 1
 
 
+def test_a_visitor_used_again_after_a_registration_sees_it() -> None:
+    """A wrapper holding, beside its children, an object of a class registered as a wrapper
+    kind between two uses of one visitor: the second walk finds the optimizer it hides, as
+    a new visitor does. The first walk's answer for that class was kept, and the second
+    reset went through, leaving the hidden optimizer's state."""
+
+    class Holder:
+        def __init__(self, shown: torch.optim.Optimizer, aside: object) -> None:
+            self.shown, self.aside = shown, aside
+
+    class Teacher:
+        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+            self.optimizer = optimizer
+
+    opttree.register_wrapper(Holder, children=lambda holder: [("shown", holder.shown)])
+    _, shown = trained_adam()
+    _, hidden = trained_adam()
+    holder = Holder(shown, Teacher(hidden))
+    resetter = opttree.ResetVisitor()
+    resetter.reset(opttree.tree(holder))
+
+    opttree.register_wrapper(Teacher, children=lambda teacher: [("optimizer", teacher.optimizer)])
+    before = snapshot(shown), snapshot(hidden)
+    with pytest.raises(opttree.HiddenOptimizer):
+        resetter.reset(opttree.tree(holder))
+    assert unchanged(shown, before[0]) and unchanged(hidden, before[1])
+
+
 def test_carry_out_needs_a_whole_check_that_passed_and_carries_it_out_once() -> None:
     """A walk by ``accept`` plans without the tree-wide checks (history aliasing a weight
     passes them), and a plan carried out once has deleted what it deleted: neither is

@@ -78,7 +78,6 @@ class ValidateVisitor(TraverserVisitor):
         self._keep_loss_scale = keep_loss_scale
         self._pooling = pooling
         self._selection = EVERYTHING
-        self._is_optimizer: dict[type, bool] = {}
         self._restart()
 
     def _restart(self) -> None:
@@ -92,6 +91,9 @@ class ValidateVisitor(TraverserVisitor):
         self._plan = ResetPlan()
         self._inspectors: dict[type, LeafInspector | None] = {}
         self._patches: dict[tuple[type, bool], str | None] = {}
+        self._is_optimizer: dict[type, bool] = {}
+        """Whether objects of a class are optimizers (or wrappers) opttree knows: read once
+        a walk, as a registration between walks may change it."""
         self._mirrors: list[tuple[Node, set[int]]] = []
         """Wrappers whose own state holds their optimizers' entries, with those entries' identities."""
         self._contained: list[object] = []
