@@ -481,6 +481,15 @@ def test_sharded_state_dict_refuses_arguments_megatron_cannot_use(arguments: dic
         assert refused.value.__cause__ is not None
 
 
+@pytest.mark.parametrize("sharding", [["dp_reshardable"], {"a": 1}, 5, "dp_sharded"], ids=["a list", "a dict", "an int", "an unknown str"])
+def test_a_sharding_type_megatron_does_not_know_is_refused_before_it_saves(sharding: object) -> None:
+    """A ``DistributedOptimizer``'s format in ``metadata`` that is no format Megatron
+    names: an unhashable one raised a raw TypeError from opttree's own check."""
+    stack = recipe("dist_bf16")
+    with stack.device, pytest.raises(opttree.UnsupportedCheckpoint, match=r"key 'distrib_optim_sharding_type': .* is not one of dp_reshardable, "):
+        opttree.sharded_state_dict(stack.optimizer, model_state(stack), metadata={"distrib_optim_sharding_type": sharding})
+
+
 def test_megatrons_own_checkpointing_exception_comes_back_as_an_unsupported_checkpoint() -> None:
     """Where Megatron's save of a DistributedOptimizer in its default format raises its own
     ``CheckpointingException`` (``flattened_range``, from megatron-core 0.16 on), opttree's

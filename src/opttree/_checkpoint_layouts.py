@@ -839,6 +839,9 @@ def check_saving(root: Node, metadata: Mapping[str, object] | None) -> None:
                 "and Megatron's own state_dict asserts one: it cannot be checkpointed until it holds state"
             )
             raise layout_error(node, STEP_KEY, message)
+        if not isinstance(sharding, str | None) or (sharding is not None and sharding not in SHARDING_TYPES):
+            message = f"{sharding!r} is not one of {', '.join(sorted(SHARDING_TYPES))}"
+            raise layout_error(node, "distrib_optim_sharding_type", message)
         if sharding in WITHOUT_STEPS:
             message = _without_steps(sharding, inner) + "no load takes it (Megatron's raises KeyError: 'step' half-way); save in the dp_reshardable format"
             raise layout_error(node, "distrib_optim_sharding_type", message)
