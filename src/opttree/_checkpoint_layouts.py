@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import math
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import cast
 
 import torch
@@ -25,7 +25,7 @@ from opttree import _registry
 from opttree._adapter import instance_attribute, mapping_attribute, sequence_attribute
 from opttree._dispatch import LazyDispatch
 from opttree._fields import article, kind_of
-from opttree._inspect import STEP_DTYPES, step_number
+from opttree._inspect import STEP_DTYPES, fresh_step_dtype, scalar_dtype, step_number
 from opttree._nodes import LeafNode, Node, tree_nodes
 from opttree._numbers import real_number
 from opttree._preflight import Extents, overlap, plain_reads, ranges, torch_name, unreadable_reason, unwritable_reason
@@ -155,7 +155,7 @@ def _check_torch_format(node: Node, inner: Node, state: object, load: Load) -> N
     loaded = {index for saved in groups[: len(live)] for index in saved["params"]}
     for index, entry in entries.items():
         if index == STEP_KEY:
-            _check_common_step(node, inner, entry)
+            _check_common_step(node, inner, entry, groups[: len(live)])
             continue
         if index not in loaded:
             raise layout_error(node, index, "a state entry for no parameter of the param groups it loads (torch would keep it under that index)")
@@ -380,17 +380,51 @@ def _counting(schema: StateSchema | None) -> tuple[StepType, str]:
     """How an optimizer of ``schema`` counts steps (its ``step_type``), and in words."""
     if schema is not None and schema.step_type is StepType.INT:
         return StepType.INT, "a Python int"
-    return StepType.TENSOR, "one whole number: a float32 or float64 tensor, or a number its load makes one"
+    return StepType.TENSOR, "one whole number: a float tensor of the dtype a fresh one counts in, or a number its load makes one"
 
 
-def _check_common_step(node: Node, inner: Node, value: object) -> None:
+def _check_common_step(node: Node, inner: Node, value: object, groups: Sequence[Mapping[object, object]]) -> None:
     """The step Megatron's load writes into every saved entry of the leaf below."""
     step_type, unit = _counting(_registry.schema_for(type(inner.optimizer)))
     fault = _step_fault(value, step_type)
+    cls = type(inner.optimizer).__qualname__
     if fault is not None:
-        cls = type(inner.optimizer).__qualname__
         message = f"is {fault}, which Megatron's load writes as the step of every entry, where {cls} counts steps from 0 in {unit}"
         raise layout_error(node, STEP_KEY, message)
+    if isinstance(value, torch.Tensor):
+        for group in groups:
+            unfresh = _unfresh_loaded_step(type(inner.optimizer), value, group)
+            if unfresh is not None:
+                raise layout_error(node, STEP_KEY, f"is {unfresh[0]}, which Megatron's load writes as the step of every entry, {unfresh[1]}")
+
+
+def _unfresh_loaded_step(cls: type, value: torch.Tensor, group: Mapping[object, object]) -> tuple[str, str] | None:
+    """What a saved step tensor is, and why it is refused, where torch's load would leave a
+    step that a reset refuses (see :meth:`~opttree._inspect.LeafInspector.unfresh_steps`):
+    torch's load keeps a step tensor's shape and, but in a fused or capturable group, which
+    it casts to float32, its dtype. Where ``cls`` builds its state as its built-in schema
+    says, the step must be 0-d, in the dtype a fresh one counts in; else in torch's scalar
+    dtype or float32. None where it is so."""
+    options = {key: option for key, option in group.items() if isinstance(key, str)}
+    with plain_reads():  # a subclass's own code does not run
+        dtype, shape = value.dtype, tuple(value.shape)
+    loaded = torch.float32 if options.get("fused") or options.get("capturable") else dtype
+    counted_in = {fresh_step_dtype(options)} if _registry.builds_as_its_schema_says(cls) else {scalar_dtype(), torch.float32}
+    fresh = " or ".join(sorted(map(torch_name, counted_in)))
+    then = (
+        f"and a reset of the loaded optimizer is refused (a step computed with it as a tensor, compiled or "
+        f"differentiable, would be unlike a fresh {cls.__qualname__}'s)"
+    )
+    if shape and _registry.builds_as_its_schema_says(cls):
+        return f"a tensor of shape {shape}", f"where a fresh {cls.__qualname__} counts in a 0-d tensor: torch's load keeps its shape, {then}"
+    if loaded not in counted_in:
+        return (
+            f"{article(torch_name(dtype))} tensor",
+            f"where a fresh {cls.__qualname__} counts in {fresh} (torch's default dtype is "
+            f"{torch_name(torch.get_default_dtype())}; fused groups count in float32): torch's load keeps it "
+            f"{torch_name(loaded)}, {then}",
+        )
+    return None
 
 
 def _check_steps_held(node: Node, leaf: LeafNode, entries: dict[object, dict[object, object]]) -> None:
@@ -504,6 +538,9 @@ def _check_entry(
                 unwritable = unwritable_reason(value) if isinstance(value, torch.Tensor) else None
                 if unwritable is not None:  # torch's load keeps a step tensor as it is, and the step adds to it in place
                     raise layout_error(node, key, f"{where} is {unwritable}, which {cls}'s step counts up in place")
+                unfresh = _unfresh_loaded_step(type(leaf.optimizer), value, group) if isinstance(value, torch.Tensor) else None
+                if unfresh is not None:
+                    raise layout_error(node, key, f"{where} is {unfresh[0]}, {unfresh[1]}")
                 continue
             if not isinstance(key, str) or key not in schema.actions:
                 raise layout_error(node, key, f"{where} is not a key {cls} keeps (its schema has {', '.join(sorted(schema.actions))})")
