@@ -275,3 +275,50 @@ def test_an_attribute_whose_own_reads_raise_is_a_definition_of_its_own_not_a_raw
         assert "step=1" in opttree.describe(optimizer)
         with pytest.raises(opttree.UnsupportedOptimizer):
             opttree.reset(optimizer)
+
+
+class ListedKeys(dict[str, object]):
+    """A param group whose ``keys()`` is a list, as Python 2's was."""
+
+    def keys(self) -> list[str]:  # type: ignore[override]
+        return list(super().keys())
+
+
+class RefusingKeys(dict[str, object]):
+    def keys(self) -> list[str]:  # type: ignore[override]
+        raise RuntimeError("keys() refused")
+
+
+class EveryKeyHeld(dict[str, object]):
+    """A param group that says it holds every option (defaults filled in elsewhere)."""
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+
+def adam_over(group_class: type[dict[str, object]]) -> tuple[torch.nn.Parameter, torch.optim.Adam]:
+    param = torch.nn.Parameter(torch.randn(3))
+    optimizer = torch.optim.Adam([param], lr=0.1)
+    for _ in range(2):
+        param.grad = torch.ones(3)
+        optimizer.step()
+    optimizer.param_groups[0] = group_class(optimizer.param_groups[0])
+    param.grad = torch.ones(3)
+    optimizer.step()  # torch steps with it
+    return param, optimizer
+
+
+@pytest.mark.parametrize("group_class", [ListedKeys, RefusingKeys, EveryKeyHeld])
+def test_a_param_group_with_reads_of_its_own_is_reset_as_a_dict_holds_it(group_class: type[dict[str, object]]) -> None:
+    """A dict subclass's own ``keys()`` raised a raw TypeError or its own error from the
+    check for the factory's options; one whose ``__contains__`` holds every key made the
+    reset plan to delete a step the group does not hold, and raise KeyError after zeroing
+    the history. Each is read as the dict holds it: validated clean and reset."""
+    param, optimizer = adam_over(group_class)
+
+    assert opttree.validate(optimizer) == ()
+    assert opttree.describe(optimizer)
+    report = opttree.reset(optimizer)
+
+    assert report.steps == 1 and not optimizer.state[param]["exp_avg"].any() and float(optimizer.state[param]["step"]) == 0
+    assert not dict.__contains__(optimizer.param_groups[0], "step")

@@ -294,6 +294,16 @@ foreach and fused steps raise for any other (an int64 step tensor, which the sin
 step takes); a bfloat16 one stops counting at 256."""
 
 
+def _group_step(group: StateEntry) -> tuple[object, bool]:
+    """A param group's ``step`` (None where it holds none), and whether it holds the key,
+    read of a dict as the reset's ``del`` finds it, not by a subclass's own ``get`` or
+    ``__contains__``: one whose ``__contains__`` answered yes for every key made the reset
+    plan to delete a step the group did not hold, and raise after zeroing its history."""
+    if isinstance(group, dict):
+        return dict.get(group, "step"), dict.__contains__(group, "step")
+    return group.get("step"), "step" in group
+
+
 def scalar_dtype() -> torch.dtype:
     """The dtype torch's optimizers build one-value state in (``_get_scalar_dtype``)."""
     return torch.float64 if torch.get_default_dtype() is torch.float64 else torch.float32
@@ -387,9 +397,9 @@ class LeafInspector:
         for index, group in enumerate(optimizer.param_groups):
             params = list(group["params"])
             in_groups.extend(params)
-            step = group.get("step")
+            step, held = _group_step(group)
             if step is None:
-                if "step" in group and self.resets("step"):
+                if held and self.resets("step"):
                     self.plan_counterless_step(node, index, group, params)
                 continue
             # Every step counter is reset, whatever the schema says: one kept silently

@@ -706,7 +706,7 @@ class ValidateVisitor(TraverserVisitor):
                 what = "a Megatron stub (it holds no optimizer, and is built only as a member of a chain, whose loss scale it holds)"
             elif isinstance(node, (LeafNode, HybridNode)):
                 groups = _readable_groups(node.optimizer)
-                if not groups or not all(isinstance(group, Mapping) and _FACTORY_OPTIONS <= group.keys() for group in groups):
+                if not groups or not all(isinstance(group, dict) and _FACTORY_OPTIONS <= dict.keys(group) for group in groups):  # the factory's are dicts: read as one, not by a subclass's own keys()
                     continue
                 what = f"its param groups are Megatron's factory's (they hold {', '.join(sorted(_FACTORY_OPTIONS))})"
             else:
