@@ -193,8 +193,9 @@ def test_a_tree_built_by_hand_nested_too_deep_is_refused_as_a_built_one_is() -> 
         ({"zero": "exp_avg"}, "state keys are given as a set of names, got 'exp_avg'"),
         ({"keep": {1}}, "state keys are given as a set of names, got {1}"),
         ({"step": "per-parameter"}, "step is a StepLocation, got 'per-parameter'"),
+        ({"zero": {"exp_avg"}, "dropped_by_group_if": {"fused"}}, r"dropped_by_group_if names \['fused'\], group options under which dropped keys are built together; this schema drops none"),
     ],
-    ids=["one string", "not a name", "step a string"],
+    ids=["one string", "not a name", "step a string", "built by group with no drop"],
 )
 def test_a_schema_of_the_wrong_kinds_is_refused(fields: dict[str, object], message: str) -> None:
     """One string as a key set would be taken apart into its letters, each a key."""

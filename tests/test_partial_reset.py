@@ -806,3 +806,52 @@ def test_a_stubs_loss_scaler_follows_the_stacks_others_in_a_partial_reset() -> N
     assert all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))
     kept = opttree.reset(stack.optimizer, params=lambda name: "expert" in name, model=stack.model, keys=["exp_avg"])
     assert kept.loss_scales_reset == 0 and kept.loss_scales_kept == 2
+
+
+def stepped_sgd(flag: str, count: int = 2) -> tuple[list[torch.nn.Parameter], torch.optim.SGD]:
+    params = [torch.nn.Parameter(torch.full((3,), float(i + 1))) for i in range(count)]
+    optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9, **{flag: True})
+    for _ in range(2):
+        for param in params:
+            param.grad = torch.ones_like(param)
+        optimizer.step()
+    return params, optimizer
+
+
+class SGDChain:
+    def __init__(self, optimizers: list[torch.optim.SGD]) -> None:
+        self.optimizers = optimizers
+
+
+opttree.register_wrapper(SGDChain, children=lambda chain: [(f"sgd{i}", sgd) for i, sgd in enumerate(chain.optimizers)])
+
+
+def test_a_partial_drop_of_a_fused_sgd_groups_momentum_is_refused_and_a_whole_one_trains_as_fresh() -> None:
+    """torch's fused SGD builds a group's momentum buffers at once, at a step that finds
+    none, and raises at a step that finds some missing: a reset dropping one parameter's
+    buffer (or a release of its entry) was accepted, and the next step raised. Refused
+    with nothing changed, alone and in a run of alike optimizers; the whole group is reset
+    as a fresh optimizer's; foreach SGD, which builds each buffer apart, resets part of it."""
+    params, optimizer = stepped_sgd("fused")
+    _, other = stepped_sgd("fused")
+    before = snapshot(optimizer)
+    for target in (optimizer, SGDChain([optimizer, other])):
+        for release in (False, True):
+            with pytest.raises(opttree.PartialResetRefused, match=r"param group 0 is fused: SGD builds its momentum_buffer for all of such a group's parameters at once .* 1 of its 2 parameters are selected"):
+                opttree.reset(target, params=params[:1], release=release)
+    assert unchanged(optimizer, before)
+
+    opttree.reset(optimizer, params=params)
+    fresh_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh = torch.optim.SGD(fresh_params, lr=0.1, momentum=0.9, fused=True)
+    for trained, model_params in ((optimizer, params), (fresh, fresh_params)):
+        for param in model_params:
+            param.grad = torch.ones_like(param)
+        trained.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, fresh_params, strict=True))
+
+    params, optimizer = stepped_sgd("foreach")
+    assert opttree.reset(optimizer, params=params[:1]).tensors_dropped == 1
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.step()

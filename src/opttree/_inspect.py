@@ -424,6 +424,8 @@ class LeafInspector:
             return
         if self.schema.indivisible and self.takes_part(node, in_groups, state):
             return
+        if self.schema.dropped_by_group_if and self.drops_part_of_group(node, optimizer.param_groups, state):
+            return
         if self.counted_apart(node, state):
             return
         release = self.selection.release
@@ -455,6 +457,8 @@ class LeafInspector:
             return False  # scales, fills and settings' shapes are looked up, releases and indivisible states planned, leaf by leaf
         if schema.step_attributes or schema.master_groups is not None:
             return False  # read from each leaf's own attributes
+        if schema.dropped_by_group_if and self.selection.tensors is not None:
+            return False  # a partial drop checked group by group
         problems_before = len(self.problems)
         try:
             part = self._plan_alike(leaves)
@@ -552,6 +556,33 @@ class LeafInspector:
                 )
                 self.problem(node, ProblemKind.PARTIAL_GROUP, message, key)
                 return True
+        return False
+
+    def drops_part_of_group(self, node: LeafNode, groups: Sequence[StateEntry], state: Mapping[torch.Tensor, StateEntry]) -> bool:
+        """Whether a partial reset drops keys (or a release deletes entries holding them)
+        for some of the parameters of a group whose options make the optimizer build them
+        for the whole group at once (``dropped_by_group_if``): refused, since its next step
+        would raise over the ones kept."""
+        chosen = self.selection.tensors
+        dropped = sorted(key for key in self.schema.drop if self.selection.release or self.resets(key))
+        if chosen is None or not dropped:
+            return False
+        for index, group in enumerate(groups):
+            options = sorted(option for option in self.schema.dropped_by_group_if if group.get(option))
+            params = cast(Sequence[torch.Tensor], group["params"])
+            taken = sum(id(param) in chosen for param in params)
+            if not options or not 0 < taken < len(params):
+                continue
+            if not any(key in state.get(param, {}) for param in params for key in dropped):
+                continue
+            message = (
+                f"param group {index} is {', '.join(options)}: {type(node.optimizer).__qualname__} builds its "
+                f"{', '.join(dropped)} for all of such a group's parameters at once and steps none with some missing, and "
+                f"{taken} of its {len(params)} parameters are selected: select the whole group, or leave "
+                f"{', '.join(dropped)} out of keys"
+            )
+            self.problem(node, ProblemKind.PARTIAL_GROUP, message, dropped[0])
+            return True
         return False
 
     def bound_apart(self, node: LeafNode, held: Counter[str]) -> bool:

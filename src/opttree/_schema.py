@@ -283,6 +283,13 @@ class StateSchema:
     zeroes them together, but ``prune`` and ``scale``, which change each tensor apart, are
     refused for them, since they would break the bound and the next step would write NaN.
 
+    ``dropped_by_group_if``: options of a param group under which the optimizer builds its
+    dropped keys for all of the group's parameters at once, at the first step that finds
+    none, and steps none of them with some missing (torch's fused SGD: a momentum buffer
+    dropped for one parameter of a fused group made the next step raise): a reset that
+    drops them (or a release, which deletes them with their entries) takes all of such a
+    group's parameters or none of them.
+
     ``step_attributes``: instance attributes each holding a tensor that the optimizer
     creates as zeros and reads in counting its steps (TE's and apex's ``FusedAdam`` keep
     ``_dummy_overflow_buf``: a capturable step adds one to the step only where the step
@@ -334,6 +341,7 @@ class StateSchema:
     counted_with_step: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     expressed_in: tuple[tuple[str, frozenset[str]], ...] = field(converter=_bases, factory=tuple, kw_only=True)
     bound_together: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
+    dropped_by_group_if: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
 
     @functools.cached_property
     def built_with_entry(self) -> tuple[tuple[str, str | None], ...]:
@@ -500,6 +508,9 @@ class StateSchema:
                 raise RegistrationError(msg)
         if len(self.bound_together) == 1 or not self.bound_together <= history:
             msg = f"bound_together names {sorted(self.bound_together)}: two or more zeroed, filled or identity keys"
+            raise RegistrationError(msg)
+        if self.dropped_by_group_if and not self.drop:
+            msg = f"dropped_by_group_if names {sorted(self.dropped_by_group_if)}, group options under which dropped keys are built together; this schema drops none"
             raise RegistrationError(msg)
         if self.step_attributes and self.step is StepLocation.NONE:
             msg = "step_attributes take part in counting steps; this schema's step is none"

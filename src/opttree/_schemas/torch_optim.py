@@ -98,7 +98,7 @@ def _per_step(
 
 
 ADAM = _per_step("exp_avg", "exp_avg_sq", "max_exp_avg_sq", built_if={"max_exp_avg_sq": "amsgrad"})
-SGD = StateSchema(drop={"momentum_buffer"}, keep={MASTER_PARAM}, rebuilds_missing=True)
+SGD = StateSchema(drop={"momentum_buffer"}, keep={MASTER_PARAM}, rebuilds_missing=True, dropped_by_group_if={"fused"})
 LBFGS = StateSchema(
     drop={"func_evals", "n_iter", "d", "t", "old_dirs", "old_stps", "ro", "H_diag", "prev_flat_grad", "prev_loss", "al"},
     rebuilds_missing=True,
