@@ -157,6 +157,27 @@ def test_an_unwritable_tensor_on_the_last_parameter_is_refused_before_any_write(
     assert "AdamW" in opttree.describe(optimizer)
 
 
+def test_empty_history_on_the_meta_device_is_refused_and_empty_history_in_memory_is_reset() -> None:
+    """Empty meta history shows the address 0 that an empty tensor in memory shows too,
+    and was taken as writable: the reset went through, and the next step raised over a
+    tensor on the meta device. Refused; empty history beside an empty parameter, as a
+    fresh optimizer builds it, is reset and trains on."""
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(0))]
+    optimizer = torch.optim.Adam(params, lr=0.1)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    assert opttree.reset(optimizer).tensors_zeroed == 4
+    optimizer.step()  # the empty history reset, as a fresh optimizer builds it, trains on
+    meta = optimizer.state[params[1]]["exp_avg"] = torch.empty(0, device="meta")
+    before = {key: value.clone() for key, value in optimizer.state[params[0]].items()}
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"key 'exp_avg': cannot be zeroed in place: 1 of its 2 tensors cannot; the first is a meta tensor"):
+        opttree.reset(optimizer)
+    assert all(torch.equal(value, before[key]) for key, value in optimizer.state[params[0]].items())
+    assert optimizer.state[params[1]]["exp_avg"] is meta
+
+
 def test_history_in_writable_memory_torch_did_not_allocate_is_reset_exactly(tmp_path: Path) -> None:
     """A checkpoint loaded with ``torch.load(mmap=True)`` leaves history in a private (copy
     on write) file mapping, and ``torch.from_numpy`` in NumPy's memory: storages torch

@@ -420,8 +420,8 @@ def _surely_writable(tensors: Sequence[torch.Tensor]) -> Extents | None:
         except (RuntimeError, NotImplementedError):  # sparse tensors have no data pointer
             return None
         sizes = list(map(_NBYTES, chunk))
-        if 0 in starts and any(compress(sizes, map(operator.not_, starts))):
-            return None  # meta tensors and freed storages show no address
+        if 0 in starts:
+            return None  # meta tensors and freed storages show no address, and an empty one may be meta
         chunk_dtypes = list(map(_DTYPE, chunk))
         dtypes = set(chunk_dtypes)
         if not _QUANTIZED.isdisjoint(dtypes) or any(map(_IS_NEG, chunk)) or any(map(_IS_NESTED, chunk)):
