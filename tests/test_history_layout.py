@@ -145,3 +145,53 @@ def test_history_built_like_a_gradient_set_by_hand_is_as_built() -> None:
     param.grad = None
     problems = opttree.validate(optimizer)  # without the gradient, nothing says it was built so
     assert [p.key for p in problems] == ["momentum_buffer"]
+
+
+class AdagradPair:
+    def __init__(self, optimizers: list[torch.optim.Adagrad]) -> None:
+        self.optimizers = optimizers
+
+
+opttree.register_wrapper(AdagradPair, children=lambda pair: [(f"adagrad{i}", leaf) for i, leaf in enumerate(pair.optimizers)])
+
+
+def stepped_adagrad(fused: bool) -> tuple[torch.nn.Parameter, torch.optim.Adagrad]:
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+    optimizer = torch.optim.Adagrad([param], lr=0.01, initial_accumulator_value=0.1, fused=fused, foreach=None if fused else True)
+    for i in range(2):
+        param.grad = torch.sin(param.detach() * 3 + i)
+        optimizer.step()
+    return param, optimizer
+
+
+def with_gaps(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` copied into every second element of a buffer twice its size."""
+    strided = torch.zeros(2 * tensor.numel(), dtype=tensor.dtype)[::2]
+    return strided.copy_(tensor)
+
+
+def test_history_with_gaps_is_refused_in_a_fused_group_and_reset_in_another() -> None:
+    """A fused kernel steps history as ``zeros_like`` lays it out: a fused Adagrad whose
+    ``sum`` was a slice with gaps (same shape, dtype and order of dimensions) was reset in
+    place, and the next step differed from a fresh optimizer's. Refused there, alone and
+    in a run of alike leaves, with nothing changed; a foreach Adagrad steps it as a fresh
+    one, and is reset."""
+    param, fused = stepped_adagrad(fused=True)
+    _, other = stepped_adagrad(fused=True)
+    fused.state[param]["sum"] = with_gaps(fused.state[param]["sum"])
+    before = snapshot(fused)
+    for target in (fused, AdagradPair([other, fused])):
+        with pytest.raises(opttree.UnsupportedOptimizerState, match=r"key 'sum': history laid out with strides \(2,\) where a fresh optimizer builds it with strides \(1,\).*runs a fused kernel over it"):
+            opttree.reset(target)
+    assert unchanged(fused, before)
+
+    param, foreach = stepped_adagrad(fused=False)
+    foreach.state[param]["sum"] = with_gaps(foreach.state[param]["sum"])
+    opttree.reset(foreach)
+    twin = torch.nn.Parameter(param.detach().clone())
+    fresh = torch.optim.Adagrad([twin], lr=0.01, initial_accumulator_value=0.1, foreach=True)
+    for stepped, weight in ((foreach, param), (fresh, twin)):
+        weight.grad = torch.sin(weight.detach() * 3 + 10)
+        stepped.step()
+    assert torch.equal(param, twin)

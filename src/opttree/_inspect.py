@@ -1027,7 +1027,8 @@ class LeafInspector:
         as a matrix steps otherwise than a fresh one."""
         with plain_reads():
             grads = [_GRAD(param) if _IS_LEAF(param) else None for param in params]  # a view's .grad warns where none is set
-        unlike = unlike_layouts(tensors, params, grads)
+        fused = any(isinstance(group, Mapping) and group.get("fused") for group in node.optimizer.param_groups)
+        unlike = unlike_layouts(tensors, params, grads, dense=fused)
         if not unlike:
             return
         _, strides, fresh = unlike[0]
@@ -1035,8 +1036,9 @@ class LeafInspector:
         message = (
             f"history laid out with strides {strides} where a fresh optimizer builds it {as_fresh}, as its "
             f"parameter is laid out now ({len(unlike)} of {count} such): the parameter's memory format changed after it "
-            "was built, and zeroed in place the history keeps its old one, in which a step that draws random numbers "
-            "like it or multiplies it as a matrix computes otherwise; " + self.rebuild_advice()
+            "was built (or the history was put in from elsewhere), and zeroed in place the history keeps its layout, in "
+            "which a step that draws random numbers like it, multiplies it as a matrix or runs a fused kernel over it "
+            "computes otherwise; " + self.rebuild_advice()
         )
         self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
 

@@ -214,7 +214,7 @@ def _overlaps_itself(tensor: torch.Tensor) -> bool:
 
 
 def unlike_layouts(
-    history: Sequence[torch.Tensor], params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]
+    history: Sequence[torch.Tensor], params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], *, dense: bool = False
 ) -> list[tuple[int, tuple[int, ...], tuple[int, ...] | None]]:
     """Where history that its optimizer builds ``zeros_like`` its parameter is not laid out
     in memory in the order ``zeros_like`` lays one out for the parameter now (the
@@ -227,18 +227,28 @@ def unlike_layouts(
     gradient (``grads``, None where it has none) is as built too: some optimizers build it
     from the gradient (PSGD, torch's Muon), which autograd lays out as its parameter but a
     gradient set by hand may not be. For tensors of equal shapes, read where some are not
-    contiguous: contiguous ones of one shape are laid out alike."""
+    contiguous: contiguous ones of one shape are laid out alike. With ``dense`` the gaps
+    are compared too: torch's fused kernels step history as ``zeros_like`` lays it out, and
+    a fused Adagrad stepped a slice with gaps otherwise than a fresh one."""
     found: list[tuple[int, tuple[int, ...], tuple[int, ...] | None]] = []
     with plain_torch():
         for index, (tensor, param, grad) in enumerate(zip(history, params, grads, strict=True)):
             shape, strides = tuple(tensor.shape), tuple(tensor.stride())
             fresh = _fresh_strides(param)
-            if fresh is not None and _memory_order(shape, strides) == _memory_order(shape, fresh):
+            if fresh is not None and _laid_out_as(shape, strides, fresh, dense=dense):
                 continue
             from_grad = None if grad is None or tuple(grad.shape) != shape else _fresh_strides(grad)
-            if from_grad is None or _memory_order(shape, strides) != _memory_order(shape, from_grad):
+            if from_grad is None or not _laid_out_as(shape, strides, from_grad, dense=dense):
                 found.append((index, strides, fresh))
     return found
+
+
+def _laid_out_as(shape: tuple[int, ...], strides: tuple[int, ...], fresh: tuple[int, ...], *, dense: bool) -> bool:
+    """Whether strides lay a tensor out in the order of ``fresh`` (with ``dense``, with
+    its gaps too), over the dimensions of more than one element."""
+    if dense:
+        return all(strides[dim] == fresh[dim] for dim, size in enumerate(shape) if size > 1)
+    return _memory_order(shape, strides) == _memory_order(shape, fresh)
 
 
 def _fresh_strides(tensor: torch.Tensor) -> tuple[int, ...] | None:
