@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Callable, Iterator
+from typing import cast
 
 import pytest
 import torch
@@ -97,6 +98,25 @@ def test_a_declared_hook_is_reset_as_any_other_and_trains_as_a_fresh_optimizer()
     train(optimizer, 2)
     train(fresh, 2)
     assert same_params(optimizer, fresh)
+
+
+def test_a_hook_defined_again_under_a_declared_ones_name_is_a_hook_of_its_own() -> None:
+    """A notebook cell run again with a counting body defines a new function under the
+    declared one's module and qualified name: it was taken as declared, and the reset kept
+    its count. Declared hooks are known by their code, which every closure of one def
+    shares and a new def does not."""
+    opttree.register_step_hook(logged)
+    namespace: dict[str, object] = {"__name__": __name__}
+    exec("def logged(optimizer, args, kwargs):\n    optimizer.warm_steps = getattr(optimizer, 'warm_steps', 0) + 1\n", namespace)
+    again = cast(Callable[[torch.optim.Optimizer, object, object], None], namespace["logged"])
+    assert (again.__module__, again.__qualname__) == (logged.__module__, logged.__qualname__)
+    optimizer = trained(0, again)
+    before = snapshot(optimizer)
+
+    with pytest.raises(opttree.UnsupportedOptimizer, match="its step pre-hook tests.test_step_hooks.logged runs inside its step"):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before)
+    assert opttree.validate(trained(0, logged)) == ()
 
 
 class Counter:

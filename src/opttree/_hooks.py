@@ -9,15 +9,18 @@ HybridDeviceOptimizer copies its sub-optimizers' parameters back after each step
 user declares with :func:`register_step_hook`. Any other is refused, as an instance's own
 ``step`` is.
 
-Hooks are known by their function's module and qualified name, so that the closures a
-wrapper makes anew for each sub-optimizer are one hook; a callable object by its class's
-``__call__``, the function it runs, so that its instances are one hook too. Both names are
-read where a function's code says them (the ``__name__`` of the globals it was defined in,
-and its code's ``co_qualname``), not from its ``__module__`` and ``__qualname__``, which
+Megatron's and torch's own hooks are known by their function's module and qualified
+name, so that the closures a wrapper makes anew for each sub-optimizer are one hook; a
+user's declared hooks by their function's code object, which every closure of one ``def``
+shares, and a function defined anew under the same name (a notebook cell run again, with a
+count of its own) does not; a callable object by its class's ``__call__``, the function
+it runs, so that its instances are one hook too. Names are read where a function's code
+says them (the ``__name__`` of the globals it was defined in, and its code's
+``co_qualname``), not from its ``__module__`` and ``__qualname__``, which
 ``functools.wraps`` copies onto a decorator's wrapper: a wrapper around a declared hook runs
 its own code, and is a hook of its own: a function that records one it wraps
 (``__wrapped__``: ``functools.wraps``, torch's ``no_grad`` decorator) is known by its own
-name and that function's together, so that one decorator's wrappers of two hooks are two.
+function and that function together, so that one decorator's wrappers of two hooks are two.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from itertools import chain, repeat
 from types import BuiltinFunctionType, FunctionType
-from typing import cast
+from typing import TypeVar, cast
 
 from torch.optim import optimizer as torch_optimizer
 
@@ -48,7 +51,8 @@ _BUILTIN: frozenset[tuple[tuple[str, str], ...]] = frozenset(
 """Hooks read in their sources and known to leave optimizer state alone, by module and
 qualified name (each a function that wraps none)."""
 
-_registered: set[tuple[tuple[str, str], ...]] = set()
+_registered: set[tuple[object, ...]] = set()
+"""The hooks users declared, each by :func:`_code_key`."""
 _lock = threading.Lock()
 
 _OWN = (("_optimizer_step_pre_hooks", "step pre-hook"), ("_optimizer_step_post_hooks", "step post-hook"))
@@ -90,20 +94,43 @@ def _key(hook: object) -> HookKey | None:
     """A hook's :data:`HookKey`, or None where a function along it has no name to be known
     by (``str`` itself: a subclass's own hash could say anything), or the chain is longer
     than opttree follows."""
-    names: list[tuple[str, str]] = []
+    return _chain(hook, _name_of)
+
+
+def _code_key(hook: object) -> tuple[object, ...] | None:
+    """What a declared hook is known by: the code object of the function it runs, then of
+    each function that one wraps (a C function, which has none, by itself); None as for
+    :func:`_key`."""
+    return _chain(hook, _code_of)
+
+
+_Part = TypeVar("_Part")
+
+
+def _chain(hook: object, read: Callable[[object], _Part | None]) -> tuple[_Part, ...] | None:
+    """``read`` of the function ``hook`` runs, then of each function that one wraps
+    (``__wrapped__``), outermost first; None where one reads as None, or the chain is
+    longer than opttree follows."""
+    parts: list[_Part] = []
     for _ in range(8):
         try:
             function = _function(hook)
         except Exception:  # noqa: BLE001  # an object's own __getattr__ may raise anything
             return None
-        name = _name_of(function)
-        if name is None:
+        part = read(function)
+        if part is None:
             return None
-        names.append(name)
+        parts.append(part)
         hook = own_attributes(function).get("__wrapped__") if isinstance(function, FunctionType) else None
         if hook is None:
-            return tuple(names)
+            return tuple(parts)
     return None
+
+
+def _code_of(function: object) -> object | None:
+    if isinstance(function, FunctionType):
+        return function.__code__
+    return function if isinstance(function, BuiltinFunctionType) else None
 
 
 def _name_of(function: object) -> tuple[str, str] | None:
@@ -128,8 +155,7 @@ def hook_name(hook: object) -> str:
 
 
 def _known(hook: object) -> bool:
-    key = _key(hook)
-    return key in _BUILTIN or key in _registered
+    return _key(hook) in _BUILTIN or _code_key(hook) in _registered
 
 
 def register_step_hook(hook: Callable[..., object]) -> None:
@@ -152,10 +178,12 @@ def register_step_hook(hook: Callable[..., object]) -> None:
         _registered.add(key)
 
 
-def _declarable_key(hook: object) -> HookKey | str:
-    """What ``hook`` is known by (see :func:`_key`), or why it cannot be declared."""
+def _declarable_key(hook: object) -> tuple[object, ...] | str:
+    """What ``hook`` is declared by (see :func:`_code_key`), or why it cannot be declared:
+    its functions must have names (:func:`_key`) that are not shared by every lambda."""
     key = _key(hook)
-    if key is None:
+    code = _code_key(hook)
+    if key is None or code is None:
         return (
             f"{kind_of(hook)} runs a function that has no module and qualified name to be known by (a callable object "
             "is known by its class's __call__, which a class written in C has not): make the hook a function of your own"
@@ -166,7 +194,7 @@ def _declarable_key(hook: object) -> HookKey | str:
             f"{hook_name(hook)} is known by a name that every {unnamed[0]} defined there shares: declaring it would declare "
             "them all; give the hook a def of its own"
         )
-    return key
+    return code
 
 
 _NOT_A_DICT = object()
@@ -205,6 +233,7 @@ def unknown_step_hook(optimizer: object) -> str | None:
 
 
 _DICT = operator.attrgetter("__dict__")
+_CODE = operator.attrgetter("__code__")
 
 
 def surely_known_hooks(optimizers: Sequence[object]) -> bool:
@@ -227,8 +256,8 @@ def surely_known_hooks(optimizers: Sequence[object]) -> bool:
             continue
         if set(map(type, hooks)) != {FunctionType} or any(map(operator.contains, map(_DICT, hooks), repeat("__wrapped__"))):
             return False  # a wrapper is known by what it wraps too: named leaf by leaf
-        if not {(name,) for name in map(_code_name, hooks)} <= _BUILTIN | _registered:
-            return False
+        if not ({(name,) for name in map(_code_name, hooks)} <= _BUILTIN or {(code,) for code in map(_CODE, hooks)} <= _registered):
+            return False  # some of each, or an unknown one: told leaf by leaf
     return True
 
 
