@@ -110,6 +110,28 @@ def test_labels_that_are_paths_of_their_own_are_taken() -> None:
     assert opttree.reset(modules).leaves == 2
 
 
+class UnhashableLabel(str):
+    """A label whose own ``__hash__`` and ``__eq__`` raise."""
+
+    def __hash__(self) -> int:
+        raise RuntimeError("label hash")
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("label eq")
+
+
+def test_a_label_of_a_str_subclass_is_taken_as_the_str_it_holds() -> None:
+    """Its own ``__hash__``, run by the check that labels differ, escaped validate,
+    describe and reset raw. A label is read as the plain str it holds."""
+    optimizer, other = stepped_adamw(2), stepped_adamw(2)
+    holder = registered_holder(lambda w: [(UnhashableLabel("first"), w.optimizer), (UnhashableLabel("second"), other)])(optimizer)
+
+    assert opttree.validate(holder) == ()
+    assert "@ first" in opttree.describe(holder)
+    assert [type(node.path) for node in opttree.tree(holder).children] == [str, str]
+    assert opttree.reset(holder).leaves == 2
+
+
 def test_children_from_an_iterator_the_wrapper_keeps_are_a_malformed_wrapper_and_a_fresh_generator_is_not() -> None:
     """A kept iterator is used up by the first build: every later reset would find no
     children and reset nothing, reporting success."""

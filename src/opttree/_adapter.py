@@ -342,7 +342,8 @@ def labelled(pairs: list[object], wrapper: object, path: str) -> list[tuple[str,
     for item in pairs:
         if not is_pair(item) or not isinstance(item[0], str):
             raise yielded_wrongly("children", wrapper, path, item, "(label, inner) pairs with a str label")
-    checked = cast(list[tuple[str, object]], pairs)
+    # each label as the plain str it holds: a str subclass's own __hash__ or __eq__ runs no code of its own here
+    checked = [(str.__str__(label), inner) for label, inner in cast(list[tuple[str, object]], pairs)]
     labels = [label for label, _ in checked]
     if len(set(labels)) < len(labels):
         twice = next(label for label in labels if labels.count(label) > 1)
