@@ -327,6 +327,36 @@ def test_an_rprop_under_a_megatron_wrapper_is_refused_rather_than_emptied() -> N
     assert len(optimizer.state) == count
 
 
+class PathsToOne:
+    """A wrapper of the user's naming one optimizer at two paths: directly, and inside a stack."""
+
+    def __init__(self, named: list[tuple[str, object]]) -> None:
+        self.named = named
+
+
+opttree.register_wrapper(PathsToOne, children=lambda wrapper: list(wrapper.named))
+
+
+@pytest.mark.usefixtures("process_group")
+def test_an_rprop_reached_first_outside_a_megatron_wrapper_and_again_under_one_is_refused() -> None:
+    """Its entries, which a reset deletes, were checked where the tree first reached it:
+    reached directly first, then under an FP32Optimizer, the reset deleted them and left
+    a state Megatron cannot checkpoint; reached in the other order, it was refused.
+    Refused either way, with nothing changed."""
+    net = model()
+    optimizer = torch.optim.Rprop(net.parameters(), lr=0.01)
+    train(net, optimizer, 0, 2)
+    stack = megatron_parts.chained([megatron_parts.fp32(optimizer)])
+    count = len(optimizer.state)
+
+    for named in ([("direct", optimizer), ("stack", stack)], [("stack", stack), ("direct", optimizer)]):
+        wrapper = PathsToOne(named)
+        assert [p.kind for p in opttree.validate(wrapper)] == [opttree.ProblemKind.UNRELEASABLE_STATE]
+        with pytest.raises(opttree.ReleaseRefused, match=r"Rprop at stack\.chained\[0\]\.optimizer: its entries start from its group's values .* under a FP32Optimizer"):
+            opttree.reset(wrapper)
+    assert len(optimizer.state) == count
+
+
 def test_an_rprop_whose_entries_cannot_be_deleted_is_refused_saying_why_a_reset_would_delete_them() -> None:
     net = model()
     optimizer = torch.optim.Rprop(net.parameters(), lr=0.01)

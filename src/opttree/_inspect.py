@@ -506,7 +506,7 @@ class LeafInspector:
         resettable = self.schema.resettable
         if not any(map(self.resets, self.schema.filled)):
             return False
-        if not all(map(self.resets, resettable)):
+        if not self.deletes_entries():
             named = ", ".join(repr(key) for key in sorted(resettable))
             message = (
                 f"its {', '.join(sorted(self.schema.filled))} start from its group's values at its first step, and "
@@ -516,13 +516,25 @@ class LeafInspector:
             )
             self.problem(node, ProblemKind.PARTIAL_GROUP, message)
             return False
-        if self.megatron_above is not None:
-            message = (
-                f"its entries start from its group's values at its first step, so a reset deletes them, and "
-                f"under a {self.megatron_above} that leaves a state Megatron cannot checkpoint until the next step"
-            )
-            self.problem(node, ProblemKind.UNRELEASABLE_STATE, message)
+        return not self.deleted_under_megatron(node, self.megatron_above)
+
+    def deletes_entries(self) -> bool:
+        """Whether the reset deletes the entries of a leaf whose entries start at its first
+        step (see :meth:`starts_again`): it takes its filled keys and all the others."""
+        return self.schema.starts_at_first_step and any(map(self.resets, self.schema.filled)) and all(map(self.resets, self.schema.resettable))
+
+    def deleted_under_megatron(self, node: LeafNode, megatron_above: str | None) -> bool:
+        """Whether entries a reset deletes (see :meth:`starts_again`) lie under a Megatron
+        wrapper (``megatron_above``, its class's name), which is refused: the reset would
+        leave a state Megatron cannot checkpoint until the next step. Asked again where the
+        leaf is reached once more, under another wrapper, beside its first path."""
+        if megatron_above is None:
             return False
+        message = (
+            f"its entries start from its group's values at its first step, so a reset deletes them, and "
+            f"under a {megatron_above} that leaves a state Megatron cannot checkpoint until the next step"
+        )
+        self.problem(node, ProblemKind.UNRELEASABLE_STATE, message)
         return True
 
     def counted_apart(self, node: LeafNode, state: Mapping[torch.Tensor, StateEntry]) -> bool:

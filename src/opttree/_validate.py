@@ -744,12 +744,23 @@ class ValidateVisitor(TraverserVisitor):
             )
             self.problems.append(Problem(ProblemKind.PARTIAL_STEP, node.path, type(node.optimizer).__qualname__, message, "step"))
 
+    def _check_deleted_under_megatron(self, node: LeafNode) -> None:
+        """A leaf reached again, under a Megatron wrapper, whose first reach was planned
+        outside any: a reset that deletes its entries is refused as under the wrapper,
+        whichever path reached it first."""
+        if not self._megatron_above or self._selection.release:
+            return  # a release under a Megatron wrapper is refused at the wrapper
+        inspector = self._inspector_for(type(node.optimizer))
+        if inspector is not None and inspector.deletes_entries():
+            inspector.deleted_under_megatron(node, self._megatron_above[-1])
+
     def visit_leaf(self, node: LeafNode) -> None:
         """Check and plan one leaf against its schema."""
         if not self._entering(node):
             return
         if node.shared_with is not None:
             self._plan.shared_leaves += 1
+            self._check_deleted_under_megatron(node)
             return
         self._record_held_by(node)
         cls = type(node.optimizer)
