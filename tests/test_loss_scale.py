@@ -92,6 +92,25 @@ def test_what_keeps_steps_keeps_the_scaler_and_counts_it_kept(keep: Callable[[ob
     assert (report.loss_scales_reset, report.loss_scales_kept) == (0, 1) and scaler_state(scaler) == before
 
 
+def test_a_constant_scaler_is_counted_neither_reset_nor_kept() -> None:
+    """A ``ConstantGradScaler`` has nothing to reset: a reset counted it kept where it kept
+    steps or the scale, and not otherwise."""
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler
+
+    stack, _ = trained()
+    (wrapper,) = getattr(stack.optimizer, "chained_optimizers")
+    with stack.device:
+        wrapper.grad_scaler = ConstantGradScaler(2.0**10)
+    reports = [
+        opttree.reset(stack.optimizer),
+        opttree.reset(stack.optimizer, keep_loss_scale=True),
+        opttree.reset(stack.optimizer, keys=["exp_avg"]),
+        opttree.scale(stack.optimizer, 0.5),
+    ]
+    assert [(report.loss_scales_reset, report.loss_scales_kept) for report in reports] == [(0, 0)] * 4
+    assert float(wrapper.get_loss_scale()) == 2.0**10
+
+
 def test_a_scaler_not_built_from_the_config_is_refused_with_nothing_changed() -> None:
     stack, scaler = trained()
     scaler.hysteresis = 5

@@ -583,6 +583,8 @@ class ValidateVisitor(TraverserVisitor):
         inner params list them all (a DistributedOptimizer's shards of one parameter lie on
         some ranks only)."""
         planned = plan_scaler(node.optimizer)
+        if planned is None:
+            return None  # nothing to reset (a ConstantGradScaler), and nothing kept
         if self._keep_loss_scale or not self._selection.steps:
             if chosen is None or node.is_stub or _takes_any(node, chosen, counted):  # a stub follows the stack's others
                 self._plan.scalers_kept += 1
@@ -590,8 +592,6 @@ class ValidateVisitor(TraverserVisitor):
         if isinstance(planned, str):
             cls = type(node.optimizer).__qualname__
             self.problems.append(Problem(ProblemKind.UNSUPPORTED_STATE, node.path, cls, planned, "grad_scaler"))
-            return None
-        if planned is None:
             return None
         if chosen is not None and node.is_stub:  # it holds no parameter to select: it follows the stack's other scalers
             self._stub_scalers.append(planned)
