@@ -19,6 +19,7 @@ import pytest
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingException
+from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core.transformer.module import MegatronModule
 
 import opttree
@@ -601,3 +602,24 @@ def test_a_sharding_type_that_is_not_a_name_is_refused_not_raised_from() -> None
     state["param_state"], state["param_state_sharding_type"] = {}, ["dp_reshardable"]
     with pytest.raises(opttree.UnsupportedCheckpoint, match=r"param_state_sharding_type': \['dp_reshardable'\] is not one of"):
         opttree.load_state_dict(stack.optimizer, state)
+
+
+@pytest.mark.parametrize("name", [n for n in ("fp32", "fp16") if n in testing.available()])
+def test_a_stack_that_has_not_stepped_is_refused_a_sharded_save_that_no_load_takes(name: str, tmp_path: Path) -> None:
+    """Megatron's side: its sharded save of an ``FP32Optimizer`` or a mixed-precision
+    wrapper whose torch optimizer has built no history yet writes none, and its load,
+    which builds that history first to load into, raises (``dist_checkpointing.load``
+    raises torch's ``CheckpointException`` before any ``load_state_dict`` runs). opttree's save refuses it, naming why; after one step it saves."""
+    stack = testing.build(name)
+    for folder in ("megatron", "opttree", "stepped"):
+        (tmp_path / folder).mkdir()
+    save(stack, tmp_path / "megatron", with_opttree=False)
+    with pytest.raises(CheckpointException, match="CheckpointException"):  # raised by dist_checkpointing's load, before either load_state_dict
+        load(fresh_like(stack), tmp_path / "megatron", with_opttree=True)
+
+    with pytest.raises(opttree.UnsupportedCheckpoint, match=r"key 'state': its AdamW has not stepped yet and holds none of the exp_avg, exp_avg_sq it builds with every entry"):
+        save(stack, tmp_path / "opttree", with_opttree=True)
+    stack.train(0, 1)
+    save(stack, tmp_path / "stepped", with_opttree=True)
+    loaded = fresh_like(stack)
+    load(loaded, tmp_path / "stepped", with_opttree=True)

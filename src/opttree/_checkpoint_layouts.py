@@ -864,9 +864,16 @@ def check_saving(root: Node, metadata: Mapping[str, object] | None) -> None:
     whose inner torch optimizer holds no step on this rank (its ``state_dict`` asserts one
     step among the entries: a rank whose shard is all padding), and a format that saves no
     per-parameter step over one that counts them (:func:`_check_sharding`'s load refuses
-    it, and Megatron's raises half-way)."""
+    it, and Megatron's raises half-way); and an ``FP32Optimizer`` or
+    ``Float16OptimizerWithFloat16Params`` whose inner torch optimizer has not built the
+    history it builds with every entry yet (no step taken): Megatron saves no history for
+    it, and every load, which first builds that history to load into, finds none in the
+    checkpoint and raises."""
     sharding = (metadata or {}).get("distrib_optim_sharding_type")
     for node in tree_nodes(root):
+        if _LAYOUTS.lookup(type(node.optimizer)) in (_torch_format, _float16):
+            _check_history_built(node)
+            continue
         inner = _inner_counting_per_parameter(node) if _LAYOUTS.lookup(type(node.optimizer)) is _steps_in_groups else None
         if inner is None:
             continue
@@ -882,6 +889,26 @@ def check_saving(root: Node, metadata: Mapping[str, object] | None) -> None:
         if sharding in WITHOUT_STEPS:
             message = _without_steps(sharding, inner) + "no load takes it (Megatron's raises KeyError: 'step' half-way); save in the dp_reshardable format"
             raise layout_error(node, "distrib_optim_sharding_type", message)
+
+
+def _check_history_built(node: Node) -> None:
+    """See :func:`check_saving`: a wrapper whose inner optimizer holds parameters but no
+    state entry, where its schema builds history with every entry."""
+    inner = node.children[0] if node.children else None
+    if not isinstance(inner, LeafNode):
+        return
+    schema = _registry.schema_for(type(inner.optimizer))
+    if schema is None or not schema.always_built or inner.optimizer.state:
+        return
+    if not any(group.get("params") for group in inner.optimizer.param_groups if isinstance(group, Mapping)):
+        return
+    built = ", ".join(sorted(schema.always_built))
+    message = (
+        f"its {type(inner.optimizer).__qualname__} has not stepped yet and holds none of the {built} it builds with every "
+        "entry: Megatron's sharded checkpoint of it holds none, and every load, which builds that history first to "
+        "load into, raises for it; checkpoint it after its first step"
+    )
+    raise layout_error(node, "state", message)
 
 
 def _inner_counting_per_parameter(node: Node) -> LeafNode | None:
