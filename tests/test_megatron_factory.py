@@ -197,6 +197,24 @@ def test_a_recipe_of_ones_own_is_judged_by_its_optimizer_and_an_unknown_name_is_
         testing.missing_feature("nope")
 
 
+@pytest.mark.skipif("dist_muon" not in testing.available(), reason="no layer-wise Muon in this lane")
+def test_a_legacy_dist_optimizer_name_is_judged_as_the_factory_rewrites_it() -> None:
+    """megatron-core 0.19's factory takes ``"dist_muon"`` as ``"muon"``, layer-wise: the
+    recipe was called unavailable for a registry without that name. The factory builds it,
+    and a reset trains on as a fresh stack."""
+    recipe = testing.Recipe("legacy_dist_muon", "dist_muon", bf16=True)
+    assert testing.missing_feature(recipe) is None
+    stack = testing.build(recipe)
+    stack.train(0, 2)
+    assert type(stack.optimizer).__name__ == "LayerWiseDistributedOptimizer"
+    opttree.reset(stack.optimizer)
+    fresh = testing.build(recipe)
+    fresh.copy_weights_from(stack)
+    stack.train(2, 2)
+    fresh.train(2, 2)
+    assert all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))
+
+
 @pytest.mark.skipif(not {"fp32", "bf16"} <= set(testing.available()), reason="needs the fp32 and bf16 recipes")
 def test_copy_weights_from_a_stack_of_other_dtypes_is_refused_with_nothing_copied() -> None:
     """A copy from bf16 weights into fp32 ones casts: the weights would not be bitwise equal."""

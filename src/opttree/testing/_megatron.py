@@ -253,7 +253,10 @@ def _emerging_missing(optimizer: str, *, layer_wise: bool) -> str | None:
     It can from megatron-core 0.18 on, through its registry
     ``megatron.core.optimizer.emerging_optimizers``, and from 0.17 on for what
     :data:`_STANDARD_PATH` names; 0.16 and 0.17 build Muon only through a separate
-    ``get_megatron_muon_optimizer``, and 0.15 and older nothing at all."""
+    ``get_megatron_muon_optimizer``, and 0.15 and older nothing at all. A legacy
+    ``dist_`` name (``"dist_muon"``) is the bare one, layer-wise, as the factory rewrites it."""
+    if optimizer.startswith("dist_"):
+        optimizer, layer_wise = optimizer.removeprefix("dist_"), True
     if importlib.util.find_spec("emerging_optimizers") is None:
         return "emerging-optimizers is not installed"
     reason = _registry_missing(optimizer)
