@@ -11,6 +11,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import opttree
+from opttree import testing
 from opttree._held import OPTIMIZER_BOOKKEEPING
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -51,6 +52,15 @@ def trains_as_fresh(
     train(net, optimizer, start, steps)
     train(twin, fresh, start, steps)
     return weights_equal(net, twin)
+
+
+def trains_as_fresh_stack(stack: testing.MegatronStack, fresh: testing.MegatronStack, start: int, steps: int) -> bool:
+    """Whether ``stack`` trains ``steps`` steps from batch ``start`` bitwise as ``fresh``, a
+    stack built as it was, given its weights first."""
+    fresh.copy_weights_from(stack)
+    stack.train(start, steps)
+    fresh.train(start, steps)
+    return all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))
 
 
 def state_tensors(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:

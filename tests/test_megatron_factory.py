@@ -14,7 +14,7 @@ import torch
 
 import opttree
 from opttree import testing
-from tests.helpers import outside_state
+from tests.helpers import outside_state, trains_as_fresh_stack
 
 K = 3
 
@@ -208,11 +208,7 @@ def test_a_legacy_dist_optimizer_name_is_judged_as_the_factory_rewrites_it() -> 
     stack.train(0, 2)
     assert type(stack.optimizer).__name__ == "LayerWiseDistributedOptimizer"
     opttree.reset(stack.optimizer)
-    fresh = testing.build(recipe)
-    fresh.copy_weights_from(stack)
-    stack.train(2, 2)
-    fresh.train(2, 2)
-    assert all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))
+    assert trains_as_fresh_stack(stack, testing.build(recipe), 2, 2)
 
 
 @pytest.mark.skipif(not {"fp32", "bf16"} <= set(testing.available()), reason="needs the fp32 and bf16 recipes")

@@ -12,6 +12,7 @@ import torch
 import opttree
 from opttree import testing
 from opttree.testing import MegatronStack
+from tests.helpers import trains_as_fresh_stack
 
 OFFLOADED = [name for name in ("offload_0.75", "offload_1.0") if testing.is_available(name)]
 NOT_IN_PLACE = [name for name in ("fp32", "bf16", "dist_fp32", "dist_bf16", "dist_fp16") if testing.is_available(name)]
@@ -69,8 +70,4 @@ def test_where_the_optimizer_steps_copies_a_reset_after_the_round_trip_is_exact(
     assert opttree.validate(stack.optimizer) == ()
     with stack.device:
         opttree.reset(stack.optimizer)
-    fresh = testing.build(name)
-    fresh.copy_weights_from(stack)
-    stack.train(2, 2)
-    fresh.train(2, 2)
-    assert all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))
+    assert trains_as_fresh_stack(stack, testing.build(name), 2, 2)

@@ -10,7 +10,7 @@ import torch
 from megatron.core.optimizer import ChainedOptimizer, FP32Optimizer, MegatronOptimizer
 
 import opttree
-from tests.helpers import clone_model, model, snapshot, train, unchanged, weights_equal
+from tests.helpers import clone_model, model, snapshot, train, trains_as_fresh_stack, unchanged, weights_equal
 from opttree import testing
 from tests.megatron_parts import chained, config, fp32, mimo_over
 
@@ -38,11 +38,7 @@ def test_a_mimo_optimizer_over_the_factorys_chain_is_reset_exactly(name: str) ->
     report = opttree.reset(mimo_optimizer)
 
     assert report.leaves == 1 and report.steps > 0
-    fresh = testing.build(name)
-    fresh.copy_weights_from(stack)
-    stack.train(2, 2)
-    fresh.train(2, 2)
-    assert all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))
+    assert trains_as_fresh_stack(stack, testing.build(name), 2, 2)
 
 
 def test_mimo_optimizer_is_a_wrapper_of_its_modules_and_is_reset_exactly() -> None:
