@@ -233,6 +233,40 @@ def test_a_hysteresis_tracker_overflows_counted_below_zero_is_loaded() -> None:
         opttree.load_state_dict(refused.optimizer, state)
 
 
+def test_a_saved_flag_without_a_truth_value_is_megatrons_error_given_back() -> None:
+    """A saved group's ``fused`` of several values: the check of the step the load leaves
+    asked its truth, and torch's error escaped raw. Read as off there, it reaches
+    Megatron's load, whose error comes back as an opttree one."""
+    stack = recipe("fp32")
+    state = saved(stack)
+    groups(state)[0]["fused"] = torch.tensor([1.0, 0.0])
+    loaded = fresh_like(stack)
+    with loaded.device, pytest.raises(opttree.UnsupportedCheckpoint, match="Megatron's own load_state_dict raised RuntimeError"):
+        opttree.load_state_dict(loaded.optimizer, state)
+
+
+@pytest.mark.skipif("dist_bf16" not in testing.available(), reason="no dist_bf16 recipe in this lane")
+def test_a_distributed_checkpoint_loaded_under_a_float64_default_counts_steps_as_a_fresh_optimizer() -> None:
+    """Megatron's ``DistributedOptimizer`` load gives every entry a float32 step whatever
+    torch's default dtype; under float64, where a fresh AdamW counts in float64, the loaded
+    stack was refused by every later reset. opttree's load gives back the saved group steps
+    in the dtype a fresh optimizer counts in."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        stack = recipe("dist_bf16")
+        state = saved(stack)
+        loaded = fresh_like(stack)
+        with loaded.device:
+            opttree.load_state_dict(loaded.optimizer, state)
+        steps = [entry["step"] for leaf in loaded.leaves() for entry in leaf.state.values()]
+        assert steps and {step.dtype for step in steps} == {torch.float64}
+        assert opttree.validate(loaded.optimizer) == ()
+        opttree.reset(loaded.optimizer)
+    finally:
+        torch.set_default_dtype(default)
+
+
 def test_param_groups_saved_with_a_step_of_none_load_and_train_as_megatrons_own_load() -> None:
     """megatron-core 0.14's ``ChainedOptimizer`` saves ``step: None`` in every param group
     where none counts there (torch's optimizers count per parameter): no step, as ``reset``

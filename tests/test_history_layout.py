@@ -186,6 +186,15 @@ def test_history_with_gaps_is_refused_in_a_fused_group_and_reset_in_another() ->
             opttree.reset(target)
     assert unchanged(fused, before)
 
+    mixed = torch.optim.Adagrad([param], lr=0.01, fused=True)  # a fused group, and the gaps in another one
+    other_param = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+    mixed.add_param_group({"params": [other_param], "fused": False, "foreach": True})
+    for weight in (param, other_param):
+        weight.grad = torch.ones_like(weight)
+    mixed.step()
+    mixed.state[other_param]["sum"] = with_gaps(mixed.state[other_param]["sum"])
+    assert opttree.validate(mixed) == ()
+
     param, foreach = stepped_adagrad(fused=False)
     foreach.state[param]["sum"] = with_gaps(foreach.state[param]["sum"])
     opttree.reset(foreach)

@@ -329,6 +329,8 @@ def test_an_optimizer_the_factory_built_reached_below_no_chain_is_refused_at_any
 
     report = opttree.reset(UsersWrapper([("own", own), ("stack", stack.optimizer)]))  # the chain above it: reset as the stack's
     assert report.leaves == 2 and float(member.get_loss_scale()) == float(testing.build(name).optimizer.get_loss_scale())
+    for named in ([("inner", inner), ("stack", stack.optimizer)], [("stack", stack.optimizer), ("inner", inner)]):
+        assert opttree.validate(UsersWrapper(named)) == ()  # reached below its chain too, whichever path comes first
 
 
 @pytest.mark.skipif("fp16" not in testing.available(), reason="no fp16 recipe in this lane")
@@ -837,7 +839,7 @@ def test_a_partial_drop_of_a_fused_sgd_groups_momentum_is_refused_and_a_whole_on
     before = snapshot(optimizer)
     for target in (optimizer, SGDChain([optimizer, other])):
         for release in (False, True):
-            with pytest.raises(opttree.PartialResetRefused, match=r"param group 0 is fused: SGD builds its momentum_buffer for all of such a group's parameters at once .* 1 of its 2 parameters are selected"):
+            with pytest.raises(opttree.PartialResetRefused, match=r"param group 0 is fused: SGD builds its momentum_buffer for all of such a group's parameters at once .* 1 of the 2 parameters holding them are selected"):
                 opttree.reset(target, params=params[:1], release=release)
     assert unchanged(optimizer, before)
 
@@ -849,6 +851,12 @@ def test_a_partial_drop_of_a_fused_sgd_groups_momentum_is_refused_and_a_whole_on
             param.grad = torch.ones_like(param)
         trained.step()
     assert all(torch.equal(a, b) for a, b in zip(params, fresh_params, strict=True))
+
+    idle = torch.nn.Parameter(torch.ones(2))  # never given a gradient: it holds no buffer to keep
+    unused = torch.optim.SGD([params[0], idle], lr=0.1, momentum=0.9, fused=True)
+    params[0].grad = torch.ones_like(params[0])
+    unused.step()
+    assert opttree.reset(unused, params=params[:1]).tensors_dropped == 1
 
     params, optimizer = stepped_sgd("foreach")
     assert opttree.reset(optimizer, params=params[:1]).tensors_dropped == 1

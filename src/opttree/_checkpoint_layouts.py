@@ -25,7 +25,7 @@ from opttree import _registry
 from opttree._adapter import instance_attribute, mapping_attribute, sequence_attribute
 from opttree._dispatch import LazyDispatch
 from opttree._fields import article, kind_of
-from opttree._inspect import STEP_DTYPES, fresh_step_dtype, scalar_dtype, step_number
+from opttree._inspect import STEP_DTYPES, fresh_step_dtype, is_on, scalar_dtype, step_number
 from opttree._nodes import LeafNode, Node, tree_nodes
 from opttree._numbers import real_number
 from opttree._preflight import Extents, overlap, plain_reads, ranges, torch_name, unreadable_reason, unwritable_reason
@@ -408,7 +408,7 @@ def _unfresh_loaded_step(cls: type, value: torch.Tensor, group: Mapping[object, 
     options = {key: option for key, option in group.items() if isinstance(key, str)}
     with plain_reads():  # a subclass's own code does not run
         dtype, shape = value.dtype, tuple(value.shape)
-    loaded = torch.float32 if options.get("fused") or options.get("capturable") else dtype
+    loaded = torch.float32 if is_on(options.get("fused")) or is_on(options.get("capturable")) else dtype
     counted_in = {fresh_step_dtype(options)} if _registry.builds_as_its_schema_says(cls) else {scalar_dtype(), torch.float32}
     fresh = " or ".join(sorted(map(torch_name, counted_in)))
     then = (

@@ -51,6 +51,7 @@ from opttree import _registry
 from opttree._distributed import agreed
 from opttree._trees import tree
 from opttree._checkpoint_layouts import STEP_KEY, Load, check_history_apart, check_saving, layout_error, walk
+from opttree._inspect import fresh_step_dtype
 from opttree._nodes import LeafNode, Node, tree_nodes
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import StepType
@@ -236,16 +237,29 @@ def _restore_group_steps(root: Node, group_steps: dict[int, float]) -> None:
     """Give each state entry under a ``DistributedOptimizer`` a step tensor of its own
     holding the step its saved param groups hold: Megatron's load puts every parameter on
     one tensor, and its ``dp_reshardable`` load leaves in it the loading optimizer's own
-    step (the 1 of its dummy-state init where 2 was saved, measured on 0.19.2)."""
+    step (the 1 of its dummy-state init where 2 was saved, measured on 0.19.2). The tensor
+    is of the dtype a fresh optimizer counts in (:func:`~opttree._inspect.fresh_step_dtype`),
+    where its class builds its state as its built-in schema says: Megatron's load makes it
+    float32 whatever torch's default dtype, and under a float64 default the loaded stack
+    could then never be reset."""
     for node in tree_nodes(root):
         saved = group_steps.get(id(node.optimizer))
         if saved is None:
             continue
         for optimizer in tree_leaves(node):
-            for entry in optimizer.state.values():
+            fresh = _fresh_step_dtypes(optimizer)
+            for param, entry in optimizer.state.items():
                 step = entry.get("step") if isinstance(entry, dict) else None
                 if isinstance(step, torch.Tensor):
-                    entry["step"] = torch.tensor(saved, dtype=step.dtype, device=step.device)
+                    entry["step"] = torch.tensor(saved, dtype=fresh.get(id(param), step.dtype), device=step.device)
+
+
+def _fresh_step_dtypes(optimizer: torch.optim.Optimizer) -> dict[int, torch.dtype]:
+    """The dtype a fresh ``optimizer`` counts each parameter's step in, by the parameter's
+    ``id``; none where its class does not build its state as its built-in schema says."""
+    if not _registry.builds_as_its_schema_says(type(optimizer)):
+        return {}
+    return {id(param): fresh_step_dtype(group) for group in optimizer.param_groups for param in group["params"]}
 
 
 def _give_steps(leaf: LeafNode, entries: dict[object, object]) -> None:

@@ -316,7 +316,14 @@ def fresh_step_dtype(group: Mapping[str, object]) -> torch.dtype:
     loaded from a run of another default; a float32 one under a float64 default, as
     Megatron's loads give it whatever the default) makes a compiled or differentiable
     step, which computes bias correction with the step as a tensor, unlike a fresh one."""
-    return torch.float32 if group.get("fused") else scalar_dtype()
+    return torch.float32 if is_on(group.get("fused")) else scalar_dtype()
+
+
+def is_on(option: object) -> bool:
+    """Whether a group's flag is on, read as torch reads a bool (or a number) and without
+    running an object's own ``__bool__``: any other value (a tensor of several values, an
+    object whose truth raises) counts as off here, and is the checks' of the options to refuse."""
+    return type(option) in (bool, int, float) and bool(option)
 
 
 def unfresh_step_dtypes(
@@ -580,17 +587,18 @@ class LeafInspector:
         if chosen is None or not dropped:
             return False
         for index, group in enumerate(groups):
-            options = sorted(option for option in self.schema.dropped_by_group_if if group.get(option))
-            params = cast(Sequence[torch.Tensor], group["params"])
-            taken = sum(id(param) in chosen for param in params)
-            if not options or not 0 < taken < len(params):
+            options = sorted(option for option in self.schema.dropped_by_group_if if is_on(group.get(option)))
+            if not options:
                 continue
-            if not any(key in state.get(param, {}) for param in params for key in dropped):
+            params = cast(Sequence[torch.Tensor], group["params"])
+            holding = [param for param in params if any(key in state.get(param, {}) for key in dropped)]  # a parameter never stepped holds none
+            taken = sum(id(param) in chosen for param in holding)
+            if not 0 < taken < len(holding):
                 continue
             message = (
                 f"param group {index} is {', '.join(options)}: {type(node.optimizer).__qualname__} builds its "
                 f"{', '.join(dropped)} for all of such a group's parameters at once and steps none with some missing, and "
-                f"{taken} of its {len(params)} parameters are selected: select the whole group, or leave "
+                f"{taken} of the {len(holding)} parameters holding them are selected: select all of them, or leave "
                 f"{', '.join(dropped)} out of keys"
             )
             self.problem(node, ProblemKind.PARTIAL_GROUP, message, dropped[0])
@@ -1039,8 +1047,8 @@ class LeafInspector:
         as a matrix steps otherwise than a fresh one."""
         with plain_reads():
             grads = [_GRAD(param) if _IS_LEAF(param) else None for param in params]  # a view's .grad warns where none is set
-        fused = any(isinstance(group, Mapping) and group.get("fused") for group in node.optimizer.param_groups)
-        unlike = unlike_layouts(tensors, params, grads, dense=fused)
+        fused = {id(param) for group in node.optimizer.param_groups if is_on(group.get("fused")) for param in group["params"]}
+        unlike = unlike_layouts(tensors, params, grads, [id(param) in fused for param in params])
         if not unlike:
             return
         _, strides, fresh = unlike[0]

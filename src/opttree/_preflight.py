@@ -214,7 +214,7 @@ def _overlaps_itself(tensor: torch.Tensor) -> bool:
 
 
 def unlike_layouts(
-    history: Sequence[torch.Tensor], params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], *, dense: bool = False
+    history: Sequence[torch.Tensor], params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], dense: Sequence[bool]
 ) -> list[tuple[int, tuple[int, ...], tuple[int, ...] | None]]:
     """Where history that its optimizer builds ``zeros_like`` its parameter is not laid out
     in memory in the order ``zeros_like`` lays one out for the parameter now (the
@@ -227,18 +227,19 @@ def unlike_layouts(
     gradient (``grads``, None where it has none) is as built too: some optimizers build it
     from the gradient (PSGD, torch's Muon), which autograd lays out as its parameter but a
     gradient set by hand may not be. For tensors of equal shapes, read where some are not
-    contiguous: contiguous ones of one shape are laid out alike. With ``dense`` the gaps
-    are compared too: torch's fused kernels step history as ``zeros_like`` lays it out, and
-    a fused Adagrad stepped a slice with gaps otherwise than a fresh one."""
+    contiguous: contiguous ones of one shape are laid out alike. Where ``dense`` says so
+    (history of a fused group) the gaps are compared too: torch's fused kernels step
+    history as ``zeros_like`` lays it out, and a fused Adagrad stepped a slice with gaps
+    otherwise than a fresh one."""
     found: list[tuple[int, tuple[int, ...], tuple[int, ...] | None]] = []
     with plain_torch():
-        for index, (tensor, param, grad) in enumerate(zip(history, params, grads, strict=True)):
+        for index, (tensor, param, grad, gapless) in enumerate(zip(history, params, grads, dense, strict=True)):
             shape, strides = tuple(tensor.shape), tuple(tensor.stride())
             fresh = _fresh_strides(param)
-            if fresh is not None and _laid_out_as(shape, strides, fresh, dense=dense):
+            if fresh is not None and _laid_out_as(shape, strides, fresh, dense=gapless):
                 continue
             from_grad = None if grad is None or tuple(grad.shape) != shape else _fresh_strides(grad)
-            if from_grad is None or not _laid_out_as(shape, strides, from_grad, dense=dense):
+            if from_grad is None or not _laid_out_as(shape, strides, from_grad, dense=gapless):
                 found.append((index, strides, fresh))
     return found
 

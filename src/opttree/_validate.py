@@ -698,6 +698,7 @@ class ValidateVisitor(TraverserVisitor):
         if not (self._selection.steps or self._selection.release):
             return  # history alone is its own
         nodes = [root]
+        chained: set[int] | None = None  # the optimizers the tree reaches below a chain, read where one is needed
         while nodes:
             node = nodes.pop()
             if isinstance(node, ChainedNode) or (isinstance(node, LeafNode) and node.shared_with is not None):
@@ -708,6 +709,9 @@ class ValidateVisitor(TraverserVisitor):
                 groups = _readable_groups(node.optimizer)
                 if not groups or not all(isinstance(group, dict) and _FACTORY_OPTIONS <= dict.keys(group) for group in groups):  # the factory's are dicts: read as one, not by a subclass's own keys()
                     continue
+                chained = _below_chains(root) if chained is None else chained
+                if object.__hash__(node.optimizer) in chained:
+                    continue  # reached by another path below its chain too, whichever the tree met first
                 what = f"its param groups are Megatron's factory's (they hold {', '.join(sorted(_FACTORY_OPTIONS))})"
             else:
                 nodes.extend(reversed(node.children))
@@ -931,6 +935,19 @@ def _sharing(holders: list[tuple[str, list[StateEntry]]]) -> list[tuple[StateEnt
                 sharing.append((entry, key))
             seen.add(place)
     return sharing
+
+
+def _below_chains(root: Node) -> set[int]:
+    """The identities of the optimizers ``root``'s tree reaches below a chain."""
+    found: set[int] = set()
+    nodes = [root]
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, ChainedNode):
+            found.update(map(object.__hash__, map(_OPTIMIZER, tree_nodes(node))))
+        else:
+            nodes.extend(node.children)
+    return found
 
 
 _FACTORY_OPTIONS = frozenset({"is_expert_parallel", "max_lr", "min_lr"})
