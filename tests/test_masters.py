@@ -154,6 +154,28 @@ def test_a_copy_that_cannot_be_compared_is_reported_and_refused_not_raised_from(
     assert holder.copies[0].tolist() == [1.0] * 4
 
 
+@pytest.mark.skipif("offload_1.0" not in testing.available(), reason="no offload_1.0 recipe in this lane")
+def test_a_copy_whose_storage_was_freed_is_reported_not_read() -> None:
+    """A master copy whose storage was given back (``untyped_storage().resize_(0)``, as
+    offloading does): comparing it read freed memory, and ``validate(model=)`` and
+    ``sync_masters`` ended the process with a segfault. It is reported as not compared,
+    and a sync refuses it, writing nothing."""
+    stack = testing.build("offload_1.0")
+    stack.train(0, 2)
+    leaf = stack.leaves()[0]
+    entry = next(entry for entry in leaf.state.values() if "master_param" in entry)
+    entry["master_param"].untyped_storage().resize_(0)
+    weights = [param.detach().clone() for param in stack.model.parameters()]
+
+    problems = opttree.validate(stack.optimizer, model=stack.model)
+
+    unchecked = [p for p in problems if p.kind is opttree.ProblemKind.UNCHECKED_MASTER]
+    assert unchecked and "its memory cannot be read: a tensor whose storage is freed" in unchecked[0].message
+    with pytest.raises(opttree.StaleMaster, match="its memory cannot be read"):
+        opttree.sync_masters(stack.optimizer, model=stack.model)
+    assert all(torch.equal(a, b) for a, b in zip(stack.model.parameters(), weights, strict=True))
+
+
 def _expanded() -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
     return [torch.nn.Parameter(torch.full((4,), 2.0)), torch.nn.Parameter(torch.arange(3.0))], [torch.ones(4), torch.ones(1).expand(3)]
 
