@@ -215,12 +215,14 @@ def test_containers_whose_own_code_raises_are_malformed_state_alone_or_in_a_run(
             stack[0]._sync_sub_optimizers_state_to_hdo()
         before = snapshot(optimizer)
 
+        method = name.split("-")[1]
         problems = opttree.validate(root)
-        with pytest.raises(opttree.UnsupportedOptimizerState, match=f"{name.split('-')[1]} refused"):
+        with pytest.raises(opttree.UnsupportedOptimizerState, match=rf"{method} refused|reads its (entries|keys) by its own {method}"):
             opttree.reset(root)
 
         assert [p.kind for p in problems] == [opttree.ProblemKind.MALFORMED_STATE]
-        assert "reading its param groups or state raised RuntimeError" in problems[0].message
+        # a state or entry that reads by its own code is refused before it is read; a group's raises where it is read
+        assert f"by its own {method}" in problems[0].message or "reading its param groups or state raised RuntimeError" in problems[0].message
         assert unchanged(optimizer, before) and "AdamW" in opttree.describe(root)
 
 
@@ -233,7 +235,8 @@ def test_a_partial_reset_of_containers_whose_own_code_raises_is_refused_naming_t
     PARTLY_BROKEN[name](optimizer)
     before = snapshot(optimizer)
 
-    with pytest.raises(opttree.UnsupportedOptimizerState, match=rf"AdamW at <root>: reading its param groups or state raised RuntimeError: {name.split('-')[1]} refused"):
+    method = name.split("-")[1]
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=rf"AdamW at <root>: (reading its param groups or state raised RuntimeError: {method} refused|.* by its own {method})"):
         opttree.reset(optimizer, params=[param])
 
     assert unchanged(optimizer, before)
@@ -371,3 +374,37 @@ def test_empty_entries_a_read_made_in_a_hybrids_own_state_hold_nothing_to_keep()
 
     optimizer.state[torch.zeros(1)]["exp_avg"] = torch.ones(1)  # an entry that holds something is its own
     assert [p.kind for p in opttree.validate(optimizer)] == [opttree.ProblemKind.UNSUPPORTED_STATE]
+
+
+class EmptyLooking(defaultdict):  # type: ignore[type-arg]
+    """A state that says it is empty: torch's step reads ``state[param]`` all the same."""
+
+    def __len__(self) -> int:
+        return 0
+
+
+class HidingStep(dict[str, object]):
+    """An entry whose iteration leaves out the step it holds."""
+
+    def __iter__(self) -> Iterator[str]:
+        return (key for key in dict.__iter__(self) if key != "step")
+
+
+@pytest.mark.parametrize("hide", ["state", "entry"])
+def test_a_state_or_entry_that_hides_what_it_holds_from_its_reads_is_refused(hide: str) -> None:
+    """A dict subclass reading its keys by code of its own: a state whose ``__len__`` said
+    0 was taken for a fresh optimizer's and nothing reset; an entry whose ``__iter__`` left
+    out its step kept it, with the history zeroed. Refused, with nothing changed."""
+    optimizer = stepped()
+    if hide == "state":
+        optimizer.state = EmptyLooking(dict, optimizer.state)
+    else:
+        param = next(iter(optimizer.state))
+        optimizer.state[param] = HidingStep(optimizer.state[param])
+    before = snapshot(optimizer)
+
+    (problem,) = opttree.validate(optimizer)
+    assert problem.kind is opttree.ProblemKind.MALFORMED_STATE and "by its own" in problem.message
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"reads its (entries by its own __len__|keys by its own __iter__)"):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before)

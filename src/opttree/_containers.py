@@ -95,6 +95,21 @@ def _writes_as_dict(cls: type) -> bool:
     return issubclass(cls, dict) and getattr(cls, "__setitem__") in _DICT_SETITEMS and getattr(cls, "__delitem__") in _DICT_DELITEMS
 
 
+_DICT_READS = ("__len__", "__bool__", "__iter__", "keys", "values", "items", "__contains__", "get", "__getitem__")
+"""What a reset reads a dict's keys and values through."""
+
+
+def own_read(cls: type) -> str | None:
+    """The first of :data:`_DICT_READS` that a dict subclass ``cls`` runs code of its own
+    for (or an ``OrderedDict``'s), or None: one whose ``__len__``, ``__iter__`` or
+    ``values`` hide entries torch's step reads by ``state[param]`` would make a reset pass
+    them over, reporting success. Read afresh each time, as :func:`_writes_as_dict` is."""
+    if not issubclass(cls, dict):
+        return None
+    base = OrderedDict if issubclass(cls, OrderedDict) else dict
+    return next((name for name in _DICT_READS if getattr(cls, name, None) is not getattr(base, name, None)), None)
+
+
 def builds_missing_entries(state: object) -> bool:
     """Whether reading a deleted entry of ``state`` gives a new empty dict, as torch's
     ``defaultdict(dict)`` does: a subclass's own ``__missing__`` or ``__getitem__`` may not."""
@@ -139,6 +154,9 @@ def malformed_outline(optimizer: torch.optim.Optimizer) -> str | None:
     state = getattr(optimizer, "state", None)
     if not isinstance(state, Mapping):
         return f"state is {kind_of(state)}, expected a mapping"
+    read = own_read(type(state))
+    if read is not None:
+        return f"state is a {type(state).__qualname__}, which reads its entries by its own {read}: a reset could not tell that it sees them all"
     return None
 
 
@@ -152,6 +170,9 @@ def malformed_state(state: Mapping[torch.Tensor, object]) -> str | None:
     if entries != {dict} and not all(issubclass(cls, MutableMapping) for cls in entries):
         wrong = next(cls for cls in entries if not issubclass(cls, MutableMapping))
         return f"a state entry is a {wrong.__qualname__}, expected a dict"
+    reading = next(((cls, read) for cls in entries if cls is not dict and (read := own_read(cls)) is not None), None)
+    if reading is not None:
+        return f"a state entry is a {reading[0].__qualname__}, which reads its keys by its own {reading[1]}: a reset could not tell that it sees them all"
     return None
 
 
