@@ -409,13 +409,14 @@ def _unfresh_loaded_step(cls: type, value: torch.Tensor, group: Mapping[object, 
     with plain_reads():  # a subclass's own code does not run
         dtype, shape = value.dtype, tuple(value.shape)
     loaded = torch.float32 if is_on(options.get("fused")) or is_on(options.get("capturable")) else dtype
-    counted_in = {fresh_step_dtype(options)} if _registry.builds_as_its_schema_says(cls) else {scalar_dtype(), torch.float32}
+    known = _registry.builds_as_its_schema_says(cls)
+    counted_in = {fresh_step_dtype(options)} if known else {scalar_dtype(), torch.float32}
     fresh = " or ".join(sorted(map(torch_name, counted_in)))
     then = (
         f"and a reset of the loaded optimizer is refused (a step computed with it as a tensor, compiled or "
         f"differentiable, would be unlike a fresh {cls.__qualname__}'s)"
     )
-    if shape and _registry.builds_as_its_schema_says(cls):
+    if shape and known:
         return f"a tensor of shape {shape}", f"where a fresh {cls.__qualname__} counts in a 0-d tensor: torch's load keeps its shape, {then}"
     if loaded not in counted_in:
         return (

@@ -32,7 +32,7 @@ from opttree._containers import malformed, malformed_state, tensors_held
 from opttree._inspect import held_gradients, key_label
 from opttree._master_groups import master_pairs
 from opttree._nodes import LeafNode, Node, WrapperNode, tree_nodes
-from opttree._preflight import Extents, overlap, plain_torch, ranges, unreadable_reason, unwritable_reason
+from opttree._preflight import Extents, overlap, plain_torch, ranges, surely_readable, unreadable_reason, unwritable_reason
 from opttree._problems import Problem, ProblemKind
 from opttree._registry import schema_for
 from opttree._selection import INNER_PARAMS, InnerParams, model_parameters, tree_params, unnamed_param
@@ -216,8 +216,9 @@ def _stale_pairs(pairs: list[_Pair]) -> Iterator[tuple[_Pair, int | str]]:
     comparison per group of copies alike in dtype and device, and tensor by tensor only
     in a group that differs."""
     groups: dict[tuple[torch.dtype, torch.device, torch.dtype, torch.device], list[_Pair]] = {}
+    readable = surely_readable([tensor for pair in pairs for tensor in (pair.copy, pair.part)])
     for pair in pairs:
-        unreadable = unreadable_reason(pair.copy) or unreadable_reason(pair.part)
+        unreadable = None if readable else unreadable_reason(pair.copy) or unreadable_reason(pair.part)
         if unreadable is not None:  # a freed storage: read, it segfaulted
             yield pair, f"its memory cannot be read: {unreadable}"
             continue

@@ -393,6 +393,12 @@ def _add_any(found: Extents, tensor: torch.Tensor, depth: int = 0) -> None:
         _add_any(found, part, depth + 1)
 
 
+def surely_readable(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every tensor surely has its memory, read in bulk as the writable fast path
+    reads it; False where any may not, for :func:`unreadable_reason` to tell tensor by tensor."""
+    return _surely_writable(tensors) is not None
+
+
 def writable_ranges(tensors: Sequence[torch.Tensor]) -> Extents | tuple[int, str]:
     """:func:`ranges` if every tensor can be zeroed in place, else how many cannot and
     why the first cannot."""
