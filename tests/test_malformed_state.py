@@ -126,17 +126,73 @@ class Entry(MutableMapping[str, object]):
         return len(self.values_)
 
 
-def test_mapping_entries_that_are_not_dicts_are_reset() -> None:
-    optimizer = stepped(128)
+class MappingHidingStep(Entry):
+    """An entry whose ``__iter__`` passes over its step, which torch's step still reads."""
+
+    def __iter__(self) -> Iterator[str]:
+        return (key for key in self.values_ if key != "step")
+
+    def __len__(self) -> int:
+        return len(self.values_) - ("step" in self.values_)
+
+
+class MappingListingNothing(Mapping[torch.Tensor, dict[str, object]]):
+    """A state that lists no entries, while ``state[param]`` gives each one, as torch's step reads it."""
+
+    def __init__(self, entries: Mapping[torch.Tensor, dict[str, object]]) -> None:
+        self.entries = dict(entries)
+
+    def __getitem__(self, param: torch.Tensor) -> dict[str, object]:
+        return self.entries[param]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+def hiding_steps(optimizer: torch.optim.Optimizer) -> None:
+    for param in list(optimizer.state):
+        optimizer.state[param] = MappingHidingStep(optimizer.state[param])
+
+
+def plain_mapping_entries(optimizer: torch.optim.Optimizer) -> None:
     for param in list(optimizer.state):
         optimizer.state[param] = Entry(optimizer.state[param])
 
-    assert opttree.validate(optimizer) == ()
-    assert "AdamW params=128" in opttree.describe(optimizer)
-    for _ in range(2):
-        report = opttree.reset(optimizer)
-        assert report.tensors_zeroed == 2 * 128
-    assert all(not entry["exp_avg"].any() for entry in optimizer.state.values())
+
+def hiding_state(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.state = MappingListingNothing(optimizer.state)  # type: ignore[assignment]
+
+
+MAPPINGS_NOT_DICTS = {
+    "entries hiding their step": (hiding_steps, "a state entry is a MappingHidingStep, which reads its keys by its own __len__"),
+    "entries showing every key": (plain_mapping_entries, "a state entry is a Entry, which reads its keys by its own __len__"),
+    "a state listing no entries": (hiding_state, "state is a MappingListingNothing, which reads its entries by its own __len__"),
+}
+
+
+@pytest.mark.parametrize("name", MAPPINGS_NOT_DICTS)
+def test_mappings_that_are_not_dicts_are_refused_as_reading_by_their_own_code(name: str) -> None:
+    """A mapping that is not a dict lists its keys by its own code, which may pass over what
+    torch's step reads by ``state[param]``: one hiding its step kept it (training unlike a
+    fresh optimizer's) and one listing no entries was reset as a fresh optimizer's,
+    changing nothing. Such mappings are refused, as dict subclasses with their own reads
+    are, however they behave."""
+    spoil, message = MAPPINGS_NOT_DICTS[name]
+    optimizer = stepped(128)
+    entries = list(optimizer.state.values())
+    before = [{key: value.clone() for key, value in entry.items()} for entry in entries]
+    spoil(optimizer)
+
+    problems = opttree.validate(optimizer)
+    assert [p.kind for p in problems] == [opttree.ProblemKind.MALFORMED_STATE]
+    assert message in problems[0].message
+    assert "AdamW" in opttree.describe(optimizer)
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=f"AdamW at <root>: {message}"):
+        opttree.reset(optimizer)
+    assert all(torch.equal(entry[key], value) for entry, old in zip(entries, before, strict=True) for key, value in old.items())
 
 
 class Unprintable:
@@ -242,7 +298,7 @@ def test_a_partial_reset_of_containers_whose_own_code_raises_is_refused_naming_t
     assert unchanged(optimizer, before)
 
 
-class ReadOnlyEntry(Entry):
+class ReadOnlyEntry(dict[str, object]):
     """An entry that refuses to set or delete keys, as a mapping backed by a checkpoint
     file might."""
 

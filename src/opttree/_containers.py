@@ -100,12 +100,12 @@ _DICT_READS = ("__len__", "__bool__", "__iter__", "keys", "values", "items", "__
 
 
 def own_read(cls: type) -> str | None:
-    """The first of :data:`_DICT_READS` that a dict subclass ``cls`` runs code of its own
-    for (or an ``OrderedDict``'s), or None: one whose ``__len__``, ``__iter__`` or
-    ``values`` hide entries torch's step reads by ``state[param]`` would make a reset pass
-    them over, reporting success. Read afresh each time, as :func:`_writes_as_dict` is."""
-    if not issubclass(cls, dict):
-        return None
+    """The first of :data:`_DICT_READS` that a mapping class ``cls`` runs code of its own
+    for (where a dict, or an ``OrderedDict``, runs its own), or None: one whose
+    ``__len__``, ``__iter__`` or ``values`` hide entries torch's step reads by
+    ``state[param]`` would make a reset pass them over, reporting success. A mapping that
+    is not a dict reads everything by its own code. Read afresh each time, as
+    :func:`_writes_as_dict` is."""
     base = OrderedDict if issubclass(cls, OrderedDict) else dict
     return next((name for name in _DICT_READS if getattr(cls, name, None) is not getattr(base, name, None)), None)
 
