@@ -108,6 +108,12 @@ def test_what_available_leaves_out_megatron_cannot_build_or_train() -> None:
                 testing.build(name).step(0)
 
 
+STEPS_TAKEN = {"frozen_fp16": K - 1}
+"""Megatron's chain scales the loss by its first member's scaler, here the frozen dense
+layers' stub, which sees no gradients and so no overflow, and grows; the expert member
+unscales by its own, overflows at the third step and skips it."""
+
+
 @pytest.fixture(params=testing.available())
 def trained(request: pytest.FixtureRequest) -> testing.MegatronStack:
     name: str = request.param
@@ -124,7 +130,7 @@ def test_describe_and_validate_show_the_real_tree(trained: testing.MegatronStack
     text = opttree.describe(trained.optimizer)
     assert text.splitlines()[0].startswith(type(trained.optimizer).__name__)
     adam_lines = [line for line in text.splitlines() if "AdamW params=" in line]
-    assert all(f"step={K} " in line for line in adam_lines)
+    assert all(f"step={STEPS_TAKEN.get(trained.name, K)} " in line for line in adam_lines)
     assert len(adam_lines) == EXPECTED_SHAPES[trained.name].count("AdamW") - text.count(" x AdamW")
 
 

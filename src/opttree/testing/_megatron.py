@@ -394,7 +394,7 @@ class MegatronStack:
             dtype = next(self.model.parameters()).dtype
             output: torch.Tensor = self.model(x.to(dtype))
             loss = (output.float() - target).pow(2).mean()
-            torch.autograd.backward(loss)
+            torch.autograd.backward(self.optimizer.scale_loss(loss))  # as Megatron's schedules scale it: by the fp16 loss scale
             self.model.finish_grad_sync()
             self.optimizer.step()
             return float(loss)
@@ -540,7 +540,7 @@ def build(configuration: str | Recipe, *, seed: int = 0, lr: float = 1e-2) -> Me
                 fp16=recipe.fp16,
                 # fp16: a scale that both backs off (the first steps overflow) and grows within
                 # a few steps, so that a scaler kept by a reset shows in the next steps
-                initial_loss_scale=2.0**20,
+                initial_loss_scale=2.0**18,
                 loss_scale_window=2,
                 use_distributed_optimizer=recipe.distributed,
                 optimizer_cpu_offload=offload,
