@@ -623,3 +623,75 @@ def test_a_stack_that_has_not_stepped_is_refused_a_sharded_save_that_no_load_tak
     save(stack, tmp_path / "stepped", with_opttree=True)
     loaded = fresh_like(stack)
     load(loaded, tmp_path / "stepped", with_opttree=True)
+
+
+def state_tensors(stack: testing.MegatronStack) -> list[torch.Tensor]:
+    return [v for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+
+
+@pytest.mark.parametrize("name", [n for n in ("fp32", "bf16") if n in SHARDED_ROUND_TRIP])
+def test_a_reset_inside_inference_mode_refuses_the_state_megatrons_load_made_there(name: str, tmp_path: Path) -> None:
+    """Megatron's own load inside ``torch.inference_mode()`` (a rollout's) leaves the state
+    inference tensors, which no training step outside it can update. A reset inside it
+    once zeroed them, reporting success, and the next step raised; it is refused there
+    as outside, with nothing changed. opttree's own load of the same checkpoint, in the
+    same mode, loads state that trains as a load outside it does."""
+    stack = testing.build(name)
+    stack.train(0, K)
+    save(stack, tmp_path, with_opttree=True)
+    by_megatron, by_opttree, outside = fresh_like(stack), fresh_like(stack), fresh_like(stack)
+    for loaded, with_opttree in ((by_megatron, False), (by_opttree, True)):
+        with loaded.device:
+            state = dist_checkpointing.load(loaded.optimizer.sharded_state_dict(model_state(loaded), is_loading=True), str(tmp_path))
+            with torch.inference_mode():
+                if with_opttree:
+                    opttree.load_state_dict(loaded.optimizer, state)
+                else:
+                    loaded.optimizer.load_state_dict(state)
+    load(outside, tmp_path, with_opttree=True)
+
+    assert any(t.is_inference() for t in state_tensors(by_megatron))
+    before = [t.clone() for t in state_tensors(by_megatron)]
+    with torch.inference_mode():
+        problems = opttree.validate(by_megatron.optimizer)
+        with pytest.raises(opttree.UnsupportedOptimizerState, match="an inference tensor"):
+            opttree.reset(by_megatron.optimizer)
+    assert problems and all(p.kind is opttree.ProblemKind.UNWRITABLE_STATE for p in problems)
+    assert all(torch.equal(a, b) for a, b in zip(state_tensors(by_megatron), before, strict=True))
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        by_megatron.train(K, 1)  # Megatron's side: its own load made state no step can update
+
+    assert not any(t.is_inference() for t in state_tensors(by_opttree))
+    with torch.inference_mode():
+        opttree.reset(by_opttree.optimizer)
+    opttree.reset(outside.optimizer)
+    by_opttree.train(K, K)
+    outside.train(K, K)
+    assert all(torch.equal(a, b) for a, b in zip(by_opttree.main_params(), outside.main_params(), strict=True))
+
+
+def test_a_distributed_optimizers_load_inside_inference_mode_gives_state_that_trains() -> None:
+    """A DistributedOptimizer's in-memory load inside ``torch.inference_mode()``: Megatron's
+    own leaves inference tensors (the next step raises); opttree's, in the same mode,
+    trains as the load outside it does."""
+    if "dist_fp32" not in testing.available():
+        pytest.skip(testing.missing_feature("dist_fp32") or "")
+    stack = testing.build("dist_fp32")
+    stack.train(0, K)
+    saved = stack.optimizer.state_dict()
+    inside, outside, by_megatron = fresh_like(stack), fresh_like(stack), fresh_like(stack)
+    for loaded in (inside, outside, by_megatron):
+        loaded.train(0, 1)
+    with inside.device, torch.inference_mode():
+        opttree.load_state_dict(inside.optimizer, copy.deepcopy(saved))
+    with outside.device:
+        opttree.load_state_dict(outside.optimizer, copy.deepcopy(saved))
+    with by_megatron.device, torch.inference_mode():
+        by_megatron.optimizer.load_state_dict(copy.deepcopy(saved))
+
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        by_megatron.train(K, 1)
+    assert not any(t.is_inference() for t in state_tensors(inside))
+    inside.train(K, K)
+    outside.train(K, K)
+    assert all(torch.equal(a, b) for a, b in zip(inside.main_params(), outside.main_params(), strict=True))

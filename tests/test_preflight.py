@@ -273,16 +273,21 @@ def test_a_kept_list_that_holds_itself_is_read_once() -> None:
     assert report.tensors_zeroed == 1 and torch.equal(loop[0], torch.ones(2))  # type: ignore[arg-type]
 
 
-def test_inference_state_is_reset_inside_inference_mode() -> None:
+def test_inference_state_is_refused_inside_inference_mode_too() -> None:
+    """Inside inference mode an inference tensor can be zeroed, but no training step
+    outside it can update it: a reset there was accepted, and the next step raised."""
     optimizer = big_adamw()
     entry = last_entry(optimizer)
-    state = inference_tensor(torch.zeros(4))
-    entry["exp_avg_sq"] = state
+    entry["exp_avg_sq"] = inference_tensor(torch.ones(4))
+    before = snapshot(optimizer)
 
     with torch.inference_mode():
-        report = opttree.reset(optimizer)
+        (problem,) = opttree.validate(optimizer)
+        with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'exp_avg_sq': cannot be zeroed in place.*an inference tensor"):
+            opttree.reset(optimizer)
 
-    assert report.tensors_zeroed == 2 * N_PARAMS and not state.any()
+    assert problem.kind is opttree.ProblemKind.UNWRITABLE_STATE
+    assert unchanged(optimizer, before)
 
 
 def test_a_step_counter_that_cannot_be_written_is_refused() -> None:

@@ -161,20 +161,14 @@ def history(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
 
 
-def adamw_in_mode(n_params: int, inference: bool) -> torch.optim.AdamW:
-    """Stepped once, inside inference mode or not: the state is inference tensors or not."""
-    with torch.inference_mode(inference):
-        return stepped(torch.optim.AdamW, n_params)
-
-
 @pytest.mark.usefixtures("threads_and_fresh_pool")
 @pytest.mark.parametrize("inference", [False, True], ids=["grad-mode", "inference-mode"])
 def test_a_reset_is_the_same_with_or_without_threads(monkeypatch: pytest.MonkeyPatch, inference: bool) -> None:
+    """Called inside inference mode or not (a rollout's reset), with or without threads."""
     reports = {}
     for threaded in (False, True):
         force(monkeypatch, threaded)
-        optimizer = adamw_in_mode(100, inference)
-        assert all(t.is_inference() == inference for t in history(optimizer))
+        optimizer = stepped(torch.optim.AdamW, 100)
 
         with torch.inference_mode(inference):
             reports[threaded] = opttree.reset(optimizer)
@@ -186,16 +180,17 @@ def test_a_reset_is_the_same_with_or_without_threads(monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.usefixtures("threads_and_fresh_pool")
-def test_a_reset_in_inference_mode_zeroes_thousands_of_inference_tensors() -> None:
-    """The default thresholds thread this reset."""
-    optimizer = adamw_in_mode(2048, inference=True)
+def test_a_reset_in_inference_mode_zeroes_thousands_of_tensors() -> None:
+    """The default thresholds thread this reset, whose workers once ran outside the
+    caller's inference mode."""
+    optimizer = stepped(torch.optim.AdamW, 2048)
 
     with torch.inference_mode():
         report = opttree.reset(optimizer)
 
     assert _zeroing._pool is not None
     assert (report.tensors_zeroed, report.steps) == (4096, 2048)
-    assert all(not t.any() for t in history(optimizer))
+    assert all(not t.any() and not t.is_inference() for t in history(optimizer))
 
 
 def quantized() -> torch.Tensor:

@@ -112,7 +112,16 @@ def sharded_state_dict(
     and on what Megatron's gave each rank.
     """
     root = agreed(group, lambda: _checked_saving(optimizer, model_sharded_state_dict, is_loading=is_loading, metadata=metadata))
-    return agreed(group, lambda: _sharded_state_dict(root, model_sharded_state_dict, is_loading=is_loading, metadata=metadata))
+    with _outside_inference():  # a load's sharded state dict builds the state the checkpoint is loaded into
+        return agreed(group, lambda: _sharded_state_dict(root, model_sharded_state_dict, is_loading=is_loading, metadata=metadata))
+
+
+def _outside_inference() -> torch.inference_mode:
+    """Megatron's state built or loaded outside ``torch.inference_mode()``, whatever the
+    caller's mode (a rollout's): in it, Megatron's load and its loading sharded state dict
+    make the state inference tensors, which no training step outside it can update and
+    no reset takes."""
+    return torch.inference_mode(False)
 
 
 def _checked_saving(
@@ -184,11 +193,12 @@ def load_state_dict(
     on Megatron's loads, so that where one raised past them every rank raises, naming it,
     and none trains on beside a rank that did not load."""
     root, checked, leaf_states = agreed(group, lambda: _checked(optimizer, state_dict))
-    for leaf, leaf_state in leaf_states:
-        entries = leaf_state["state"]
-        if isinstance(entries, dict):
-            _give_steps(leaf, entries)
-    agreed(group, lambda: _load(root, state_dict, checked))
+    with _outside_inference():
+        for leaf, leaf_state in leaf_states:
+            entries = leaf_state["state"]
+            if isinstance(entries, dict):
+                _give_steps(leaf, entries)
+        agreed(group, lambda: _load(root, state_dict, checked))
 
 
 def _checked(

@@ -1,8 +1,8 @@
 """Pre-flight checks on the tensors a reset writes, before it writes any.
 
 Everything that would make zeroing fail half-way, or silently do nothing, is found
-here: tensors that cannot be written in place (inference tensors outside inference mode,
-quantized, sparse and meta tensors, tensors whose storage is freed or smaller than the
+here: tensors that cannot be written in place, or that no step outside inference mode
+could (inference tensors, in either mode), quantized, sparse and meta tensors, tensors whose storage is freed or smaller than the
 tensor, expanded views whose elements share memory, tensor subclasses with their own
 dispatch) and history that shares memory with
 other state or with a parameter (zeroing it would zero them too).
@@ -136,8 +136,11 @@ def _unwritable_reason(tensor: torch.Tensor, *, copied: bool) -> str | None:
         return "a quantized tensor (it has no in-place zero)"
     if _IS_META(tensor):
         return "a meta tensor (it has no data to zero)"
-    if not copied and _IS_INFERENCE(tensor) and not torch.is_inference_mode_enabled():
-        return "an inference tensor (it can only be written inside torch.inference_mode())"
+    if not copied and _IS_INFERENCE(tensor):
+        return (
+            "an inference tensor (state loaded or built inside torch.inference_mode(): no step outside it can update "
+            "it in place, and a fresh optimizer's is not one)"
+        )
     if not copied and (_IS_CONJ(tensor) or _IS_NEG(tensor)):
         return "a conjugate or negative view (zeroing through it leaves -0 in memory, where a fresh optimizer has +0)"
     missing = _missing_memory(tensor)
@@ -425,7 +428,6 @@ def _surely_writable(tensors: Sequence[torch.Tensor]) -> Extents | None:
     """
     if not all(map(plain_dispatch, set(map(type, tensors)))):
         return None
-    outside_inference = not torch.is_inference_mode_enabled()
     found = Extents()
     mappings = Mappings()  # read where there is memory torch did not allocate, once
     for chunk in _chunks(tensors):
@@ -445,7 +447,7 @@ def _surely_writable(tensors: Sequence[torch.Tensor]) -> Extents | None:
             return None
         if not _COMPLEX.isdisjoint(dtypes) and any(map(_IS_CONJ, chunk)):
             return None
-        if outside_inference and any(map(_IS_INFERENCE, chunk)):
+        if any(map(_IS_INFERENCE, chunk)):
             return None
         contiguous = all(map(_IS_CONTIGUOUS, chunk))
         if not contiguous and any(map(_overlaps_itself, chunk)):
