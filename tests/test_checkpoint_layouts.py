@@ -101,6 +101,23 @@ def _inference_zeros(*shape: int) -> torch.Tensor:
         return torch.zeros(*shape)
 
 
+class HashRaises:
+    """A saved option whose ``__hash__`` raises (equal to any other of its kind)."""
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is HashRaises
+
+    def __hash__(self) -> int:
+        raise RuntimeError("no hash")
+
+
+class Uncopyable:
+    """A saved option that torch's load cannot copy, as a generator cannot be."""
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Uncopyable:
+        raise TypeError("cannot copy an Uncopyable")
+
+
 MALFORMED: list[tuple[str, str, Edit, str, str]] = [
     ("fp32", "no param groups", lambda s: s.pop("param_groups"), "param_groups", "has no 'param_groups'"),
     ("fp32", "state a list", lambda s: put(s, "state", [1, 2]), "state", "is a list"),
@@ -115,6 +132,9 @@ MALFORMED: list[tuple[str, str, Edit, str, str]] = [
     ("fp32", "betas of strs", lambda s: put(groups(s)[0], "betas", ("0.9", "0.999")), "param_groups", r"param group 0 holds a sequence of 2 values \(a str, a str\) as 'betas', which AdamW reads as a sequence of 2 values \(a real number, a real number\)"),
     ("fp32", "amsgrad a str", lambda s: put(groups(s)[0], "amsgrad", "False"), "param_groups", "param group 0 holds a str as 'amsgrad', which AdamW reads as True or False"),
     ("fp32", "a group of other settings", lambda s: put(groups(s)[0], "wd_mult", 7.0), "param_groups", "Megatron pairs no saved param group"),
+    ("fp32", "a setting whose hash raises", lambda s: put(groups(s)[0], "lr_mult", HashRaises()), "param_groups", "Megatron pairs no saved param group with one of the optimizer's: RuntimeError: no hash"),
+    ("fp32", "fused a tensor of several values", lambda s: put(groups(s)[0], "fused", torch.tensor([1.0, 0.0])), "param_groups", "param group 0 holds .* as 'fused', whose truth torch's load and AdamW's step read"),
+    ("dist_bf16", "fused a tensor of no value", lambda s: put(groups(s)[1], "fused", torch.tensor([])), "param_groups", "param group 1 holds .* as 'fused', whose truth"),
     ("bf16", "no torch state", lambda s: s.pop("optimizer"), "optimizer", "has no 'optimizer'"),
     ("bf16", "master weights missing", lambda s: s.pop("fp32_from_fp16_params"), "fp32_from_fp16_params", "has no"),
     ("bf16", "a master weight short", lambda s: masters(s)[1].pop(), "fp32_from_fp16_params", "Megatron would load only some"),
@@ -233,16 +253,28 @@ def test_a_hysteresis_tracker_overflows_counted_below_zero_is_loaded() -> None:
         opttree.load_state_dict(refused.optimizer, state)
 
 
-def test_a_saved_flag_without_a_truth_value_is_megatrons_error_given_back() -> None:
-    """A saved group's ``fused`` of several values: the check of the step the load leaves
-    asked its truth, and torch's error escaped raw. Read as off there, it reaches
-    Megatron's load, whose error comes back as an opttree one."""
-    stack = recipe("fp32")
-    state = saved(stack)
-    groups(state)[0]["fused"] = torch.tensor([1.0, 0.0])
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [("fused", torch.tensor([1.0, 0.0]), "as 'fused', whose truth torch's load"), ("my_option", Uncopyable(), "cannot be copied as torch's load copies it: TypeError")],
+    ids=["a flag without a truth", "an option torch cannot copy"],
+)
+def test_a_chains_second_member_whose_groups_torch_cannot_load_is_refused_before_the_first_loads(option: str, value: object, message: str) -> None:
+    """Torch's load copies the saved groups and reads the truth of ``fused``: a group there
+    raised inside Megatron's load of the chain's second member, after the first had
+    loaded. Both are checked before anything loads."""
+    stack = recipe("moe")
+    state = stack.optimizer.state_dict()
+    assert isinstance(state, list)
+    put(inner(state[1])["param_groups"][0], option, value)  # type: ignore[index]
     loaded = fresh_like(stack)
-    with loaded.device, pytest.raises(opttree.UnsupportedCheckpoint, match="Megatron's own load_state_dict raised RuntimeError"):
+    loaded.train(0, 1)
+    before = [snapshot(leaf) for leaf in loaded.leaves()]
+
+    with loaded.device, pytest.raises(opttree.UnsupportedCheckpoint, match=f"param group 0 {'holds .*' if option == 'fused' else ''}{message}") as refused:
         opttree.load_state_dict(loaded.optimizer, state)
+
+    assert refused.value.problem is not None and refused.value.problem.path == "chained[1]"
+    assert all(unchanged(leaf, snap) for leaf, snap in zip(loaded.leaves(), before, strict=True))
 
 
 @pytest.mark.skipif("dist_bf16" not in testing.available(), reason="no dist_bf16 recipe in this lane")
@@ -705,3 +737,21 @@ def test_any_error_megatrons_load_raises_past_the_checks_comes_back_saying_what_
             with pytest.raises(torch.OutOfMemoryError):
                 stack.optimizer.load_state_dict(copy.deepcopy(state))
     assert not unchanged(leaf, before)  # the torch optimizer was loaded before the scaler raised
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [lambda group: group.pop("params"), lambda group: group.__setitem__("params", None)],
+    ids=["no params", "params None"],
+)
+def test_a_load_into_a_stack_whose_own_param_group_is_malformed_is_refused_not_raised(spoil: Callable[[dict[str, object]], object]) -> None:
+    """The checks read the live groups' ``params`` unguarded, and a raw ``KeyError`` or
+    ``TypeError`` escaped the load, where ``validate`` reports the same stack."""
+    stack = recipe("fp32")
+    state = saved(stack)
+    (leaf,) = stack.leaves()
+    spoil(leaf.param_groups[0])
+
+    with stack.device, pytest.raises(opttree.UnsupportedCheckpoint, match="the optimizer's own param group 0 is not a dict holding a list of 'params'"):
+        opttree.load_state_dict(stack.optimizer, state)
+    assert [p.kind for p in opttree.validate(stack.optimizer)] == [opttree.ProblemKind.MALFORMED_STATE]

@@ -12,6 +12,8 @@ and a checkpoint that any would trip on is refused whole.
 
 from __future__ import annotations
 
+import copy
+
 import inspect
 import math
 import sys
@@ -249,16 +251,40 @@ def _check_options(node: Node, inner: Node, saved: list[dict[object, object]]) -
     cannot be told from ``defaults`` (a HybridDeviceOptimizer's hold its
     ``offload_fraction``, which no step reads), and a class's ``__setstate__`` fills some in
     at the load (RMSprop's ``momentum``, torch's ``foreach``)."""
+    _check_copied(node, saved)
     defaults: object = getattr(inner.optimizer, "defaults", None)
     if not isinstance(defaults, dict):
         return
     cls = type(inner.optimizer).__qualname__
     for index, group in enumerate(saved):
         for option, default in defaults.items():
-            if option in group and not _fits(default, group[option]) and not _fits_declared(type(inner.optimizer), option, group[option]):
+            if option not in group:
+                continue
+            if not _fits(default, group[option]) and not _fits_declared(type(inner.optimizer), option, group[option]):
                 expected, given = _option_kind(default), _option_kind(group[option])
                 message = f"param group {index} holds {given} as {option!r}, which {cls} reads as {expected}"
                 raise layout_error(node, "param_groups", message)
+            if _without_truth(group[option]):
+                message = f"param group {index} holds {_option_kind(group[option])} as {option!r}, whose truth torch's load and {cls}'s step read"
+                raise layout_error(node, "param_groups", message)
+
+
+def _without_truth(value: object) -> bool:
+    """Whether a tensor option has no truth to read (several values, or none): torch's load
+    asks it of ``fused`` and ``capturable``, whose default of None takes anything else."""
+    return isinstance(value, torch.Tensor) and value.numel() != 1
+
+
+def _check_copied(node: Node, saved: list[dict[object, object]]) -> None:
+    """The saved param groups copied as torch's load copies them (``copy.deepcopy``), group
+    by group: one holding what cannot be copied (a generator) raised inside Megatron's
+    load, after it had loaded the chain's members before."""
+    for index, group in enumerate(saved):
+        try:
+            copy.deepcopy(group)
+        except Exception as error:  # noqa: BLE001  # a saved object's own __deepcopy__ or __reduce__ may raise anything
+            message = f"param group {index} cannot be copied as torch's load copies it: {type(error).__name__}: {error}"
+            raise layout_error(node, "param_groups", message) from error
 
 
 def _check_capturable(node: Node, inner: Node, saved: list[dict[object, object]]) -> None:
@@ -576,7 +602,10 @@ def _groups(node: Node) -> list[dict[str, list[object]]]:
     groups: object = getattr(node.optimizer, "param_groups", [])
     if not isinstance(groups, list):
         raise layout_error(node, "param_groups", f"the optimizer's own param groups are {kind_of(groups)}")
-    return groups
+    malformed = next((index for index, group in enumerate(groups) if not isinstance(group, dict) or not isinstance(group.get("params"), list)), None)
+    if malformed is not None:
+        raise layout_error(node, "param_groups", f"the optimizer's own param group {malformed} is not a dict holding a list of 'params'")
+    return cast(list[dict[str, list[object]]], groups)
 
 
 def _check_pairing(node: Node, live: list[dict[str, list[object]]], saved: list[dict[object, object]]) -> None:
@@ -589,8 +618,8 @@ def _check_pairing(node: Node, live: list[dict[str, list[object]]], saved: list[
         pair(live, [{"params": [], **group} for group in saved])  # DistributedOptimizer saves none
         marked = [{"params": [], **group, _MARK: index} for index, group in enumerate(saved)]
         paired = pair([dict(group) for group in marked], [dict(group) for group in marked])
-    except (ValueError, KeyError, TypeError) as error:
-        message = f"Megatron pairs no saved param group with one of the optimizer's: {str(error).splitlines()[0]}"
+    except Exception as error:  # noqa: BLE001  # Megatron's own, or a saved option's own __hash__ or __eq__
+        message = f"Megatron pairs no saved param group with one of the optimizer's: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         raise layout_error(node, "param_groups", message) from error
     # Paired with themselves, saved groups Megatron cannot tell apart give the last of them
     # for each: it loads that one's options for every one, the others' lost in silence.
