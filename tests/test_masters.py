@@ -491,3 +491,28 @@ def test_a_sync_never_writes_the_weights_into_optimizer_state_or_gradients(names
         opttree.sync_masters(optimizer, model=net)
     assert all(torch.equal(value, state[key]) for key, value in optimizer.state[net.weight].items())
     assert torch.equal(grad, grad_before)
+
+
+@pytest.mark.parametrize(("name", "copies"), [("bf16", "fp32_from_float16_groups"), ("dist_bf16", "shard_fp32_from_float16_groups")])
+def test_one_copy_listed_for_two_parameters_is_reported_and_not_synced(name: str, copies: str) -> None:
+    """A copy reached again was taken for the same copy of the same parameter (a GPU
+    sub-optimizer's) and passed over: listed for a second parameter, validate said nothing
+    of it, and a sync over a Float16OptimizerWithFloat16Params wrote some copies before
+    Megatron's reload raised; over a DistributedOptimizer it wrote one weight into the
+    copy and reported the stack synced."""
+    if name not in testing.available():
+        pytest.skip(testing.missing_feature(name) or "")
+    stack = testing.build(name)
+    stack.train(0, K)
+    (wrapper,) = getattr(stack.optimizer, "chained_optimizers")
+    groups = getattr(wrapper, copies)
+    groups[0][1] = groups[0][0]
+    write_new_weights(stack.model)
+    before = [copy.detach().clone() for group in groups for copy in group]
+
+    problems = opttree.validate(stack.optimizer, model=stack.model)
+    with stack.device, pytest.raises(opttree.StaleMaster, match="is also listed as the copy of"):
+        opttree.sync_masters(stack.optimizer, model=stack.model)
+
+    assert [p.kind for p in problems].count(opttree.ProblemKind.UNCHECKED_MASTER) == 1
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, [copy for group in groups for copy in group], strict=True))

@@ -263,7 +263,7 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
     problems: list[Problem] = []
     model_params = _named_parameters(root, model, problems)
     names = {id(p): name for name, p in model_params}
-    seen: set[int] = set()  # a copy reached twice (a GPU sub-optimizer's fp32 copy) is compared once
+    seen: dict[int, tuple[int, str]] = {}  # by copy: its parameter; a copy reached twice (a GPU sub-optimizer's fp32 copy) is compared once
     compared: list[_Pair] = []
     params: dict[int, tuple[str, torch.Tensor]] = {}
     readable = True
@@ -289,8 +289,14 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
             name = _param_name(names, param)
             params.setdefault(id(param), (name, param))
             for copy in cast(Sequence[object], inner):  # what a wrapper holds, checked here
-                if copy is None or copy is param or id(copy) in seen:
+                if copy is None or copy is param:
                     continue  # precision-aware shards have no separate main copy
+                if id(copy) in seen:
+                    first, first_name = seen[id(copy)]
+                    if first != id(param):
+                        message = f"its copy of {name} is also listed as the copy of {first_name}: one copy cannot stand for two parameters, and a sync could write only one of them into it"
+                        problems.append(Problem(ProblemKind.UNCHECKED_MASTER, node.path, cls, message))
+                    continue
                 if isinstance(copy, _Uncompared):
                     message = f"its copy of {name} cannot be compared with the model's weights: {copy.reason}"
                     problems.append(Problem(ProblemKind.UNCHECKED_MASTER, node.path, cls, message))
@@ -299,7 +305,7 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
                     message = f"its copy of {name} is {kind_of(copy)}, expected a tensor"
                     problems.append(Problem(ProblemKind.UNCHECKED_MASTER, node.path, cls, message))
                     continue
-                seen.add(id(copy))
+                seen[id(copy)] = (id(param), name)
                 names.setdefault(id(copy), name)  # a copy's own copies, further in, stand for it too
                 try:
                     part = _model_slice(node.optimizer, param, copy)
