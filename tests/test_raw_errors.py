@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -322,3 +323,79 @@ def test_a_param_group_with_reads_of_its_own_is_reset_as_a_dict_holds_it(group_c
 
     assert report.steps == 1 and not optimizer.state[param]["exp_avg"].any() and float(optimizer.state[param]["step"]) == 0
     assert not dict.__contains__(optimizer.param_groups[0], "step")
+
+
+class ClassRaises:
+    """An object whose ``__class__`` property raises: ``isinstance`` reads it where the
+    object's type does not match."""
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # noqa: PLE0307
+        raise RuntimeError("__class__ raised")
+
+
+def members_of_none(stack: testing.MegatronStack) -> None:
+    setattr(stack.optimizer, "chained_optimizers", None)
+
+
+def member_that_is_itself(stack: testing.MegatronStack) -> None:
+    getattr(stack.optimizer, "chained_optimizers").append(stack.optimizer)
+
+
+def wrapper_holding_class_raises(stack: testing.MegatronStack) -> None:
+    getattr(stack.optimizer, "chained_optimizers")[0].optimizer = ClassRaises()
+
+
+SPOILED_STACKS = {
+    "a chain of None": ("fp32", members_of_none, opttree.MalformedWrapper),
+    "a chain holding itself": ("fp32", member_that_is_itself, opttree.OptimizerCycle),
+    "a wrapper holding an object whose __class__ raises": ("fp32", wrapper_holding_class_raises, opttree.NotAnOptimizer),
+}
+
+
+@pytest.mark.parametrize("name", SPOILED_STACKS)
+def test_validate_and_describe_report_a_spoiled_megatron_stack_that_reset_refuses(name: str) -> None:
+    """Megatron's ``ChainedOptimizer.optimizer`` property reads its members: where they
+    are not a list of optimizers it raises, and validate's stub check, reading it by
+    ``getattr``, let that escape raw; an object whose ``__class__`` raises escaped it
+    from ``isinstance``."""
+    recipe, spoil, refusal = SPOILED_STACKS[name]
+    stack = testing.build(recipe)
+    stack.train(0, 1)
+    spoil(stack)
+
+    problems = opttree.validate(stack.optimizer)
+    text = opttree.describe(stack.optimizer)
+    with pytest.raises(refusal):
+        opttree.reset(stack.optimizer)
+
+    assert problems and "@ <root>" in text
+
+
+def test_an_object_whose_class_raises_is_not_an_optimizer_everywhere() -> None:
+    problems = opttree.validate(ClassRaises())
+    assert [p.kind for p in problems] == [opttree.ProblemKind.NOT_AN_OPTIMIZER]
+    assert "ClassRaises" in opttree.describe(ClassRaises())
+    with pytest.raises(opttree.NotAnOptimizer, match="ClassRaises"):
+        opttree.tree(ClassRaises())
+
+
+@pytest.mark.parametrize("spoil", [lambda group: group.pop("params"), lambda group: group.__setitem__("params", 5)], ids=["no params", "params an int"])
+def test_a_distributed_optimizers_inner_group_without_params_is_reported_not_raised(spoil: Callable[[dict[str, object]], object]) -> None:
+    """The check of a precision-aware DistributedOptimizer's shards read its inner groups'
+    ``params`` unguarded: validate, reset and prune raised a raw ``KeyError`` or ``TypeError``."""
+    if "dist_bf16" not in testing.available():
+        pytest.skip(testing.missing_feature("dist_bf16") or "")
+    stack = testing.build("dist_bf16")
+    stack.train(0, 1)
+    (leaf,) = stack.leaves()
+    spoil(leaf.param_groups[0])
+    before = snapshot(leaf)
+
+    problems = opttree.validate(stack.optimizer)
+    for act in (opttree.reset, lambda optimizer: opttree.prune(optimizer, 0.5)):
+        with pytest.raises(opttree.UnsupportedOptimizerState, match="param group 0 has no 'params' list"):
+            act(stack.optimizer)
+
+    assert [p.kind for p in problems] == [opttree.ProblemKind.MALFORMED_STATE]
+    assert unchanged(leaf, before)

@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Callable, Collection
-from typing import TypeVar
+from typing import TypeGuard, TypeVar
 
 from attrs import Attribute
 
 from opttree._errors import OptTreeError
 
 T = TypeVar("T")
+
+
+def is_a(value: object, cls: type[T]) -> TypeGuard[T]:
+    """``isinstance`` by the value's type alone: where the type does not match,
+    ``isinstance`` reads the object's ``__class__``, whose own property may raise."""
+    return issubclass(type(value), cls)
 
 
 def article(name: str) -> str:

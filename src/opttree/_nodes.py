@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice, repeat
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TYPE_CHECKING, TypeGuard, TypeVar, cast
 
 import torch
 from attrs import Attribute, field, fields, frozen
@@ -191,7 +191,12 @@ class WrapperNode(Node):
         """Whether this is a Megatron stub optimizer, with no optimizer on this rank: a
         Megatron wrapper whose ``optimizer`` is None (one of a user's kind holding none is
         not one, nor one whose registered kind finds nothing where it holds an optimizer)."""
-        return not self.inner and is_megatron_class(type(self.optimizer)) and getattr(self.optimizer, "optimizer", False) is None
+        if self.inner or not is_megatron_class(type(self.optimizer)):
+            return False
+        try:
+            return getattr(self.optimizer, "optimizer", False) is None
+        except Exception:  # noqa: BLE001  # a ChainedOptimizer's optimizer property reads its members, which may be anything
+            return False
 
     def accept(self, visitor: NodeVisitor[T]) -> T:
         """Call the ``visit_*`` method of ``visitor`` that matches this node's kind."""
@@ -239,6 +244,11 @@ def leaves_in_bulk(paths: Sequence[str], optimizers: Sequence[torch.optim.Optimi
         slot = getattr(LeafNode, name)  # the slot's member descriptor, which a frozen class's __setattr__ does not guard
         deque(map(slot.__set__, islice(nodes, 1, None), islice(values[name], 1, None)), maxlen=0)
     return nodes
+
+
+def is_node(value: object) -> TypeGuard[Node]:
+    """:func:`~opttree._fields.is_a` for the abstract :class:`Node`."""
+    return issubclass(type(value), Node)
 
 
 def tree_nodes(root: Node) -> Iterator[Node]:

@@ -39,7 +39,9 @@ def _distributed_detached(wrapper: object, path: str) -> list[str]:
         for index, (model, (shard,)) in enumerate(paired(wrapper, path, outer, inner))
     ]
     inner_optimizer = instance_attribute(wrapper, "optimizer", path)
-    stepped = {id(p) for group in getattr(inner_optimizer, "param_groups", ()) for p in group["params"]}
+    groups = getattr(inner_optimizer, "param_groups", ())
+    # a malformed group is the leaf's own problem, reported where the leaf is checked
+    stepped = {id(p) for group in groups if isinstance(group, dict) and isinstance(group.get("params"), (list, tuple)) for p in group["params"]}
     float16 = {id(shard) for name, _, shard in pairs if name.startswith("shard_float16")}
     if stepped.isdisjoint(float16):
         return []

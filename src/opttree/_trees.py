@@ -10,7 +10,7 @@ from attrs import evolve
 from opttree._eager import eager
 from opttree import _paths, _registry
 from opttree._adapter import TreeBuilder, Truncated, node_at, too_deep_in, unlike_built
-from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
+from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode, is_node
 from opttree._problems import Problem, ProblemKind
 
 
@@ -26,7 +26,7 @@ def tree(optimizer: object) -> Node:
     passed in is returned as it is where it is the one this builds for its root's
     optimizer, and refused (``MalformedWrapper``) where it is not.
     """
-    if isinstance(optimizer, Node):
+    if is_node(optimizer):
         problems = too_deep_in(optimizer)
         if problems:
             raise problems[0].to_error(others=problems[1:])
@@ -45,7 +45,7 @@ def lenient_tree(optimizer: object) -> tuple[Node, list[Problem]]:
     reported where it is not the tree built for its root's optimizer, whose tree is then
     the one checked."""
     problems: list[Problem] = []
-    if isinstance(optimizer, Node):
+    if is_node(optimizer):
         too_deep = too_deep_in(optimizer)
         if too_deep:
             return optimizer.accept(Truncated()), too_deep

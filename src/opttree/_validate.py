@@ -31,7 +31,7 @@ from opttree._schema import StateSchema, StepLocation
 from opttree._runs import alike_runs, sibling_groups
 from opttree._selection import EVERYTHING, STEP_UNITS, Selection, inner_params_of, tree_leaves, tree_params
 from opttree._visitor import TraverserVisitor
-from opttree._fields import kind_of
+from opttree._fields import is_a, kind_of
 
 _OPTIMIZER = operator.attrgetter("optimizer")
 
@@ -385,7 +385,7 @@ class ValidateVisitor(TraverserVisitor):
         steps) may keep state of its own: its kind names only the optimizers it holds,
         whose state a reset covers, so entries of its ``state`` that are not theirs (a
         HybridDeviceOptimizer's mirror its sub-optimizers') would be kept. Refused."""
-        if not isinstance(node.optimizer, torch.optim.Optimizer):
+        if not is_a(node.optimizer, torch.optim.Optimizer):
             return
         own = own_attributes(node.optimizer).get("state")  # Megatron's is a property over its inner optimizer's
         if own is None:
@@ -552,7 +552,7 @@ class ValidateVisitor(TraverserVisitor):
         self._check_loss_scale(node, self._selection.tensors, self._selection)
         self._keep_stepped_params(node)
         # Megatron's _scale_one, an FP32Optimizer's _scale: kept memory
-        self._keep_own_tensors(node, [(name, value) for name, value in own_attributes(node.optimizer).items() if isinstance(value, torch.Tensor)])
+        self._keep_own_tensors(node, [(name, value) for name, value in own_attributes(node.optimizer).items() if is_a(value, torch.Tensor)])
         self.visit_children(node)
 
     def _check_loss_scale(self, node: WrapperNode, chosen: AbstractSet[int] | None, counted: Selection) -> None:
