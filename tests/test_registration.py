@@ -1361,3 +1361,34 @@ def test_a_class_registered_under_two_of_its_paths_before_either_is_imported_is_
         assert unchanged(optimizer, before)
     finally:
         del sys.modules["opttree_twice_impl"], sys.modules["opttree_twice"]
+
+
+def test_a_class_of_a_module_several_packages_deep_and_a_path_of_many_parts_are_found_as_registered() -> None:
+    """The module a dotted path names is its longest imported prefix, found from the left
+    (from the right, every prefix was joined again: a path of 20,000 parts took about 20
+    seconds to register here, 100,000 more than five minutes; now milliseconds)."""
+    import sys
+    import types
+
+    names = ["opttree_deep_pkg", "opttree_deep_pkg.a", "opttree_deep_pkg.a.b"]
+    modules = [types.ModuleType(name) for name in names]
+
+    class Deep(torch.optim.SGD):
+        def step(self, closure: None = None) -> None:  # type: ignore[override]
+            super().step()
+
+    Deep.__module__, Deep.__qualname__ = names[-1], "Deep"
+    setattr(modules[-1], "Deep", Deep)
+    sys.modules.update(zip(names, modules, strict=True))
+    try:
+        opttree.register_schema("opttree_deep_pkg.a.b.Deep", opttree.StateSchema(drop={"momentum_buffer"}))
+        opttree.register_schema("opttree_deep_pkg." + "x." * 2_000 + "Missing", opttree.StateSchema())
+        param = torch.nn.Parameter(torch.ones(2))
+        optimizer = Deep([param], lr=0.1, momentum=0.9)
+        param.grad = torch.ones(2)
+        optimizer.step()
+        assert opttree.validate(optimizer) == ()
+        assert opttree.reset(optimizer).tensors_dropped == 1
+    finally:
+        for name in names:
+            del sys.modules[name]

@@ -65,19 +65,26 @@ def imported_class(dotted: str) -> type | None:
     """The class a dotted path names where its module is imported already, read from the
     module's and classes' own namespaces, running no code: ``torch.optim.AdamW`` names
     ``torch.optim.adamw.AdamW``. None where it names none, or where the module is not a
-    plain module (one ``importlib.util.LazyLoader`` made runs its import when read)."""
+    plain module (one ``importlib.util.LazyLoader`` made runs its import when read).
+
+    The module is the longest imported prefix, found from the left: a package's modules
+    are imported after it, so the walk stops at the first prefix that is not, and a long
+    path costs what its module's depth does (joining every prefix, from the right, cost
+    seconds for some thousands of parts)."""
     parts = dotted.split(".")
-    for split in range(len(parts) - 1, 0, -1):
-        module = sys.modules.get(".".join(parts[:split]))
-        if module is None:
-            continue
-        if type(module) is not ModuleType:
-            return None
-        found = module.__dict__.get(parts[split])
-        for name in parts[split + 1 :]:
-            found = class_namespace(found).get(name) if isinstance(found, type) else None
-        return found if isinstance(found, type) else None
-    return None
+    module_name, split = parts[0], 0
+    if module_name not in sys.modules:
+        return None
+    while split + 2 < len(parts) and f"{module_name}.{parts[split + 1]}" in sys.modules:
+        split += 1
+        module_name = f"{module_name}.{parts[split]}"
+    module = sys.modules[module_name]
+    if type(module) is not ModuleType or len(parts) < 2:
+        return None
+    found = module.__dict__.get(parts[split + 1])
+    for name in parts[split + 2 :]:
+        found = class_namespace(found).get(name) if isinstance(found, type) else None
+    return found if isinstance(found, type) else None
 
 
 def _untellable(registered: type, cls: type, raised: Exception) -> str:
