@@ -190,15 +190,18 @@ def test_a_tree_built_by_hand_nested_too_deep_is_refused_as_a_built_one_is() -> 
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"zero": "exp_avg"}, "state keys are given as a set of names, got 'exp_avg'"),
-        ({"keep": {1}}, "state keys are given as a set of names, got {1}"),
+        ({"zero": "exp_avg"}, "^zero: state keys are given as a set of names, got 'exp_avg'"),
+        ({"keep": {1}}, "^keep: state keys are given as a set of names, got {1}"),
+        ({"always_built": "step"}, "^always_built: state keys are given as a set of names, got 'step'"),
+        ({"expressed_in": {"exp_avg": "Q"}}, r"^expressed_in\['exp_avg'\]: state keys are given as a set of names, got 'Q'"),
         ({"step": "per-parameter"}, "step is a StepLocation, got 'per-parameter'"),
         ({"zero": {"exp_avg"}, "dropped_by_group_if": {"fused"}}, r"dropped_by_group_if names \['fused'\], group options under which dropped keys are built together; this schema drops none"),
     ],
-    ids=["one string", "not a name", "step a string", "built by group with no drop"],
+    ids=["one string", "not a name", "a keyword field", "a basis", "step a string", "built by group with no drop"],
 )
 def test_a_schema_of_the_wrong_kinds_is_refused(fields: dict[str, object], message: str) -> None:
-    """One string as a key set would be taken apart into its letters, each a key."""
+    """One string as a key set would be taken apart into its letters, each a key; the
+    error names the field it was given for."""
     with pytest.raises(opttree.RegistrationError, match=message):
         opttree.StateSchema(**fields)  # type: ignore[arg-type]
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import SupportsFloat, TypeVar, cast
 
 import torch
-from attrs import field, frozen
+from attrs import NOTHING, field, fields, frozen
 
 from opttree._errors import RegistrationError
 from opttree._numbers import real_number
@@ -155,7 +155,7 @@ def _options(value: Mapping[str, str] | tuple[tuple[str, str], ...]) -> tuple[tu
 
 def _bases(value: Mapping[str, KeyNames] | tuple[tuple[str, KeyNames], ...]) -> tuple[tuple[str, frozenset[str]], ...]:
     pairs = _keyed(value, "expressed_in", "the keys holding the basis they are expressed in")
-    return tuple((key, _frozen_keys(bases)) for key, bases in pairs)
+    return tuple((key, _frozen_keys(bases, f"expressed_in[{key!r}]")) for key, bases in pairs)
 
 
 def _what(value: object) -> str:
@@ -169,11 +169,11 @@ KeyNames = frozenset[str] | set[str] | tuple[str, ...] | list[str]
 """State key names as a schema field takes them."""
 
 
-def _frozen_keys(keys: KeyNames) -> frozenset[str]:
+def _frozen_keys(keys: KeyNames, name: str | None = None) -> frozenset[str]:
     """A set of state key names: one string would be taken apart into its letters."""
     given = cast(object, keys)
     if not isinstance(given, (set, frozenset, tuple, list)) or not all(isinstance(key, str) for key in given):
-        msg = f"state keys are given as a set of names, got {keys!r}"
+        msg = f"{'' if name is None else f'{name}: '}state keys are given as a set of names, got {keys!r}"
         raise RegistrationError(msg)
     return frozenset(keys)
 
@@ -419,6 +419,15 @@ class StateSchema:
         shape_of = self._shape_by_key.get(key)
         return torch.Size(param_shape if shape_of is None else shape_of(param_shape))
 
+    def __attrs_pre_init__(self, *positional: object, **named: object) -> None:
+        """Each field of key names checked where its name is known, before the one
+        converter they share runs: ``zero="exp_avg"`` is refused naming ``zero``."""
+        given = dict(zip(_POSITIONAL_FIELDS, positional, strict=False)) | named
+        for name in _KEY_SET_FIELDS:
+            value = given.get(name, NOTHING)
+            if value is not NOTHING:
+                _frozen_keys(cast(KeyNames, value), name)
+
     def __attrs_post_init__(self) -> None:
         for name, kind in (("step", StepLocation), ("step_type", StepType)):
             value: object = getattr(self, name)
@@ -572,3 +581,7 @@ class StateSchema:
             key: action if action is KeyAction.KEEP or resets(key) else KeyAction.KEEP
             for key, action in self.actions.items()
         }
+
+
+_POSITIONAL_FIELDS = tuple(schema_field.name for schema_field in fields(StateSchema) if schema_field.init and not schema_field.kw_only)
+_KEY_SET_FIELDS = tuple(schema_field.name for schema_field in fields(StateSchema) if cast(object, schema_field.converter) is _frozen_keys)
