@@ -394,3 +394,28 @@ def test_a_chains_loss_scalers_are_reset_all_together_or_kept_all_together() -> 
     stack.train(K, 3)
     fresh.train(K, 3)
     assert same_weights(stack, fresh)
+
+
+def test_megatron_scales_a_frozen_chains_loss_by_its_stubs_scaler_which_never_backs_off() -> None:
+    """Megatron's side, which opttree leaves as it is: with the dense layers frozen, the
+    chain's first member is a stub holding no parameters, whose scaler the chain scales the
+    loss by. It sees no gradient, so no overflow, and grows at every window, while the
+    expert member unscales by its own scaler, overflows and skips its steps from then on.
+    A reset puts both back to the config's start, as a fresh stack's are, and training
+    goes on as the fresh stack's: stalled again after a few steps."""
+    stack = testing.build("frozen_fp16")
+    stack.train(0, 12)
+    stub, expert = getattr(stack.optimizer, "chained_optimizers")
+    (leaf,) = stack.leaves()
+    steps = {float(entry["step"]) for entry in leaf.state.values()}
+    stack.train(12, 4)
+
+    assert float(stub.grad_scaler.scale) > 2.0**18 * 2**4 > 2.0**18 > float(expert.grad_scaler.scale)
+    assert {float(entry["step"]) for entry in leaf.state.values()} == steps and max(steps) < 12  # no step taken
+
+    opttree.reset(stack.optimizer)
+    assert float(stub.grad_scaler.scale) == float(expert.grad_scaler.scale) == 2.0**18
+    fresh = fresh_like(stack)
+    stack.train(16, 6)
+    fresh.train(16, 6)
+    assert same_weights(stack, fresh)
