@@ -335,7 +335,9 @@ def test_an_optimizer_the_factory_built_reached_below_no_chain_is_refused_at_any
 
 @pytest.mark.skipif("fp16" not in testing.available(), reason="no fp16 recipe in this lane")
 def test_an_fp16_stacks_inner_optimizer_reset_alone_trains_unlike_a_fresh_stack() -> None:
-    """The other side: its history and steps zeroed by hand, the wrapper's loss scale kept."""
+    """The other side: its history and steps zeroed by hand, the wrapper's loss scale kept.
+    Scales that differ by a power of two give the same steps until one of them overflows,
+    which the kept, grown scale does first, two steps later."""
     stack = testing.build("fp16")
     stack.train(0, K)
     for entry in stack.leaves()[0].state.values():
@@ -343,8 +345,8 @@ def test_an_fp16_stacks_inner_optimizer_reset_alone_trains_unlike_a_fresh_stack(
             value.zero_()
     fresh = testing.build("fp16")
     fresh.copy_weights_from(stack)
-    stack.train(K, K)
-    fresh.train(K, K)
+    stack.train(K, 4)
+    fresh.train(K, 4)
     assert not all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))
 
 
