@@ -96,6 +96,12 @@ def put(container: dict[object, object] | dict[str, object], key: object, value:
     container[key] = value  # type: ignore[index]
 
 
+def _inference_full(value: float) -> torch.Tensor:
+    """A loss scale as Megatron's scaler holds it, made inside inference mode."""
+    with torch.inference_mode():
+        return torch.full((1,), value)
+
+
 def _inference_zeros(*shape: int) -> torch.Tensor:
     with torch.inference_mode():
         return torch.zeros(*shape)
@@ -146,6 +152,7 @@ MALFORMED: list[tuple[str, str, Edit, str, str]] = [
     ("fp16", "a loss scale a float", lambda s: put(s["grad_scaler"], "scale", 2.0), "grad_scaler", "holds a float under 'scale'"),  # type: ignore[arg-type]
     ("fp16", "an infinite loss scale", lambda s: put(s["grad_scaler"], "scale", torch.tensor(float("inf"))), "grad_scaler", "its 'scale' is inf, where the loss scale is one positive finite number"),  # type: ignore[arg-type]
     ("fp16", "a loss scale of 0", lambda s: put(s["grad_scaler"], "scale", torch.tensor(0.0)), "grad_scaler", "its 'scale' is 0, where"),  # type: ignore[arg-type]
+    ("fp16", "an inference loss scale", lambda s: put(s["grad_scaler"], "scale", _inference_full(2.0**18)), "grad_scaler", "its 'scale' is an inference tensor .*, which Megatron's load keeps where it lies"),  # type: ignore[arg-type]
     ("fp16", "an int64 loss scale", lambda s: put(s["grad_scaler"], "scale", torch.tensor([2.0**21], dtype=torch.int64)), "grad_scaler", "holds an int64 tensor under 'scale', where DynamicGradScaler holds a float32 tensor"),  # type: ignore[arg-type]
     ("fp16", "a group step a str", lambda s: put(groups(s)[0], "step", "2"), "step", "param group 0's step is a str, where a step counts from 0 in one whole number"),
     ("fp32", "a group step of 2.5", lambda s: put(groups(s)[0], "step", 2.5), "step", "param group 0's step is 2.5, where a step counts from 0 in one whole number"),

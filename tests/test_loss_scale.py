@@ -186,6 +186,17 @@ def test_a_scaler_running_code_of_its_own_is_refused_with_nothing_changed(how: s
     assert report.loss_scales_kept == 1 and report.loss_scales_reset == 0 and list(scaler_state(scaler)) == before[:3]
 
 
+def test_a_scale_tensor_that_cannot_be_written_is_refused_saying_why() -> None:
+    stack, scaler = trained()
+    with torch.inference_mode():
+        scaler._scale = scaler._scale.clone()
+
+    (problem,) = opttree.validate(stack.optimizer)
+    assert problem.key == "grad_scaler" and "its scale tensor cannot be written in place: it is an inference tensor" in problem.message
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="it is an inference tensor"):
+        opttree.reset(stack.optimizer)
+
+
 def test_a_scale_tensor_that_cannot_hold_the_initial_scale_is_refused_with_nothing_changed() -> None:
     """An fp16 scale tensor holds at most 65504, below the recipe's initial 2**18: filling
     it would write inf, a scale no fresh optimizer starts from."""

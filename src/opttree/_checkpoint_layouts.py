@@ -679,6 +679,9 @@ def _check_scaler(node: Node, state: dict[object, object]) -> None:
             message = f"holds {_held_kind(given)} under {key!r}, where {type(scaler).__qualname__} holds {_held_kind(value)}"
             raise layout_error(node, "grad_scaler", message)
         fault = _scaler_fault(key, saved[key])
+        if fault is None and isinstance(given, torch.Tensor):
+            unwritable = unwritable_reason(given)
+            fault = None if unwritable is None else f"{unwritable}, which Megatron's load keeps where it lies on the scaler's device"
         if fault is not None:
             raise layout_error(node, "grad_scaler", f"its {key!r} is {fault}")
 

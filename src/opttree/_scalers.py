@@ -58,8 +58,9 @@ def _dynamic(scaler: object, config: object) -> Planned:
     scale, min_scale = mine.get("_scale"), mine.get("min_scale")
     if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or not scale.is_floating_point():
         return f"its scale is {type(scale).__qualname__}, expected a one-element float tensor"
-    if isinstance(writable_ranges([scale]), tuple):
-        return "its scale tensor cannot be written in place"
+    unwritable = writable_ranges([scale])
+    if isinstance(unwritable, tuple):
+        return f"its scale tensor cannot be written in place: it is {unwritable[1]}"
     initial = theirs.get("initial_loss_scale")
     if not isinstance(initial, (int, float)) or isinstance(initial, bool) or initial <= 0:
         return "the wrapper's config has no positive initial_loss_scale to start from"
