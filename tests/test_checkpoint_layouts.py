@@ -9,7 +9,7 @@ dict it was given unchanged.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -762,3 +762,42 @@ def test_a_load_into_a_stack_whose_own_param_group_is_malformed_is_refused_not_r
     with stack.device, pytest.raises(opttree.UnsupportedCheckpoint, match="the optimizer's own param group 0 is not a dict holding a list of 'params'"):
         opttree.load_state_dict(stack.optimizer, state)
     assert [p.kind for p in opttree.validate(stack.optimizer)] == [opttree.ProblemKind.MALFORMED_STATE]
+
+
+class MappingEntry(dict[str, object]):
+    """A state entry reading its keys by its own ``__iter__`` (as a mapping that is not a
+    dict does): validate reports it, and a reset refuses it."""
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(dict.keys(self)))
+
+
+def _spoiled(name: str) -> tuple[testing.MegatronStack, object, torch.optim.Optimizer]:
+    stack = recipe(name)
+    (leaf,) = stack.leaves()
+    param = next(iter(leaf.state))
+    leaf.state[param] = MappingEntry(leaf.state[param])
+    return stack, leaf.state[param], leaf
+
+
+@pytest.mark.parametrize("call", ["load_state_dict", "sharded_state_dict loading", "sharded_state_dict saving"])
+@pytest.mark.parametrize("name", ["fp32", "dist_bf16"])
+def test_a_stack_whose_entries_a_reset_refuses_is_refused_by_the_checkpoint_functions_before_megatron_reads_them(name: str, call: str) -> None:
+    """Megatron's own code reads the state a load or a sharded state dict meets: a
+    DistributedOptimizer's loading sharded state dict rebuilt the entry into one that can
+    no longer be read, its load wrote the saved param groups and then raised, and a save
+    raised the state's own error raw. Each is refused first, with nothing changed."""
+    source = recipe(name)
+    state = saved(source)
+    for group in groups(state):
+        group["lr"] = 0.5
+    stack, entry, leaf = _spoiled(name)
+    lrs = [group["lr"] for group in leaf.param_groups]
+
+    with stack.device, pytest.raises(opttree.UnsupportedCheckpoint, match="key 'state': a state entry is a MappingEntry, which reads its keys by its own __iter__"):
+        if call == "load_state_dict":
+            opttree.load_state_dict(stack.optimizer, state)
+        else:
+            opttree.sharded_state_dict(stack.optimizer, model_state(stack), is_loading=call.endswith("loading"))
+
+    assert next(iter(leaf.state.values())) is entry and [group["lr"] for group in leaf.param_groups] == lrs

@@ -50,6 +50,7 @@ from opttree._eager import eager
 from opttree import _registry
 from opttree._distributed import agreed
 from opttree._trees import tree
+from opttree._containers import malformed
 from opttree._checkpoint_layouts import STEP_KEY, Load, check_history_apart, check_saving, layout_error, walk
 from opttree._inspect import fresh_step_dtype
 from opttree._nodes import LeafNode, Node, tree_nodes
@@ -77,6 +78,9 @@ def _has_steps(entries: dict[object, object]) -> bool:
 
 
 def _megatron_root(optimizer: object) -> Node:
+    """The stack's root, refused where it is not Megatron's or where a leaf's containers
+    are malformed: Megatron's own code reads them, and raised half-way through a load or a
+    loading sharded state dict, having changed the state before."""
     root = tree(optimizer)  # a tree passed in stands for its root's optimizer
     if isinstance(root, LeafNode) or not hasattr(root.optimizer, "sharded_state_dict"):
         problem = Problem(
@@ -86,6 +90,10 @@ def _megatron_root(optimizer: object) -> Node:
             "not a Megatron optimizer: it has no sharded_state_dict (a torch optimizer's own state_dict and load_state_dict keep its steps as they are)",
         )
         raise problem.to_error()
+    for leaf in (node for node in tree_nodes(root) if isinstance(node, LeafNode)):
+        fault = malformed(leaf.optimizer)
+        if fault is not None:
+            raise layout_error(leaf, "state", fault)
     return root
 
 
