@@ -13,7 +13,6 @@ and a checkpoint that any would trip on is refused whole.
 from __future__ import annotations
 
 import copy
-
 import inspect
 import math
 import sys

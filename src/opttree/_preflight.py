@@ -2,9 +2,9 @@
 
 Everything that would make zeroing fail half-way, or silently do nothing, is found
 here: tensors that cannot be written in place, or that no step outside inference mode
-could (inference tensors, in either mode), quantized, sparse and meta tensors, tensors whose storage is freed or smaller than the
-tensor, expanded views whose elements share memory, tensor subclasses with their own
-dispatch) and history that shares memory with
+could write (inference tensors, in either mode), quantized, sparse and meta tensors,
+tensors whose storage is freed or smaller than the tensor, expanded views whose elements
+share memory, tensor subclasses with their own dispatch, and history that shares memory with
 other state or with a parameter (zeroing it would zero them too).
 
 Each check runs over a list at once, through ``map`` at C speed, a few hundred tensors at

@@ -538,8 +538,8 @@ def build(configuration: str | Recipe, *, seed: int = 0, lr: float = 1e-2) -> Me
                 weight_decay=0.01,
                 bf16=recipe.bf16,
                 fp16=recipe.fp16,
-                # fp16: a scale that both backs off (the first steps overflow) and grows within
-                # a few steps, so that a scaler kept by a reset shows in the next steps
+                # fp16: a scale that grows at the first steps, then overflows and backs off,
+                # within six, so that a scaler kept by a reset shows in the next steps
                 initial_loss_scale=2.0**18,
                 loss_scale_window=2,
                 use_distributed_optimizer=recipe.distributed,
