@@ -753,14 +753,16 @@ def test_any_error_megatrons_load_raises_past_the_checks_comes_back_saying_what_
 )
 def test_a_load_into_a_stack_whose_own_param_group_is_malformed_is_refused_not_raised(spoil: Callable[[dict[str, object]], object]) -> None:
     """The checks read the live groups' ``params`` unguarded, and a raw ``KeyError`` or
-    ``TypeError`` escaped the load, where ``validate`` reports the same stack."""
+    ``TypeError`` escaped the load, where ``validate`` reports the same stack. The leaf's
+    containers are now checked as a reset checks them, before anything else."""
     stack = recipe("fp32")
     state = saved(stack)
     (leaf,) = stack.leaves()
     spoil(leaf.param_groups[0])
 
-    with stack.device, pytest.raises(opttree.UnsupportedCheckpoint, match="the optimizer's own param group 0 is not a dict holding a list of 'params'"):
+    with stack.device, pytest.raises(opttree.UnsupportedCheckpoint, match="key 'param_groups': param group 0 has no 'params' list") as refused:
         opttree.load_state_dict(stack.optimizer, state)
+    assert refused.value.problem is not None and refused.value.problem.path == "chained[0].optimizer"
     assert [p.kind for p in opttree.validate(stack.optimizer)] == [opttree.ProblemKind.MALFORMED_STATE]
 
 

@@ -93,7 +93,7 @@ def _megatron_root(optimizer: object) -> Node:
     for leaf in (node for node in tree_nodes(root) if isinstance(node, LeafNode)):
         fault = malformed(leaf.optimizer)
         if fault is not None:
-            raise layout_error(leaf, "state", fault)
+            raise layout_error(leaf, "param_groups" if fault.startswith("param") else "state", fault)
     return root
 
 
