@@ -464,3 +464,46 @@ def test_a_state_or_entry_that_hides_what_it_holds_from_its_reads_is_refused(hid
     with pytest.raises(opttree.UnsupportedOptimizerState, match=r"reads its (entries by its own __len__|keys by its own __iter__)"):
         opttree.reset(optimizer)
     assert unchanged(optimizer, before)
+
+
+def test_a_plain_dict_state_without_an_entry_for_a_parameter_is_a_warning() -> None:
+    """Code that rebuilds ``optimizer.state`` by a comprehension leaves a plain dict: torch's
+    step then raises KeyError for a parameter without an entry once it has a gradient,
+    where a fresh optimizer's defaultdict builds one. The reset leaves that as it finds it
+    (the step raises with or without it), so it is a warning, not a refusal."""
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters())
+    frozen = list(net.parameters())[-1]
+    frozen.requires_grad_(False)
+    train(net, optimizer, 0, 2)
+    optimizer.state = dict(optimizer.state)  # type: ignore[assignment]
+
+    (problem,) = opttree.validate(optimizer)
+    assert (problem.kind, problem.severity) == (opttree.ProblemKind.EMPTY_STATE, opttree.Severity.WARNING)
+    assert "holds no entry for 1 of its 4 parameters" in problem.message and "KeyError" in problem.message
+    assert opttree.reset(optimizer).tensors_zeroed == 6
+
+    frozen.requires_grad_(True)
+    with pytest.raises(KeyError):
+        train(net, optimizer, 2, 1)
+
+
+def test_a_plain_dict_state_with_every_entry_is_no_problem() -> None:
+    optimizer = stepped()
+    optimizer.state = dict(optimizer.state)  # type: ignore[assignment]
+
+    assert opttree.validate(optimizer) == ()
+
+
+def test_a_plain_dict_state_in_a_pooled_run_is_warned_of_at_its_leaf() -> None:
+    stack = hybrid([1 + i % 7 for i in range(40)])
+    train_hybrid(stack, 0, 2)
+    subs: list[torch.optim.Optimizer] = stack[0].cpu_optimizers
+    del stack[0].state[stack[1][17]]  # the wrapper's mirror of its entries
+    subs[17].state = {}  # type: ignore[assignment]
+    subs[18].state = dict(subs[18].state)  # type: ignore[assignment]
+
+    problems = opttree.validate(stack[0])
+
+    assert [(p.kind, p.path) for p in problems] == [(opttree.ProblemKind.EMPTY_STATE, "sub_optimizers[17]")]
+    assert "no entry for 1 of its 1 parameters" in problems[0].message

@@ -422,12 +422,13 @@ class LeafInspector:
         self.plan_step_attributes(node, in_groups)
         if self.schema.master_groups is not None:
             self.plan_master_groups(node, self.schema.master_groups)
-        if not state:
-            plan.leaves += self.selection.reaches(in_groups)
-            return
         reason = malformed_state(state)
         if reason is not None:
             self.problem(node, ProblemKind.MALFORMED_STATE, reason)
+            return
+        self.missing_entries(node, state, in_groups)
+        if not state:
+            plan.leaves += self.selection.reaches(in_groups)
             return
         if self.schema.indivisible and self.takes_part(node, in_groups, state):
             return
@@ -481,6 +482,23 @@ class LeafInspector:
             self.plan.leaves += sum(self.selection.holds(leaf.optimizer) for leaf in leaves)
         return True
 
+    def missing_entries(self, node: LeafNode, state: Mapping[torch.Tensor, StateEntry], in_groups: list[torch.Tensor]) -> None:
+        """Warn of parameters without an entry in a ``state`` that does not build one when
+        read (a plain dict, as code that rebuilds ``optimizer.state`` by a comprehension
+        leaves it): torch's step reads ``state[param]`` for each parameter with a gradient and
+        raises ``KeyError`` there, where a fresh optimizer's ``defaultdict(dict)`` builds the
+        entry. A reset finds it so and leaves it so; a release is refused."""
+        if len(state) >= len(in_groups) or builds_missing_entries(state):
+            return
+        missing = sum(param not in state for param in in_groups)
+        if missing:
+            message = (
+                f"its state is {kind_of(state)}, not torch's defaultdict(dict), and holds no entry for {missing} of its "
+                f"{len(in_groups)} parameters: its step raises KeyError for such a parameter once it has a gradient, "
+                "where a fresh optimizer builds the entry (a reset leaves this as it finds it)"
+            )
+            self.problem(node, ProblemKind.EMPTY_STATE, message)
+
     def _plan_alike(self, leaves: Sequence[LeafNode]) -> StatePlan | None:
         """The plan of a run of leaves pooled, or None where pooling does not apply."""
         optimizers = list(map(_OPTIMIZER, leaves))
@@ -499,6 +517,8 @@ class LeafInspector:
                 return None
         if not _held_for_own_params(optimizers, states, held, params, lambda: param_counts(optimizers, groups)):
             return None
+        if len(held) < len(params) and {getattr(state, "default_factory", None) for state in states} != {dict}:
+            return None  # a state that builds no entry for a parameter without one is warned of leaf by leaf
         part = StatePlan()
         owner = (f"{leaves[0].path} .. {leaves[-1].path}", type(optimizers[0]).__qualname__)
         self.plan_entries(leaves[0], owner, held, list(entries), params, groups, part)
