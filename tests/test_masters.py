@@ -516,3 +516,28 @@ def test_one_copy_listed_for_two_parameters_is_reported_and_not_synced(name: str
 
     assert [p.kind for p in problems].count(opttree.ProblemKind.UNCHECKED_MASTER) == 1
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, [copy for group in groups for copy in group], strict=True))
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "reason"),
+    [
+        (lambda o: o.state.__setitem__(next(iter(o.state)), None), "a state entry is a NoneType, expected a dict"),
+        (lambda o: setattr(o, "state", [1]), "state is a list, expected a mapping"),
+    ],
+    ids=["none-entry", "state-a-list"],
+)
+def test_a_leaf_with_malformed_state_is_named_as_such_by_the_master_check(corrupt: Callable[[torch.optim.Optimizer], None], reason: str) -> None:
+    """The master check read a malformed leaf's parameters as none, and said that the
+    stack steps none of the model's parameters: it names the state, and ``sync_masters``
+    refuses it as a reset does."""
+    net = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(net.parameters())
+    torch.autograd.backward(net(torch.randn(4, 3)).sum())
+    optimizer.step()
+    corrupt(optimizer)
+
+    problems = opttree.validate(optimizer, model=net)
+
+    assert [(p.kind, p.message) for p in problems] == [(opttree.ProblemKind.MALFORMED_STATE, reason)]
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=f"Adam at <root>: {reason}"):
+        opttree.sync_masters(optimizer, model=net)

@@ -269,6 +269,11 @@ def _check_masters(root: Node, model: torch.nn.Module | None) -> MasterCheck:
     readable = True
     for node in tree_nodes(root):
         cls = type(node.optimizer).__qualname__
+        reason = malformed(node.optimizer) if isinstance(node, LeafNode) else None
+        if reason is not None:  # what it steps cannot be read: said so, not that it steps none of the model's
+            problems.append(Problem(ProblemKind.MALFORMED_STATE, node.path, cls, reason))
+            readable = False
+            continue
         try:
             pairs = list(_pairs(node))
         except OptTreeError as error:
