@@ -276,3 +276,60 @@ def test_no_step_counts_outside_the_state(name: str) -> None:
     train(optimizer, ps, range(3))
     assert optimizer.state, "stepped"
     assert outside_state(optimizer) == built
+
+
+def _psgd_state(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """Each tensor of PSGDPro's state with its key, those of its lists ``Q`` and ``L`` too."""
+    return [
+        (key, tensor.clone())
+        for entry in optimizer.state.values()
+        for key, value in entry.items()
+        for tensor in (value if isinstance(value, list) else [value])
+        if isinstance(tensor, torch.Tensor)
+    ]
+
+
+def test_psgd_pro_builds_its_factors_and_lipschitz_constants_together() -> None:
+    """emerging-optimizers' side (0.3.0, ``psgd.py``): where either ``Q`` or ``L`` is
+    missing from an entry, its step builds both again (``if "Q" not in state or "L" not in
+    state``), so an ``L`` kept beside a dropped ``Q`` is thrown away at the next step."""
+    cls = registered("psgd_pro")
+    runs = []
+    for dropped in (["Q"], ["Q", "L"]):
+        ps = params()
+        optimizer = BUILD["psgd_pro"](cls, ps)
+        train(optimizer, ps, range(3))
+        kept_l = [tensor.clone() for tensor in optimizer.state[ps[0]]["L"]]
+        for entry in optimizer.state.values():
+            for key in dropped:
+                del entry[key]
+        train(optimizer, ps, range(3, 4))
+        runs.append((ps, optimizer, kept_l))
+    (ps_q, alone, kept_l), (ps_ql, both, _) = runs
+
+    assert all(torch.equal(a, b) for a, b in zip(ps_q, ps_ql, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(alone.state[ps_q[0]]["L"], both.state[ps_ql[0]]["L"], strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(alone.state[ps_q[0]]["L"], kept_l, strict=True))
+
+
+@pytest.mark.parametrize("keys", [["Q"], ["L"], ["L", "exp_avg"]])
+def test_a_partial_reset_of_psgd_pros_factors_or_constants_alone_is_refused(keys: list[str]) -> None:
+    """``keys=["Q"]`` reported ``L`` kept, and the next step built it again (see above):
+    the run was that of ``keys=["Q", "L"]``. Refused (``rebuilt_together``), nothing
+    changed; the two together, or neither, reset as asked."""
+    cls = registered("psgd_pro")
+    ps = params()
+    optimizer = BUILD["psgd_pro"](cls, ps)
+    train(optimizer, ps, range(3))
+    before = _psgd_state(optimizer)
+
+    with pytest.raises(opttree.PartialResetRefused, match=r"PSGDPro at <root>: key '[QL]': its L, Q are built again together") as refused:
+        opttree.reset(optimizer, keys=keys)
+
+    assert refused.value.problem is not None and refused.value.problem.kind is opttree.ProblemKind.PARTIAL_GROUP
+    after = _psgd_state(optimizer)
+    assert [k for k, _ in after] == [k for k, _ in before] and all(torch.equal(a, b) for (_, a), (_, b) in zip(after, before, strict=True))
+    report = opttree.reset(optimizer, keys=["Q", "L", "exp_avg"])
+    assert (report.tensors_dropped, report.tensors_zeroed) == (4 * len(ps), len(ps))
+    assert {key for entry in optimizer.state.values() for key in entry} == {"step", "exp_avg"}
+    assert opttree.reset(optimizer, keys=["exp_avg"]).tensors_zeroed == len(ps)

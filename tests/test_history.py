@@ -713,6 +713,13 @@ def test_a_schema_binds_two_or_more_of_its_history_keys_together() -> None:
         opttree.StateSchema(zero={"a"}, keep={"c"}, bound_together={"a", "c"})
 
 
+def test_a_schema_rebuilds_two_or_more_of_its_dropped_keys_together() -> None:
+    with pytest.raises(opttree.RegistrationError, match=r"rebuilt_together names \['a'\]: two or more dropped keys"):
+        opttree.StateSchema(drop={"a", "b"}, rebuilt_together={"a"})
+    with pytest.raises(opttree.RegistrationError, match=r"rebuilt_together names \['a', 'c'\]"):
+        opttree.StateSchema(drop={"a"}, zero={"c"}, rebuilt_together={"a", "c"})
+
+
 def test_bound_history_changed_all_alike_so_as_to_keep_the_bound_is_changed() -> None:
     """Centered RMSprop's square_avg and grad_avg both scaled by at most 1 keep square_avg
     at least grad_avg squared, and a prune of everything is a reset of both; halving one

@@ -626,23 +626,28 @@ class LeafInspector:
         return False
 
     def bound_apart(self, node: LeafNode, held: Counter[str]) -> bool:
-        """Whether a partial reset takes some of the history keys whose values bound one
-        another (``bound_together``) that the entries hold (``held`` counts their keys), and
-        keeps the others: refused (centered RMSprop's square_avg zeroed under its kept
-        grad_avg made the next step write NaN)."""
+        """Whether a partial reset takes some of the keys that go together, and keeps the
+        others, of those the entries hold (``held`` counts their keys): history whose values
+        bound one another (``bound_together``: centered RMSprop's square_avg zeroed under its
+        kept grad_avg made the next step write NaN), or dropped keys the optimizer builds
+        again together (``rebuilt_together``: PSGDPro's next step built the L reported kept
+        beside a dropped Q again). Refused."""
         if self.selection.keys is None:
             return False
-        bound = sorted(key for key in self.schema.bound_together if held[key])
-        taken = [key for key in bound if self.resets(key)]
-        if len(bound) < 2 or not taken or len(taken) == len(bound):
-            return False
-        kept = [key for key in bound if key not in taken]
-        message = (
-            f"its {', '.join(bound)} bound one another (its schema's bound_together), and keys names {', '.join(taken)} "
-            f"without {', '.join(kept)}: changed apart, the bound can break and the next step write NaN; name them all, or none"
-        )
-        self.problem(node, ProblemKind.PARTIAL_GROUP, message, taken[0])
-        return True
+        schema = self.schema
+        for together, why in (
+            (schema.bound_together, "bound one another (its schema's bound_together), and keys names {taken} without {kept}: changed apart, the bound can break and the next step write NaN"),
+            (schema.rebuilt_together, "are built again together where any is missing (its schema's rebuilt_together), and keys names {taken} without {kept}: the next step would build {kept} again too, which the reset would have kept"),
+        ):
+            keys = sorted(key for key in together if held[key])
+            taken = [key for key in keys if self.resets(key)]
+            if len(keys) < 2 or not taken or len(taken) == len(keys):
+                continue
+            kept = ", ".join(key for key in keys if key not in taken)
+            message = f"its {', '.join(keys)} {why.format(taken=', '.join(taken), kept=kept)}; name them all, or none"
+            self.problem(node, ProblemKind.PARTIAL_GROUP, message, taken[0])
+            return True
+        return False
 
     def takes_part(self, node: LeafNode, params: list[torch.Tensor], state: Mapping[torch.Tensor, StateEntry]) -> bool:
         """Whether a partial reset takes part of an indivisible state (some of the leaf's

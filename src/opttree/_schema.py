@@ -290,6 +290,12 @@ class StateSchema:
     drops them (or a release, which deletes them with their entries) takes all of such a
     group's parameters or none of them.
 
+    ``rebuilt_together``: dropped keys the optimizer builds again together wherever any of
+    them is missing from an entry (emerging-optimizers' PSGDPro builds its Kronecker factors
+    ``Q`` and Lipschitz constants ``L`` anew if either is missing): a partial reset that
+    names some of them without the others is refused, since the next step would build the
+    others again too, which the reset would have reported as kept.
+
     ``step_attributes``: instance attributes each holding a tensor that the optimizer
     creates as zeros and reads in counting its steps (TE's and apex's ``FusedAdam`` keep
     ``_dummy_overflow_buf``: a capturable step adds one to the step only where the step
@@ -342,6 +348,7 @@ class StateSchema:
     expressed_in: tuple[tuple[str, frozenset[str]], ...] = field(converter=_bases, factory=tuple, kw_only=True)
     bound_together: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     dropped_by_group_if: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
+    rebuilt_together: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
 
     @functools.cached_property
     def built_with_entry(self) -> tuple[tuple[str, str | None], ...]:
@@ -517,6 +524,9 @@ class StateSchema:
                 raise RegistrationError(msg)
         if len(self.bound_together) == 1 or not self.bound_together <= history:
             msg = f"bound_together names {sorted(self.bound_together)}: two or more zeroed, filled or identity keys"
+            raise RegistrationError(msg)
+        if len(self.rebuilt_together) == 1 or not self.rebuilt_together <= self.drop:
+            msg = f"rebuilt_together names {sorted(self.rebuilt_together)}: two or more dropped keys"
             raise RegistrationError(msg)
         if self.dropped_by_group_if and not self.drop:
             msg = f"dropped_by_group_if names {sorted(self.dropped_by_group_if)}, group options under which dropped keys are built together; this schema drops none"

@@ -11,8 +11,9 @@ int, and SOAP's decides when it takes a full eigendecomposition (at step 0).
 dropped. Their moments are built ``zeros_like`` their parameter (``like_param``), but
 AdaptiveMuon's ``moment2_buffer``, typed as it and shaped by its ``moment2_method``
 (``shape_with``); SOAP's are built in float32 whatever
-the parameter's dtype (``dtype_of``), and its Kronecker factors square (``shape_of``). PSGDPro creates each key on its own when it is missing: its lists of Kronecker
-factors ``Q`` and Lipschitz constants ``L`` are dropped and rebuilt on the next step.
+the parameter's dtype (``dtype_of``), and its Kronecker factors square (``shape_of``). PSGDPro creates its ``exp_avg`` and step each on its own when missing, and
+its lists of Kronecker factors ``Q`` and Lipschitz constants ``L`` together where either is
+missing (``rebuilt_together``): they are dropped and rebuilt on the next step.
 Each of them builds a missing entry again, so its state can be released.
 """
 
@@ -128,6 +129,7 @@ LAZY: dict[str, StateSchema] = {
         zero={"exp_avg"},
         like_param={"exp_avg"},
         drop={"Q", "L"},
+        rebuilt_together={"Q", "L"},
         keep={MASTER_PARAM},
         step=StepLocation.PER_PARAMETER,
         step_type=StepType.INT,
