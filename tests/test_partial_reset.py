@@ -774,6 +774,21 @@ def test_parameters_selected_beside_their_main_copies_are_selected_once(name: st
 
 
 @pytest.mark.skipif("frozen_fp16" not in testing.available(), reason="no frozen_fp16 recipe in this lane")
+def test_selecting_frozen_parameters_is_refused_saying_that_they_are_frozen() -> None:
+    """Megatron's factory builds no optimizer for parameters with ``requires_grad=False``:
+    a predicate accepting every name selects them, and the refusal says why they are
+    held by none, which is what a user filters on."""
+    stack = testing.build("frozen_fp16")
+    stack.train(0, K)
+    frozen = sum(not p.requires_grad for p in stack.model.parameters())
+
+    with pytest.raises(opttree.UnmappedParameter, match=rf"{frozen} of them frozen \(requires_grad=False\), which Megatron's factory builds no optimizer for"):
+        opttree.reset(stack.optimizer, params=lambda name: True, model=stack.model)
+    trainable = [p for p in stack.model.parameters() if p.requires_grad]
+    assert opttree.reset(stack.optimizer, params=trainable, keys=["exp_avg"]).tensors_zeroed > 0
+
+
+@pytest.mark.skipif("frozen_fp16" not in testing.available(), reason="no frozen_fp16 recipe in this lane")
 def test_a_member_of_the_factorys_chain_passed_alone_is_refused_where_it_takes_steps() -> None:
     """The trained member of an fp16 chain, reset alone, reset its loss scale apart from the
     stub's, which the chain scales its loss by; the stub alone reset that one alone. Both

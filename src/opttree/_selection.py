@@ -24,6 +24,7 @@ from opttree._containers import malformed
 from opttree._dispatch import LazyDispatch
 from opttree._errors import MalformedWrapper, OptTreeError, PartialResetRefused, UnmappedParameter
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
+from opttree._preflight import _REQUIRES_GRAD
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import StepLocation
 from opttree._visitor import TraverserVisitor
@@ -452,9 +453,16 @@ def select(root: Node, params: ParamsArg | None, keys: Iterable[str] | None, mod
         first = chosen[missing[0]]
         name = names.get(id(first))
         label = unnamed_param(first) if name is None else name
+        frozen = [i for i in missing if not _REQUIRES_GRAD(chosen[i])]
+        why = (
+            f"; {len(frozen)} of them frozen (requires_grad=False), which Megatron's factory builds no optimizer for: "
+            "select the trainable ones"
+            if frozen
+            else ""
+        )
         msg = (
             f"parameter {label} is held by no optimizer under {type(root.optimizer).__qualname__} at "
-            f"{root.path} ({len(missing)} of {len(chosen)} selected parameters unmapped)"
+            f"{root.path} ({len(missing)} of {len(chosen)} selected parameters unmapped{why})"
         )
         raise UnmappedParameter(msg)
     return Selection(frozenset(visitor.selected), history, steps, elsewhere=tuple(visitor.elsewhere), coverage=tuple(visitor.coverage))
