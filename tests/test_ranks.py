@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import opttree
 from opttree import testing
-from tests.helpers import needs_dp_reshardable
+from tests.helpers import needs_dp_reshardable, trains_as_fresh_stack
 from tests.test_malformed_state import Entry
 
 K = 2
@@ -229,6 +229,53 @@ def test_ranks_refuse_a_partial_reset_of_a_step_saved_once_alike(ranks: Callable
         assert r.alone.startswith("PartialResetRefused") and "3 of the 4 parameters" in r.alone
         assert r.agreed.startswith("PartialResetRefused") and r.changed == 0
     assert results[0].alone.replace("rank 0", "rank 1") == results[1].alone.replace("rank 0", "rank 1")
+
+
+def _state_and_scale(stack: testing.MegatronStack) -> list[torch.Tensor]:
+    held = [v.clone() for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values()]
+    return [*held, *(member.get_loss_scale().clone() for member in getattr(stack.optimizer, "chained_optimizers"))]
+
+
+def asked_apart() -> tuple[int, list[str], bool, bool]:
+    """Each rank calls with arguments of its own (a flag computed per rank), under ``group``:
+    the ranks agreed only on refusing, and each carried out its own call, leaving one
+    DistributedOptimizer's step and loss scale, which it saves once for all ranks, apart
+    (rank 0 kept its grown scale, rank 1 reset its own). Refused on every rank, nothing
+    changed; the same call on every rank goes ahead."""
+    stack = testing.build("dist_fp16")
+    stack.train(0, 5)
+    rank = dist.get_rank()
+    before = _state_and_scale(stack)
+    calls: list[Callable[[], object]] = [
+        lambda: opttree.reset(stack.optimizer, keep_loss_scale=rank == 0, group=dist.group.WORLD),
+        lambda: opttree.reset(stack.optimizer, keys=["exp_avg", *(["step"] if rank == 0 else [])], group=dist.group.WORLD),
+        lambda: opttree.prune(stack.optimizer, 0.5 if rank == 0 else 0.25, keys=["exp_avg"], group=dist.group.WORLD),
+        lambda: opttree.scale(stack.optimizer, 0.5, keys=["exp_avg"] if rank == 0 else None, group=dist.group.WORLD),
+    ]
+    outcomes = []
+    for call in calls:
+        try:
+            call()
+            outcomes.append("done")
+        except opttree.OptTreeError as error:
+            outcomes.append(f"{type(error).__name__}: {error}")
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, _state_and_scale(stack), strict=True))
+    opttree.reset(stack.optimizer, group=dist.group.WORLD)
+    fresh = testing.build("dist_fp16")
+    return rank, outcomes, unchanged, trains_as_fresh_stack(stack, fresh, 5, 2)
+
+
+def test_ranks_given_different_arguments_under_a_group_refuse_alike_and_change_nothing() -> None:
+    results = testing.run_ranks(asked_apart, 2)
+
+    for rank, outcomes, unchanged, fresh in results:
+        assert unchanged and fresh
+        assert all(o.startswith("OptTreeError: the ranks were given different arguments") for o in outcomes)
+        assert "keep_loss_scale is True on rank 0 and False on rank 1" in outcomes[0]
+        assert "step is True on rank 0 and False on rank 1" in outcomes[1]
+        assert "fraction is 0.5 on rank 0 and 0.25 on rank 1" in outcomes[2]
+        assert "keys is ['exp_avg'] on rank 0 and None on rank 1" in outcomes[3]
+    assert results[0][1] == results[1][1]
 
 
 def failing_on_rank_one() -> tuple[int, str]:

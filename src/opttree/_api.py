@@ -88,12 +88,15 @@ def reset(
     with it: an entry is deleted whole, or the optimizer would not rebuild it.
 
     With a process group (collective: call it on every rank of ``group``), the ranks
-    agree before any writes: where one refuses, every rank raises, naming that rank, and
-    none changes anything. A partial reset's checks see each rank's own shards, so
+    agree before any writes: where one refuses, or where they were given different
+    arguments (``keys``, ``keep_loss_scale``, ``release``, ``params`` on some and not
+    others), every rank raises, naming the rank, and none changes anything. A partial reset's checks see each rank's own shards, so
     without it one rank can refuse what another carries out.
     """
     planned = _distributed.agreed(
-        group, lambda: _planned_reset(optimizer, params, keys, model, keep_loss_scale=keep_loss_scale, release=release)
+        group,
+        lambda: _planned_reset(optimizer, params, keys, model, keep_loss_scale=keep_loss_scale, release=release),
+        ResetVisitor._asked,
     )
     return planned._carry_out_passed()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from itertools import groupby
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -102,17 +102,22 @@ def _check_group(group: object) -> None:
         raise OptTreeError("group does not hold this rank: call with a group every calling rank belongs to")
 
 
-def agree(group: dist.ProcessGroup, refused: OptTreeError | None) -> OptTreeError | None:
+Asked = dict[str, object]
+"""What a rank was asked to change (:func:`agreed`'s ``asked``), by argument."""
+
+
+def agree(group: dist.ProcessGroup, refused: OptTreeError | None, asked: Asked | None = None) -> OptTreeError | None:
     """Collective: this rank's refusal, or, where it has none, the first other rank's, so
     that every rank of ``group`` refuses or goes ahead alike (a check can pass on one
-    rank's shards and fail on another's)."""
+    rank's shards and fail on another's); where none refuses, a refusal if the ranks were
+    ``asked`` different things."""
     _check_group(group)
     found = None if refused is None else (type(refused).__name__, str(refused), refused.problem)
-    gathered: list[tuple[str, str, Problem | None] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, found, group=group)
+    gathered: list[tuple[tuple[str, str, Problem | None] | None, Asked | None]] = [(None, None)] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (found, asked), group=group)
     if refused is not None:
         return refused
-    for index, item in enumerate(gathered):
+    for index, (item, _) in enumerate(gathered):
         if item is not None:
             name, text, problem = item
             rank = dist.get_global_rank(group, index)
@@ -121,12 +126,31 @@ def agree(group: dist.ProcessGroup, refused: OptTreeError | None) -> OptTreeErro
             cls = vars(_errors).get(name)
             kind = cls if isinstance(cls, type) and issubclass(cls, OptTreeError) else OptTreeError
             return kind(f"rank {rank}: {text}")
-    return None
+    return _unlike(group, [asked for _, asked in gathered])
 
 
-def agreed(group: dist.ProcessGroup | None, plan: Callable[[], _Planned]) -> _Planned:
+def _unlike(group: dist.ProcessGroup, asked: list[Asked | None]) -> OptTreeError | None:
+    """A refusal where the ranks were asked different things (compared with group rank 0's),
+    the same on every rank, or None."""
+    first = asked[0]
+    index = next((i for i, other in enumerate(asked) if other != first), None)
+    if index is None or first is None or asked[index] is None:
+        return None
+    other = cast(Asked, asked[index])
+    name = next(key for key in first if first[key] != other.get(key))
+    ranks = (dist.get_global_rank(group, 0), dist.get_global_rank(group, index))
+    msg = (
+        f"the ranks were given different arguments: {name} is {first[name]!r} on rank {ranks[0]} and {other.get(name)!r} "
+        f"on rank {ranks[1]}; a collective call takes the same on every rank (what one rank resets and another keeps, a "
+        "step or loss scale a DistributedOptimizer saves once for all of them, would leave them apart)"
+    )
+    return OptTreeError(msg)
+
+
+def agreed(group: dist.ProcessGroup | None, plan: Callable[[], _Planned], asked: Callable[[_Planned], Asked] | None = None) -> _Planned:
     """``plan()``, which checks everything an operation could refuse and writes nothing;
-    with a process group (collective), every rank raises where any rank's plan refused."""
+    with a process group (collective), every rank raises where any rank's plan refused,
+    or where ``asked`` (what the plan changes, by argument) differs between ranks."""
     try:
         planned = plan()
     except Exception as error:  # noqa: BLE001  # any error: the other ranks must not wait for this one
@@ -135,7 +159,7 @@ def agreed(group: dist.ProcessGroup | None, plan: Callable[[], _Planned]) -> _Pl
             agree(group, shared)  # every rank learns of it, and raises
         raise
     if group is not None:
-        refused = agree(group, None)
+        refused = agree(group, None, None if asked is None else asked(planned))
         if refused is not None:
             raise refused
     return planned

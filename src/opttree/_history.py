@@ -22,6 +22,7 @@ from attrs import evolve
 
 from opttree._eager import eager
 from opttree import _distributed
+from opttree._distributed import Asked
 from opttree._trees import tree
 from opttree._errors import OptTreeError, PartialResetRefused
 from opttree._nodes import LeafNode, Node, tree_nodes
@@ -45,12 +46,13 @@ def _plan(
     dtypes: tuple[str, Callable[[torch.dtype], bool]],
     *,
     keeps_bounds: bool,
-) -> ResetPlan:
+) -> tuple[ResetPlan, Asked]:
     """The checked plan of a partial reset of ``keys``, whose history ``what`` changes in
     place: refused, as a reset is, for anything a reset refuses, and for history that is
     not zero at the start or whose dtype ``what`` cannot change (``dtypes``: its name and test),
     or that bounds other history, unless ``what`` ``keeps_bounds`` where it changes all of them
-    alike (a scale by at most 1, a prune of everything)."""
+    alike (a scale by at most 1, a prune of everything); and what it selects, as the ranks
+    of a collective call compare it."""
     key_list = None if keys is None else sorted(key_names(keys))
     if key_list is not None and "step" in key_list:
         raise PartialResetRefused(f"{what} keeps step counters: leave 'step' out of keys")
@@ -97,7 +99,7 @@ def _plan(
         if wrong is not None:
             path, cls, _ = _holder(wrong, plan)
             raise _unchangeable(path, cls, key, f"{what} changes {kind} history, and this holds {wrong.dtype} tensors: leave it out of keys")
-    return plan
+    return plan, visitor._asked()
 
 
 def _refuse_bound_together(root: Node, chosen: Selection, keys: list[str] | None, what: str, *, keeps_bounds: bool) -> None:
@@ -229,6 +231,8 @@ def prune(
     ``reset`` does, once each has ordered its tensors and allocated its masks: one that
     runs out of memory refuses on every rank."""
 
+    asked: Asked = {}
+
     def planned() -> tuple[float, ResetPlan, list[torch.Tensor], list[torch.Tensor | None], _Scratch]:
         with plain_torch():
             share = real_number(fraction)
@@ -238,7 +242,8 @@ def prune(
             raise PartialResetRefused(f"by must be 'magnitude' or 'random', got {_described(by)}")
         if generator is not None and not isinstance(cast(object, generator), torch.Generator):
             raise PartialResetRefused(f"generator must be a torch.Generator or None, got {_described(generator)}")
-        plan = _plan(optimizer, params, keys, model, "prune", _REAL_FLOATS, keeps_bounds=share == 1.0)
+        plan, selected = _plan(optimizer, params, keys, model, "prune", _REAL_FLOATS, keeps_bounds=share == 1.0)
+        asked.update(selected, fraction=share, by=by)
         if by == "random" and generator is not None:
             with plain_torch():
                 devices = {tensor.device.type for tensor in _tensors(plan)} - {generator.device.type}
@@ -256,7 +261,7 @@ def prune(
                 raise PartialResetRefused(msg) from error
         return share, plan, tensors, thresholds, scratch
 
-    share, plan, tensors, thresholds, scratch = _distributed.agreed(group, planned)
+    share, plan, tensors, thresholds, scratch = _distributed.agreed(group, planned, lambda _: asked)
     with plain_torch(), torch.no_grad():
         for index, tensor in enumerate(tensors):
             work, pruned = scratch.work(tensor), scratch.mask(tensor)
@@ -291,19 +296,22 @@ def scale(
     history that holds inf or NaN already. With ``group`` (collective) the ranks agree to
     scale or refuse, as ``reset`` does."""
 
+    asked: Asked = {}
+
     def planned() -> tuple[float, ResetPlan, list[torch.Tensor]]:
         with plain_torch():
             ratio = real_number(factor)
         if ratio is None or not 0.0 <= ratio < math.inf:
             raise PartialResetRefused(f"factor must be a finite number >= 0, got {_described(factor)}")
-        plan = _plan(optimizer, params, keys, model, "scale", _FLOATS, keeps_bounds=ratio <= 1.0)
+        plan, selected = _plan(optimizer, params, keys, model, "scale", _FLOATS, keeps_bounds=ratio <= 1.0)
+        asked.update(selected, factor=ratio)
         with plain_torch(), torch.no_grad():
             tensors = [tensor for tensor in _tensors(plan) if tensor.numel()]
             if tensors:
                 _refuse_non_finite(tensors, ratio, plan)
         return ratio, plan, tensors
 
-    ratio, plan, tensors = _distributed.agreed(group, planned)
+    ratio, plan, tensors = _distributed.agreed(group, planned, lambda _: asked)
     with plain_torch(), torch.no_grad():
         if tensors and ratio == 0.0:  # -0.0 too: multiplied, negative history would become -0.0, which a fresh one never holds
             torch._foreach_zero_(tensors)
