@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -13,6 +15,7 @@ import torch.distributed as dist
 import opttree
 from opttree import testing
 from tests.helpers import needs_dp_reshardable, trains_as_fresh_stack
+from tests.test_checkpoints import model_state
 from tests.test_malformed_state import Entry
 
 K = 2
@@ -276,6 +279,38 @@ def test_ranks_given_different_arguments_under_a_group_refuse_alike_and_change_n
         assert "fraction is 0.5 on rank 0 and 0.25 on rank 1" in outcomes[2]
         assert "keys is ['exp_avg'] on rank 0 and None on rank 1" in outcomes[3]
     assert results[0][1] == results[1][1]
+
+
+def reset_saved_and_loaded(directory: str) -> tuple[int, bool]:
+    """A DistributedOptimizer on every rank, reset and saved sharded through
+    ``megatron.core.dist_checkpointing`` (whose save starts a process of its own, which a
+    daemonic rank may not), then loaded into a fresh stack: it trains as a fresh stack
+    over the same weights."""
+    from megatron.core import dist_checkpointing
+
+    world = dist.group.WORLD
+    metadata: dict[str, object] = {"distrib_optim_sharding_type": "dp_reshardable"}
+    stack = testing.build("dist_bf16")
+    stack.train(0, K)
+    opttree.reset(stack.optimizer, group=world)
+    with stack.device:
+        state = opttree.sharded_state_dict(stack.optimizer, model_state(stack), metadata=metadata, group=world)
+        dist_checkpointing.save(state, directory)
+    dist.barrier()
+    loaded = testing.build("dist_bf16")
+    with loaded.device:
+        getattr(loaded.optimizer, "chained_optimizers")[0]._init_optimizer_states_with_dummy_values()  # as Megatron's training does
+        wanted = opttree.sharded_state_dict(loaded.optimizer, model_state(loaded), is_loading=True, metadata=metadata, group=world)
+        opttree.load_state_dict(loaded.optimizer, dist_checkpointing.load(wanted, directory), group=world)
+    loaded.copy_weights_from(stack)  # the dummy init stepped them; a whole checkpoint's load gives them back
+    return dist.get_rank(), trains_as_fresh_stack(loaded, testing.build("dist_bf16"), K, K)
+
+
+@needs_dp_reshardable
+def test_a_reset_saved_and_loaded_on_every_rank_trains_as_a_fresh_stack(tmp_path: Path) -> None:
+    results = testing.run_ranks(functools.partial(reset_saved_and_loaded, str(tmp_path)), 2, timeout=300)
+
+    assert results == [(0, True), (1, True)]
 
 
 def failing_on_rank_one() -> tuple[int, str]:

@@ -54,7 +54,10 @@ def run_ranks(fn: Callable[[], R], world_size: int, *, timeout: float = 180.0) -
     must be importable by name, and so must what it returns be picklable. A rank that
     raises or returns what cannot be pickled, or a run past ``timeout`` seconds in all,
     raises ``RuntimeError`` here, once every rank's process has ended: ranks still running
-    then are killed, since they may wait for the failed one in a collective forever.
+    then are killed, since they may wait for the failed one in a collective forever. The
+    ranks are not daemonic, so that they may start processes of their own (Megatron's
+    ``dist_checkpointing.save`` starts a ``multiprocessing.Manager``); this function ends
+    each of them before it returns or raises.
     """
     from opttree.testing._megatron import free_port
 
@@ -68,7 +71,7 @@ def run_ranks(fn: Callable[[], R], world_size: int, *, timeout: float = 180.0) -
     results: multiprocessing.Queue[_Message] = context.Queue()
     port = free_port()
     processes = [
-        context.Process(target=_rank_main, args=(fn, rank, world_size, port, results), daemon=True)
+        context.Process(target=_rank_main, args=(fn, rank, world_size, port, results), daemon=False)
         for rank in range(world_size)
     ]
     for process in processes:
