@@ -313,6 +313,30 @@ def test_a_reset_saved_and_loaded_on_every_rank_trains_as_a_fresh_stack(tmp_path
     assert results == [(0, True), (1, True)]
 
 
+def steps_apart() -> tuple[int, list[str], list[str]]:
+    """A hand-written reset of rank 1's steps and loss scale alone (no opttree call, so no
+    agreement) leaves what its DistributedOptimizer saves once for all ranks unlike rank
+    0's: ``validate(group=)`` on rank 0 warns of it, naming rank 1 and both values."""
+    stack = testing.build("dist_fp16")
+    stack.train(0, 5)
+    before = [str(p) for p in opttree.validate(stack.optimizer, group=dist.group.WORLD)]
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            for leaf in stack.leaves():
+                for entry in leaf.state.values():
+                    entry["step"].zero_()
+    after = [str(p) for p in opttree.validate(stack.optimizer, group=dist.group.WORLD)]
+    return dist.get_rank(), before, after
+
+
+def test_validate_of_a_group_warns_where_the_ranks_save_different_steps() -> None:
+    (_, before, after), (_, _, rank_one) = testing.run_ranks(steps_apart, 2)
+
+    assert before == [] and rank_one == []
+    assert len(after) == 1 and after[0].startswith("rank 1: warning: DistributedOptimizer at chained[0]: key 'step': what it saves once")
+    assert "(step 0, loss scale 1048576) differs from rank 0's (step 4, loss scale 1048576)" in after[0]
+
+
 def failing_on_rank_one() -> tuple[int, str]:
     """A ``params`` generator that raises on rank 1 only, in the user's code: with ``group``,
     rank 0 must not wait in the agreement for a rank that left it."""

@@ -37,7 +37,9 @@ def validate(
 
     With a process group (collective: call it on every rank of ``group``), rank 0 of the
     group returns every rank's problems, each with its ``rank``, plus a warning for each
-    rank whose tree shape differs from its own; the other ranks return their own problems.
+    rank whose tree shape differs from its own, and for each wrapper whose steps or loss
+    scale, saved once for all ranks, differ from its own; the other ranks return their own
+    problems.
     """
     root, refused = lenient_tree(optimizer)
     visitor = ValidateVisitor()
@@ -50,7 +52,7 @@ def validate(
     if summaries is None:
         return problems
     gathered = [p.on_rank(s.rank) for s in summaries for p in s.problems]
-    return (*gathered, *_distributed.shape_problems(summaries))
+    return (*gathered, *_distributed.shape_problems(summaries), *_distributed.saved_problems(summaries))
 
 
 @eager

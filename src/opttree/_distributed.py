@@ -19,9 +19,13 @@ from opttree import _errors, _paths
 from opttree._containers import malformed
 from opttree._describe import nbytes
 from opttree._errors import OptTreeError
-from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
+from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode, tree_nodes
+from opttree._numbers import real_number
 from opttree._problems import Problem, ProblemKind
 from opttree._report import format_bytes
+from opttree._scalers import held_scale, loss_scaler
+from opttree._selection import STEP_UNITS
+from opttree._validate import unit_steps
 from opttree._visitor import NodeVisitor, TraverserVisitor
 from opttree._fields import kind_of
 
@@ -74,6 +78,11 @@ class _StateBytes(TraverserVisitor):
                 return
 
 
+Saved = tuple[str, str, tuple[float, ...], float | None]
+"""A Megatron wrapper that saves one step for all its parameters: its path, its class, the
+distinct steps its leaves count, and its loss scale (None where it has no scaler)."""
+
+
 @frozen
 class RankSummary:
     """What one rank reports about its own tree."""
@@ -82,12 +91,57 @@ class RankSummary:
     shape: str
     state_bytes: int
     problems: tuple[Problem, ...] = ()
+    saved: tuple[Saved, ...] = ()
 
 
 def summarise(root: Node, problems: tuple[Problem, ...] = ()) -> RankSummary:
     state_bytes = _StateBytes()
     root.accept(state_bytes)
-    return RankSummary(dist.get_rank(), root.accept(ShapeVisitor()), state_bytes.total, problems)
+    return RankSummary(dist.get_rank(), root.accept(ShapeVisitor()), state_bytes.total, problems, _saved_once(root))
+
+
+def _saved_once(root: Node) -> tuple[Saved, ...]:
+    """What each wrapper saving one step for all its parameters (a DistributedOptimizer)
+    saves once: every rank of a run steps alike and, fp16, backs off alike, so the ranks
+    hold the same. Never raises: a leaf whose state cannot be read counts no step."""
+    found: list[Saved] = []
+    for node in tree_nodes(root):
+        if STEP_UNITS.lookup(type(node.optimizer)) is None:
+            continue
+        try:
+            steps = tuple(sorted(unit_steps(node)))
+            scaler = loss_scaler(node.optimizer)
+            scale = None if scaler is None else real_number(held_scale(scaler))
+        except Exception:  # noqa: BLE001  # a wrapper's own containers may raise anything; validate reports them
+            continue
+        found.append((node.path, type(node.optimizer).__qualname__, steps, scale))
+    return tuple(found)
+
+
+def saved_problems(summaries: list[RankSummary]) -> list[Problem]:
+    """A warning for every wrapper whose steps or loss scale, saved once for all ranks,
+    differ from group rank 0's: their checkpoints disagree, and a sharded load gives every
+    rank the same (a hand-written reset on some ranks; opttree refuses arguments that
+    differ between ranks under ``group=``)."""
+    reference = summaries[0]
+    theirs = {(path, cls): (steps, scale) for path, cls, steps, scale in reference.saved}
+    problems = []
+    for summary in summaries[1:]:
+        for path, cls, steps, scale in summary.saved:
+            other = theirs.get((path, cls))
+            if other is None or other == (steps, scale):
+                continue
+            message = (
+                f"what it saves once for all ranks ({_saved_text(steps, scale)}) differs from rank {reference.rank}'s "
+                f"({_saved_text(*other)}): their checkpoints disagree, and a load gives every rank the same"
+            )
+            problems.append(Problem(ProblemKind.UNEQUAL_STEPS, path, cls, message, "step", rank=summary.rank))
+    return problems
+
+
+def _saved_text(steps: tuple[float, ...], scale: float | None) -> str:
+    counted = "no step" if not steps else f"step {steps[0]:.8g}" if len(steps) == 1 else f"steps {steps[0]:.8g} to {steps[-1]:.8g}"
+    return counted if scale is None else f"{counted}, loss scale {scale:.8g}"
 
 
 def _check_group(group: object) -> None:

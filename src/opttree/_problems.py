@@ -58,7 +58,8 @@ class ProblemKind(enum.Enum):
     """One step tensor counts the steps of several parameters."""
     UNEQUAL_STEPS = "unequal-steps"
     """The steps a Megatron wrapper saves as one differ: its checkpoint fails until a
-    reset (or a partial one naming ``"step"`` for all of them) sets them equal."""
+    reset (or a partial one naming ``"step"`` for all of them) sets them equal. Under
+    ``validate(group=)``, also its steps or loss scale differing between ranks."""
     EMPTY_STATE = "empty-state"
     ORPHAN_STATE = "orphan-state"
     SHAPE_MISMATCH = "shape-mismatch"

@@ -743,7 +743,7 @@ class ValidateVisitor(TraverserVisitor):
         :data:`~opttree._selection.STEP_UNITS`) fails to checkpoint unequal steps: a
         partial reset of steps must take all of its parameters that count them, or none;
         and steps already unequal (a hand-written reset of some of them) are warned of."""
-        steps = _unit_steps(node)
+        steps = unit_steps(node)
         if len(steps) > 1:
             message = (
                 f"the steps it saves as one differ ({len(steps)} values, {min(steps):g} to {max(steps):g}): Megatron's "
@@ -883,7 +883,7 @@ def _unit_count(node: Node, chosen: frozenset[int] | set[int], selection: Select
     return taken, total
 
 
-def _unit_steps(node: Node) -> set[float]:
+def unit_steps(node: Node) -> set[float]:
     """The distinct steps counted under ``node``, where it is a Megatron step unit (see
     :data:`~opttree._selection.STEP_UNITS`), where its leaves count them; none otherwise."""
     locations = STEP_UNITS.lookup(type(node.optimizer))
