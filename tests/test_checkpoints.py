@@ -294,16 +294,23 @@ def test_a_reset_after_megatrons_load_gives_each_parameter_its_own_step(name: st
     assert all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))
 
 
+def trained_chain_of_two(name: str) -> tuple[testing.MegatronStack, list[dict[str, object]]]:
+    """A recipe whose chain has two members, trained (not reset: a load that did nothing
+    would train apart), and its in-memory ``state_dict()``: one per member, in a list."""
+    stack = testing.build(name)
+    stack.train(0, K)
+    with stack.device:
+        saved = stack.optimizer.state_dict()
+    assert isinstance(saved, list) and len(saved) == 2
+    return stack, saved
+
+
 @pytest.mark.skipif("moe" not in testing.available(), reason="the moe recipe needs megatron-core's MoE")
 def test_load_state_dict_takes_the_list_a_chain_of_several_members_writes_in_memory() -> None:
     """``ChainedOptimizer.state_dict()`` returns one state dict per member, in a list, for
     several members: opttree's load takes it as Megatron's does, and refuses one of
     another length, changing nothing."""
-    stack = testing.build("moe")
-    stack.train(0, K)  # not reset: a load that did nothing would train apart
-    with stack.device:
-        saved = stack.optimizer.state_dict()
-    assert isinstance(saved, list) and len(saved) == 2
+    stack, saved = trained_chain_of_two("moe")
     ours, megatrons = fresh_like(stack), fresh_like(stack)
     with ours.device:
         with pytest.raises(opttree.UnsupportedCheckpoint, match="holds 1 members' state dicts, and it has 2 members"):
@@ -326,11 +333,7 @@ def test_a_layer_wise_chains_own_in_memory_state_dict_is_refused_with_the_form_i
     by index from a dict (``.values()``), raising AttributeError on its first line, with
     nothing loaded. opttree's load refuses that list before Megatron runs, saying so and
     naming the dict by index it reads, which loads."""
-    stack = testing.build("dist_muon")
-    stack.train(0, K)  # not reset: a load that did nothing would train apart
-    with stack.device:
-        saved = stack.optimizer.state_dict()
-    assert isinstance(saved, list) and len(saved) == 2
+    stack, saved = trained_chain_of_two("dist_muon")
     megatrons, ours = fresh_like(stack), fresh_like(stack)
     with megatrons.device, pytest.raises(AttributeError, match="'list' object has no attribute 'values'"):
         megatrons.optimizer.load_state_dict(copy.deepcopy(saved))
