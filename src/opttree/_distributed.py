@@ -24,7 +24,7 @@ from opttree._numbers import real_number
 from opttree._problems import Problem, ProblemKind
 from opttree._report import format_bytes
 from opttree._scalers import held_scale, loss_scaler
-from opttree._selection import STEP_UNITS
+from opttree._selection import STEP_UNITS, tree_params
 from opttree._validate import unit_steps
 from opttree._visitor import NodeVisitor, TraverserVisitor
 from opttree._fields import kind_of
@@ -103,12 +103,16 @@ def summarise(root: Node, problems: tuple[Problem, ...] = ()) -> RankSummary:
 def _saved_once(root: Node) -> tuple[Saved, ...]:
     """What each wrapper saving one step for all its parameters (a DistributedOptimizer)
     saves once: every rank of a run steps alike and, fp16, backs off alike, so the ranks
-    hold the same. Never raises: a leaf whose state cannot be read counts no step."""
+    hold the same. A wrapper stepping no parameter on this rank (a stub, a rank holding no
+    shard) counts no step and saves none of its own: it is left out. Never raises: a leaf
+    whose state cannot be read counts no step."""
     found: list[Saved] = []
     for node in tree_nodes(root):
         if STEP_UNITS.lookup(type(node.optimizer)) is None:
             continue
         try:
+            if not tree_params(node):
+                continue
             steps = tuple(sorted(unit_steps(node)))
             scaler = loss_scaler(node.optimizer)
             scale = None if scaler is None else real_number(held_scale(scaler))
