@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import opttree
-from tests.helpers import model, refused_in_place, snapshot, stepped_adamw, train, unchanged
+from tests.helpers import model, refused_in_place, snapshot, stepped_adamw, stepped_lbfgs, train, unchanged
 from tests.megatron_parts import hybrid, train_hybrid
 
 
@@ -480,7 +480,7 @@ def test_a_plain_dict_state_without_an_entry_for_a_parameter_is_a_warning() -> N
 
     (problem,) = opttree.validate(optimizer)
     assert (problem.kind, problem.severity) == (opttree.ProblemKind.EMPTY_STATE, opttree.Severity.WARNING)
-    assert "holds no entry for 1 of its 4 parameters" in problem.message and "KeyError" in problem.message
+    assert "holds no entry for 1 of the 4 parameters its step reads one for" in problem.message and "KeyError" in problem.message
     assert opttree.reset(optimizer).tensors_zeroed == 6
 
     frozen.requires_grad_(True)
@@ -506,4 +506,21 @@ def test_a_plain_dict_state_in_a_pooled_run_is_warned_of_at_its_leaf() -> None:
     problems = opttree.validate(stack[0])
 
     assert [(p.kind, p.path) for p in problems] == [(opttree.ProblemKind.EMPTY_STATE, "sub_optimizers[17]")]
-    assert "no entry for 1 of its 1 parameters" in problems[0].message
+    assert "no entry for 1 of the 1 parameters" in problems[0].message
+
+
+def test_a_plain_dict_state_of_an_optimizer_keeping_one_state_under_its_first_parameter_is_no_problem() -> None:
+    """LBFGS keeps its state under its first parameter only (``indivisible``) and reads
+    no other entry: a plain dict holding that one is what its step needs."""
+    net, optimizer = stepped_lbfgs()
+    optimizer.state = dict(optimizer.state)  # type: ignore[assignment]
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+
+    def closure() -> float:
+        optimizer.zero_grad()
+        torch.autograd.backward(net(x).pow(2).mean())
+        return 0.0
+
+    assert len(optimizer.state) == 1 < len(list(net.parameters()))
+    assert opttree.validate(optimizer) == ()
+    optimizer.step(closure)

@@ -487,15 +487,18 @@ class LeafInspector:
         read (a plain dict, as code that rebuilds ``optimizer.state`` by a comprehension
         leaves it): torch's step reads ``state[param]`` for each parameter with a gradient and
         raises ``KeyError`` there, where a fresh optimizer's ``defaultdict(dict)`` builds the
-        entry. A reset finds it so and leaves it so; a release is refused."""
-        if len(state) >= len(in_groups) or builds_missing_entries(state):
+        entry. A reset finds it so and leaves it so; a release is refused. An optimizer that
+        keeps one state for all its parameters (``indivisible``: LBFGS, under its first) reads
+        that one entry only."""
+        read = in_groups[:1] if self.schema.indivisible else in_groups
+        if len(state) >= len(read) or builds_missing_entries(state):
             return
-        missing = sum(param not in state for param in in_groups)
+        missing = sum(param not in state for param in read)
         if missing:
             message = (
-                f"its state is {kind_of(state)}, not torch's defaultdict(dict), and holds no entry for {missing} of its "
-                f"{len(in_groups)} parameters: its step raises KeyError for such a parameter once it has a gradient, "
-                "where a fresh optimizer builds the entry (a reset leaves this as it finds it)"
+                f"its state is {kind_of(state)}, not torch's defaultdict(dict), and holds no entry for {missing} of the "
+                f"{len(read)} parameters its step reads one for: its step raises KeyError for such a parameter once it "
+                "has a gradient, where a fresh optimizer builds the entry (a reset leaves this as it finds it)"
             )
             self.problem(node, ProblemKind.EMPTY_STATE, message)
 
@@ -637,7 +640,7 @@ class LeafInspector:
         schema = self.schema
         for together, why in (
             (schema.bound_together, "bound one another (its schema's bound_together), and keys names {taken} without {kept}: changed apart, the bound can break and the next step write NaN"),
-            (schema.rebuilt_together, "are built again together where any is missing (its schema's rebuilt_together), and keys names {taken} without {kept}: the next step would build {kept} again too, which the reset would have kept"),
+            (schema.rebuilt_together, "are built again together where any is missing (its schema's rebuilt_together), and keys names {taken} without {kept}: the next step would build {kept} again too, which keys leaves out"),
         ):
             keys = sorted(key for key in together if held[key])
             taken = [key for key in keys if self.resets(key)]
