@@ -330,15 +330,15 @@ def test_load_state_dict_takes_the_list_a_chain_of_several_members_writes_in_mem
 def test_a_layer_wise_chains_own_in_memory_state_dict_is_refused_with_the_form_its_load_reads() -> None:
     """Megatron's side (0.19.2): ``LayerWiseDistributedOptimizer.state_dict()`` gives the
     list of its members' state dicts, and its ``load_state_dict`` reads several members'
-    by index from a dict (``.values()``), raising AttributeError on its first line, with
-    nothing loaded. opttree's load refuses that list before Megatron runs, saying so and
+    by index from a dict (``.values()``), raising AttributeError before it loads
+    anything. opttree's load refuses that list before Megatron runs, saying so and
     naming the dict by index it reads, which loads."""
     stack, saved = trained_chain_of_two("dist_muon")
     megatrons, ours = fresh_like(stack), fresh_like(stack)
     with megatrons.device, pytest.raises(AttributeError, match="'list' object has no attribute 'values'"):
         megatrons.optimizer.load_state_dict(copy.deepcopy(saved))
     with ours.device:
-        with pytest.raises(opttree.UnsupportedCheckpoint, match=r"reads several members' state dicts from a dict by index.*nothing loaded.*dict\(enumerate\(state_dict\)\)"):
+        with pytest.raises(opttree.UnsupportedCheckpoint, match=r"reads several members' state dicts from a dict by index.*before it loads anything.*dict\(enumerate\(state_dict\)\)"):
             opttree.load_state_dict(ours.optimizer, copy.deepcopy(saved))
         assert not any(leaf.state for leaf in ours.leaves())
         opttree.load_state_dict(ours.optimizer, dict(enumerate(copy.deepcopy(saved))))

@@ -854,13 +854,12 @@ def _layer_wise(node: Node, state: object, loading: Load | None) -> StateDicts:
     master weights, which a sharded load gives back by index in a dict, into the list
     ``Float16OptimizerWithFloat16Params`` loads; they are checked as that list. Several
     members' state dicts it reads from a dict by index (``.values()``): the list its own
-    ``state_dict()`` gives makes its load raise AttributeError on its first line
+    ``state_dict()`` gives makes its load raise AttributeError before it loads anything
     (megatron-core 0.16.1 and 0.19.2), so it is refused, with the dict it reads named."""
     if loading and len(node.children) > 1 and isinstance(state, list):
         message = (
             "its load_state_dict reads several members' state dicts from a dict by index (.values()), and this is the "
-            "list its own state_dict() gives: Megatron's own load raises AttributeError on its first line, with nothing "
-            "loaded; pass dict(enumerate(state_dict)), which it loads member by member in that order"
+            "list its own state_dict() gives: Megatron's own load raises AttributeError before it loads anything;  pass dict(enumerate(state_dict)), which it loads member by member in that order"
         )
         raise layout_error(node, "state_dict", message)
     if loading and len(node.children) == 1:
