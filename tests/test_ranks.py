@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
+import multiprocessing
+import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -254,6 +257,9 @@ def asked_apart() -> tuple[int, list[str], bool, bool]:
         lambda: opttree.reset(stack.optimizer, keys=["exp_avg", *(["step"] if rank == 0 else [])], group=dist.group.WORLD),
         lambda: opttree.prune(stack.optimizer, 0.5 if rank == 0 else 0.25, keys=["exp_avg"], group=dist.group.WORLD),
         lambda: opttree.scale(stack.optimizer, 0.5, keys=["exp_avg"] if rank == 0 else None, group=dist.group.WORLD),
+        lambda: opttree.reset(stack.optimizer, keys=["exp_avg"], group=dist.group.WORLD)
+        if rank == 0
+        else opttree.prune(stack.optimizer, 0.5, keys=["exp_avg"], group=dist.group.WORLD),
     ]
     outcomes = []
     for call in calls:
@@ -275,10 +281,31 @@ def test_ranks_given_different_arguments_under_a_group_refuse_alike_and_change_n
         assert unchanged and fresh
         assert all(o.startswith("OptTreeError: the ranks were given different arguments") for o in outcomes)
         assert "keep_loss_scale is True on rank 0 and False on rank 1" in outcomes[0]
-        assert "step is True on rank 0 and False on rank 1" in outcomes[1]
+        assert "'step' in keys is True on rank 0 and False on rank 1" in outcomes[1]
         assert "fraction is 0.5 on rank 0 and 0.25 on rank 1" in outcomes[2]
         assert "keys is ['exp_avg'] on rank 0 and None on rank 1" in outcomes[3]
+        assert "call is 'reset' on rank 0 and 'prune' on rank 1" in outcomes[4]
     assert results[0][1] == results[1][1]
+
+
+def keys_per_stage() -> tuple[int, str]:
+    """Ranks holding different optimizers, as pipeline stages may (AdamW on one, SGD with
+    momentum on the other): each names the history its own optimizer holds, which is not
+    a difference of arguments to refuse."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(4))
+    param.grad = torch.ones(4)
+    optimizer: torch.optim.Optimizer = torch.optim.AdamW([param]) if dist.get_rank() == 0 else torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    optimizer.step()
+    key = "exp_avg" if dist.get_rank() == 0 else "momentum_buffer"
+    report = opttree.reset(optimizer, keys=[key], group=dist.group.WORLD)
+    return dist.get_rank(), str(report)
+
+
+def test_ranks_holding_different_optimizers_may_name_their_own_history_keys() -> None:
+    results = testing.run_ranks(keys_per_stage, 2)
+
+    assert [r for r, _ in results] == [0, 1] and all("1 tensors zeroed" in text or "dropped" in text for _, text in results)
 
 
 def reset_saved_and_loaded(directory: str) -> tuple[int, bool]:
@@ -374,6 +401,28 @@ def unpicklable() -> object:
 def test_a_run_past_its_timeout_is_stopped_with_an_error() -> None:
     with pytest.raises(RuntimeError, match=r"2 ranks did not finish within 5 s"):
         testing.run_ranks(hanging, 2, timeout=5)
+
+
+def hanging_with_a_manager(pids: str) -> None:
+    """A rank that starts a process of its own (as Megatron's ``dist_checkpointing.save``
+    starts a ``multiprocessing.Manager``), then never returns."""
+    manager = multiprocessing.Manager()
+    with open(pids, "a", encoding="ascii") as out:
+        out.write(f"{getattr(manager, '_process').pid}\n")
+    threading.Event().wait()
+
+
+def test_what_a_rank_started_does_not_outlive_a_run_stopped_at_its_timeout(tmp_path: Path) -> None:
+    """Killed alone, a rank left its Manager's server running, its parent gone."""
+    pids = tmp_path / "pids"
+    with pytest.raises(RuntimeError, match=r"2 ranks did not finish within 10 s"):
+        testing.run_ranks(functools.partial(hanging_with_a_manager, str(pids)), 2, timeout=10)
+
+    started = [int(pid) for pid in pids.read_text(encoding="ascii").split()]
+    deadline = time.monotonic() + 10  # killed, they are reaped by init, not at once
+    while any(os.path.exists(f"/proc/{pid}") for pid in started) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(started) == 2 and not any(os.path.exists(f"/proc/{pid}") for pid in started)
 
 
 def test_a_result_that_cannot_be_pickled_is_a_rank_failure_not_a_timeout() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable
 from typing import cast
 
@@ -95,10 +96,10 @@ def reset(
     others), every rank raises, naming the rank, and none changes anything. A partial reset's checks see each rank's own shards, so
     without it one rank can refuse what another carries out.
     """
-    planned = _distributed.agreed(
+    planned, _ = _distributed.agreed(
         group,
         lambda: _planned_reset(optimizer, params, keys, model, keep_loss_scale=keep_loss_scale, release=release),
-        ResetVisitor._asked,
+        operator.itemgetter(1),
     )
     return planned._carry_out_passed()
 
@@ -111,8 +112,9 @@ def _planned_reset(
     *,
     keep_loss_scale: bool,
     release: bool,
-) -> ResetVisitor:
-    """A reset checked and planned, ready to carry out; its refusal raised."""
+) -> tuple[ResetVisitor, _distributed.Asked]:
+    """A reset checked and planned, ready to carry out, and what it was asked (see
+    :func:`~opttree._distributed.asked`); its refusal raised."""
     for name, flag in (("keep_loss_scale", keep_loss_scale), ("release", release)):
         if not isinstance(cast(object, flag), bool):  # release="False" would delete every entry
             msg = f"{name} must be True or False, got {kind_of(flag)}"
@@ -128,7 +130,7 @@ def _planned_reset(
     refused = visitor._refusal_of_built(root)
     if refused is not None:
         raise refused
-    return visitor
+    return visitor, _distributed.asked("reset", root, selection, keep_loss_scale=keep_loss_scale)
 
 
 @eager

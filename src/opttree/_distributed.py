@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from itertools import groupby
-from typing import TypeVar, cast
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from opttree._numbers import real_number
 from opttree._problems import Problem, ProblemKind
 from opttree._report import format_bytes
 from opttree._scalers import held_scale, loss_scaler
-from opttree._selection import STEP_UNITS, tree_params
+from opttree._selection import STEP_UNITS, Selection, tree_params
 from opttree._validate import unit_steps
 from opttree._visitor import NodeVisitor, TraverserVisitor
 from opttree._fields import kind_of
@@ -161,7 +161,26 @@ def _check_group(group: object) -> None:
 
 
 Asked = dict[str, object]
-"""What a rank was asked to change (:func:`agreed`'s ``asked``), by argument."""
+"""What a rank was asked to change, by argument (see :func:`asked`)."""
+
+_PER_TREE = frozenset({"keys"})
+"""What ranks holding different trees may be asked apart: history keys name each rank's
+own optimizers, and pipeline stages may hold different ones (AdamW on one, SGD on another)."""
+
+
+def asked(call: str, root: Node, selection: Selection, **options: object) -> Asked:
+    """What ``call`` changes on this rank, as the ranks of a collective call compare it:
+    one rank resetting what another keeps (a step, a loss scale that a DistributedOptimizer
+    saves once for all of them, a shard of a parameter's history) would leave them apart."""
+    return {
+        "call": call,
+        "params": "all" if selection.tensors is None else "selected",
+        "keys": None if selection.keys is None else sorted(selection.keys),
+        "'step' in keys": selection.steps,
+        "release": selection.release,
+        **options,
+        "tree": root.accept(ShapeVisitor()),
+    }
 
 
 def agree(group: dist.ProcessGroup, refused: OptTreeError | None, asked: Asked | None = None) -> OptTreeError | None:
@@ -188,21 +207,35 @@ def agree(group: dist.ProcessGroup, refused: OptTreeError | None, asked: Asked |
 
 
 def _unlike(group: dist.ProcessGroup, asked: list[Asked | None]) -> OptTreeError | None:
-    """A refusal where the ranks were asked different things (compared with group rank 0's),
-    the same on every rank, or None."""
+    """A refusal where the ranks were asked different things (each compared with group
+    rank 0), the same on every rank, or None."""
     first = asked[0]
-    index = next((i for i, other in enumerate(asked) if other != first), None)
-    if index is None or first is None or asked[index] is None:
-        return None
-    other = cast(Asked, asked[index])
-    name = next(key for key in first if first[key] != other.get(key))
-    ranks = (dist.get_global_rank(group, 0), dist.get_global_rank(group, index))
-    msg = (
-        f"the ranks were given different arguments: {name} is {first[name]!r} on rank {ranks[0]} and {other.get(name)!r} "
-        f"on rank {ranks[1]}; a collective call takes the same on every rank (what one rank resets and another keeps, a "
-        "step or loss scale a DistributedOptimizer saves once for all of them, would leave them apart)"
+    for index, other in enumerate(asked):
+        if first is None or other is None:
+            continue
+        name = _differing(first, other)
+        if name is None:
+            continue
+        ranks = (dist.get_global_rank(group, 0), dist.get_global_rank(group, index))
+        msg = (
+            f"the ranks were given different arguments: {name} is {first.get(name)!r} on rank {ranks[0]} and "
+            f"{other.get(name)!r} on rank {ranks[1]}; a collective call takes the same on every rank (what one rank "
+            "resets and another keeps, a step or loss scale a DistributedOptimizer saves once for all of them, would "
+            "leave them apart)"
+        )
+        return OptTreeError(msg)
+    return None
+
+
+def _differing(first: Asked, other: Asked) -> str | None:
+    """The first argument ``other`` was given otherwise than ``first``, or None; history
+    keys are compared only between ranks holding alike trees (see :data:`_PER_TREE`)."""
+    alike_trees = first.get("tree") == other.get("tree")
+    names = [*first, *(name for name in other if name not in first)]
+    return next(
+        (name for name in names if name != "tree" and (alike_trees or name not in _PER_TREE) and first.get(name) != other.get(name)),
+        None,
     )
-    return OptTreeError(msg)
 
 
 def agreed(group: dist.ProcessGroup | None, plan: Callable[[], _Planned], asked: Callable[[_Planned], Asked] | None = None) -> _Planned:

@@ -99,7 +99,7 @@ def _plan(
         if wrong is not None:
             path, cls, _ = _holder(wrong, plan)
             raise _unchangeable(path, cls, key, f"{what} changes {kind} history, and this holds {wrong.dtype} tensors: leave it out of keys")
-    return plan, visitor._asked()
+    return plan, _distributed.asked(what, root, chosen)
 
 
 def _refuse_bound_together(root: Node, chosen: Selection, keys: list[str] | None, what: str, *, keeps_bounds: bool) -> None:

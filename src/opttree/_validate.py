@@ -120,19 +120,6 @@ class ValidateVisitor(TraverserVisitor):
         visitor._selection = selection
         return visitor
 
-    def _asked(self) -> dict[str, object]:
-        """What this visitor changes, as the ranks of a collective call compare it: one rank
-        resetting what another keeps (a step, a loss scale that a DistributedOptimizer
-        saves once for all of them) would leave them apart."""
-        selection = self._selection
-        return {
-            "params": "all" if selection.tensors is None else "selected",
-            "keys": None if selection.keys is None else sorted(selection.keys),
-            "step": selection.steps,
-            "release": selection.release,
-            "keep_loss_scale": self._keep_loss_scale,
-        }
-
     @eager
     def refusal(self, root: Node) -> OptTreeError | None:
         """:meth:`check` the whole tree: the error a reset of it raises, or None."""

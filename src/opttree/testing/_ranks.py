@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -23,6 +24,7 @@ _Message = tuple[int, bool, object]
 
 
 def _rank_main(fn: Callable[[], object], rank: int, world_size: int, port: int, results: multiprocessing.Queue[_Message]) -> None:
+    os.setpgrp()  # a process group of its own, which run_ranks ends with every process the rank started
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -47,6 +49,14 @@ def _refuse_bad_arguments(world_size: object, timeout: object) -> None:
         raise OptTreeError(msg)
 
 
+def _end_group(pid: int) -> None:
+    """Kill the process group a rank leads (see :func:`_rank_main`), where any of it is left."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the rank and everything it started have ended
+
+
 def run_ranks(fn: Callable[[], R], world_size: int, *, timeout: float = 180.0) -> list[R]:
     """Run ``fn`` on ``world_size`` gloo ranks and return each rank's result, in rank order.
 
@@ -56,8 +66,9 @@ def run_ranks(fn: Callable[[], R], world_size: int, *, timeout: float = 180.0) -
     raises ``RuntimeError`` here, once every rank's process has ended: ranks still running
     then are killed, since they may wait for the failed one in a collective forever. The
     ranks are not daemonic, so that they may start processes of their own (Megatron's
-    ``dist_checkpointing.save`` starts a ``multiprocessing.Manager``); this function ends
-    each of them before it returns or raises.
+    ``dist_checkpointing.save`` starts a ``multiprocessing.Manager``); each leads a process
+    group, which this function kills before it returns or raises, so that neither a rank
+    nor what it started outlives it.
     """
     from opttree.testing._megatron import free_port
 
@@ -74,12 +85,12 @@ def run_ranks(fn: Callable[[], R], world_size: int, *, timeout: float = 180.0) -
         context.Process(target=_rank_main, args=(fn, rank, world_size, port, results), daemon=False)
         for rank in range(world_size)
     ]
-    for process in processes:
-        process.start()
     collected: dict[int, object] = {}
     deadline = time.monotonic() + timeout
     finished = False
     try:
+        for process in processes:
+            process.start()
         while len(collected) < world_size:
             try:
                 rank, ok, value = results.get(timeout=max(deadline - time.monotonic(), 0.0))
@@ -93,8 +104,11 @@ def run_ranks(fn: Callable[[], R], world_size: int, *, timeout: float = 180.0) -
         finished = True
     finally:
         for process in processes:
+            if process.pid is None:
+                continue  # never started
             process.join(timeout=10 if finished else 0)
+            _end_group(process.pid)  # the rank, where it still runs, and what it started (a Manager's server)
             if process.is_alive():
-                process.kill()
-                process.join()
+                process.kill()  # still starting: not yet the leader of a group of its own
+            process.join()
     return [cast(R, collected[rank]) for rank in range(world_size)]
