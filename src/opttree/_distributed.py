@@ -183,15 +183,15 @@ def asked(call: str, root: Node, selection: Selection, **options: object) -> Ask
     }
 
 
-def agree(group: dist.ProcessGroup, refused: OptTreeError | None, asked: Asked | None = None) -> OptTreeError | None:
+def agree(group: dist.ProcessGroup, refused: OptTreeError | None, request: Asked | None = None) -> OptTreeError | None:
     """Collective: this rank's refusal, or, where it has none, the first other rank's, so
     that every rank of ``group`` refuses or goes ahead alike (a check can pass on one
     rank's shards and fail on another's); where none refuses, a refusal if the ranks were
-    ``asked`` different things."""
+    asked different things (``request``, this rank's)."""
     _check_group(group)
     found = None if refused is None else (type(refused).__name__, str(refused), refused.problem)
     gathered: list[tuple[tuple[str, str, Problem | None] | None, Asked | None]] = [(None, None)] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (found, asked), group=group)
+    dist.all_gather_object(gathered, (found, request), group=group)
     if refused is not None:
         return refused
     for index, (item, _) in enumerate(gathered):
@@ -203,14 +203,14 @@ def agree(group: dist.ProcessGroup, refused: OptTreeError | None, asked: Asked |
             cls = vars(_errors).get(name)
             kind = cls if isinstance(cls, type) and issubclass(cls, OptTreeError) else OptTreeError
             return kind(f"rank {rank}: {text}")
-    return _unlike(group, [asked for _, asked in gathered])
+    return _unlike(group, [other for _, other in gathered])
 
 
-def _unlike(group: dist.ProcessGroup, asked: list[Asked | None]) -> OptTreeError | None:
+def _unlike(group: dist.ProcessGroup, requests: list[Asked | None]) -> OptTreeError | None:
     """A refusal where the ranks were asked different things (each compared with group
     rank 0), the same on every rank, or None."""
-    first = asked[0]
-    for index, other in enumerate(asked):
+    first = requests[0]
+    for index, other in enumerate(requests):
         if first is None or other is None:
             continue
         name = _differing(first, other)
@@ -238,10 +238,10 @@ def _differing(first: Asked, other: Asked) -> str | None:
     )
 
 
-def agreed(group: dist.ProcessGroup | None, plan: Callable[[], _Planned], asked: Callable[[_Planned], Asked] | None = None) -> _Planned:
+def agreed(group: dist.ProcessGroup | None, plan: Callable[[], _Planned], request: Callable[[_Planned], Asked] | None = None) -> _Planned:
     """``plan()``, which checks everything an operation could refuse and writes nothing;
     with a process group (collective), every rank raises where any rank's plan refused,
-    or where ``asked`` (what the plan changes, by argument) differs between ranks."""
+    or where ``request`` (what the plan changes, by argument) differs between ranks."""
     try:
         planned = plan()
     except Exception as error:  # noqa: BLE001  # any error: the other ranks must not wait for this one
@@ -250,7 +250,7 @@ def agreed(group: dist.ProcessGroup | None, plan: Callable[[], _Planned], asked:
             agree(group, shared)  # every rank learns of it, and raises
         raise
     if group is not None:
-        refused = agree(group, None, None if asked is None else asked(planned))
+        refused = agree(group, None, None if request is None else request(planned))
         if refused is not None:
             raise refused
     return planned
