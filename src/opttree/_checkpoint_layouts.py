@@ -859,7 +859,8 @@ def _layer_wise(node: Node, state: object, loading: Load | None) -> StateDicts:
     if loading and len(node.children) > 1 and isinstance(state, list):
         message = (
             "its load_state_dict reads several members' state dicts from a dict by index (.values()), and this is the "
-            "list its own state_dict() gives: Megatron's own load raises AttributeError before it loads anything;  pass dict(enumerate(state_dict)), which it loads member by member in that order"
+            "list its own state_dict() gives: Megatron's own load raises AttributeError before it loads anything; "
+            "pass dict(enumerate(state_dict)), which it loads member by member in that order"
         )
         raise layout_error(node, "state_dict", message)
     if loading and len(node.children) == 1:
