@@ -12,6 +12,7 @@ does, over tensors its checks found writable.
 from __future__ import annotations
 
 import math
+import operator
 from fractions import Fraction
 from collections.abc import Callable, Iterable
 from typing import Literal, SupportsFloat, cast
@@ -231,9 +232,7 @@ def prune(
     ``reset`` does, once each has ordered its tensors and allocated its masks: one that
     runs out of memory refuses on every rank."""
 
-    asked: Asked = {}
-
-    def planned() -> tuple[float, ResetPlan, list[torch.Tensor], list[torch.Tensor | None], _Scratch]:
+    def planned() -> tuple[tuple[float, ResetPlan, list[torch.Tensor], list[torch.Tensor | None], _Scratch], Asked]:
         with plain_torch():
             share = real_number(fraction)
         if share is None or not 0.0 <= share <= 1.0:
@@ -243,7 +242,6 @@ def prune(
         if generator is not None and not isinstance(cast(object, generator), torch.Generator):
             raise PartialResetRefused(f"generator must be a torch.Generator or None, got {_described(generator)}")
         plan, selected = _plan(optimizer, params, keys, model, "prune", _REAL_FLOATS, keeps_bounds=share == 1.0)
-        asked.update(selected, fraction=share, by=by)
         if by == "random" and generator is not None:
             with plain_torch():
                 devices = {tensor.device.type for tensor in _tensors(plan)} - {generator.device.type}
@@ -259,9 +257,9 @@ def prune(
             except RuntimeError as error:  # out of memory, on any device
                 msg = f"prune could not allocate what it orders or masks with, and changed nothing: {type(error).__name__}: {error}"
                 raise PartialResetRefused(msg) from error
-        return share, plan, tensors, thresholds, scratch
+        return (share, plan, tensors, thresholds, scratch), {**selected, "fraction": share, "by": by}
 
-    share, plan, tensors, thresholds, scratch = _distributed.agreed(group, planned, lambda _: asked)
+    (share, plan, tensors, thresholds, scratch), _ = _distributed.agreed(group, planned, operator.itemgetter(1))
     with plain_torch(), torch.no_grad():
         for index, tensor in enumerate(tensors):
             work, pruned = scratch.work(tensor), scratch.mask(tensor)
@@ -296,22 +294,19 @@ def scale(
     history that holds inf or NaN already. With ``group`` (collective) the ranks agree to
     scale or refuse, as ``reset`` does."""
 
-    asked: Asked = {}
-
-    def planned() -> tuple[float, ResetPlan, list[torch.Tensor]]:
+    def planned() -> tuple[tuple[float, ResetPlan, list[torch.Tensor]], Asked]:
         with plain_torch():
             ratio = real_number(factor)
         if ratio is None or not 0.0 <= ratio < math.inf:
             raise PartialResetRefused(f"factor must be a finite number >= 0, got {_described(factor)}")
         plan, selected = _plan(optimizer, params, keys, model, "scale", _FLOATS, keeps_bounds=ratio <= 1.0)
-        asked.update(selected, factor=ratio)
         with plain_torch(), torch.no_grad():
             tensors = [tensor for tensor in _tensors(plan) if tensor.numel()]
             if tensors:
                 _refuse_non_finite(tensors, ratio, plan)
-        return ratio, plan, tensors
+        return (ratio, plan, tensors), {**selected, "factor": ratio}
 
-    ratio, plan, tensors = _distributed.agreed(group, planned, lambda _: asked)
+    (ratio, plan, tensors), _ = _distributed.agreed(group, planned, operator.itemgetter(1))
     with plain_torch(), torch.no_grad():
         if tensors and ratio == 0.0:  # -0.0 too: multiplied, negative history would become -0.0, which a fresh one never holds
             torch._foreach_zero_(tensors)
