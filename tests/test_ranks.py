@@ -403,20 +403,27 @@ def test_a_run_past_its_timeout_is_stopped_with_an_error() -> None:
         testing.run_ranks(hanging, 2, timeout=5)
 
 
-def hanging_with_a_manager(pids: str) -> None:
-    """A rank that starts a process of its own (as Megatron's ``dist_checkpointing.save``
-    starts a ``multiprocessing.Manager``), then never returns."""
+def failing_beside_a_manager(pids: str) -> None:
+    """Each rank starts a process of its own (as Megatron's ``dist_checkpointing.save``
+    starts a ``multiprocessing.Manager``); once both have, rank 0 fails and rank 1 never
+    returns, as one waiting in a collective for a rank that left."""
     manager = multiprocessing.Manager()
     with open(pids, "a", encoding="ascii") as out:
         out.write(f"{getattr(manager, '_process').pid}\n")
-    threading.Event().wait()
+    if dist.get_rank() == 1:
+        threading.Event().wait()
+    while len(Path(pids).read_text(encoding="ascii").split()) < 2:
+        time.sleep(0.05)
+    raise ValueError("rank 0 failed")
 
 
-def test_what_a_rank_started_does_not_outlive_a_run_stopped_at_its_timeout(tmp_path: Path) -> None:
-    """Killed alone, a rank left its Manager's server running, its parent gone."""
+def test_what_a_rank_started_does_not_outlive_a_run_stopped_early(tmp_path: Path) -> None:
+    """Killed alone, a rank left its Manager's server running, its parent gone. The run is
+    stopped by a rank's failure once both Managers run, not by a timeout, which a loaded
+    machine can reach before the ranks have started them; a timeout ends a run the same way."""
     pids = tmp_path / "pids"
-    with pytest.raises(RuntimeError, match=r"2 ranks did not finish within 10 s"):
-        testing.run_ranks(functools.partial(hanging_with_a_manager, str(pids)), 2, timeout=10)
+    with pytest.raises(RuntimeError, match=r"rank 0 failed"):
+        testing.run_ranks(functools.partial(failing_beside_a_manager, str(pids)), 2, timeout=600)
 
     started = [int(pid) for pid in pids.read_text(encoding="ascii").split()]
     deadline = time.monotonic() + 10  # killed, they are reaped by init, not at once
