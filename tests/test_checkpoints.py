@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import io
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -441,6 +442,38 @@ def test_a_tensor_step_where_the_optimizer_counts_in_an_int_is_refused_before_it
 
 
 DP_RESHARDABLE = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+@needs_dp_reshardable
+@pytest.mark.parametrize("is_loading", [False, True])
+def test_a_distributed_optimizers_default_format_is_refused_naming_one_that_loads(is_loading: bool, tmp_path: Path) -> None:
+    """Megatron's side: with no format in ``metadata``, a ``DistributedOptimizer`` writes
+    ``fully_sharded_model_space``, whose flattened ranges Megatron's own
+    ``dist_checkpointing`` refuses (from megatron-core 0.16 on). opttree's error says so and
+    names the format to pass, with which the same calls save and load (any mapping: a
+    ``dict[str, str]`` type-checks, and a read-only one is passed to Megatron as a dict)."""
+    stack = testing.build("dist_bf16")
+    stack.train(0, K)
+    with stack.device:
+        with pytest.raises(CheckpointingException, match="flattened_range"):
+            stack.optimizer.sharded_state_dict(model_state(stack), is_loading=is_loading)
+        with pytest.raises(opttree.UnsupportedCheckpoint, match=r"writes fully_sharded_model_space, Megatron's default[\s\S]*'dp_reshardable'"):
+            opttree.sharded_state_dict(stack.optimizer, model_state(stack), is_loading=is_loading)
+        with pytest.raises(opttree.UnsupportedCheckpoint, match="writes fully_sharded_model_space, as metadata asks"):
+            opttree.sharded_state_dict(stack.optimizer, model_state(stack), is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_sharded_model_space"})
+        dist_checkpointing.save(opttree.sharded_state_dict(stack.optimizer, model_state(stack), metadata=MappingProxyType(DP_RESHARDABLE)), str(tmp_path))
+        state = dist_checkpointing.load(opttree.sharded_state_dict(stack.optimizer, model_state(stack), is_loading=True, metadata=DP_RESHARDABLE), str(tmp_path))
+    opttree.load_state_dict(stack.optimizer, state)
+
+
+def test_only_a_distributed_optimizers_failing_default_format_is_advised_on() -> None:
+    """An error of Megatron's own sharded_state_dict elsewhere (a model state dict that
+    maps none of the parameters) gets no word on formats."""
+    stack = testing.build("fp32")
+    stack.train(0, K)
+    with stack.device, pytest.raises(opttree.UnsupportedCheckpoint, match="does not match any model sharded param") as raised:
+        opttree.sharded_state_dict(stack.optimizer, {})
+    assert "fully_sharded_model_space" not in str(raised.value)
 
 
 def _dp_reshardable_round_trip(stack: testing.MegatronStack, tmp_path: Path, *, with_opttree: bool) -> testing.MegatronStack:

@@ -933,6 +933,33 @@ def check_saving(root: Node, metadata: Mapping[str, object] | None) -> None:
             raise layout_error(node, "distrib_optim_sharding_type", message)
 
 
+DEFAULT_SHARDING = "fully_sharded_model_space"
+"""The ``param_state`` format a ``DistributedOptimizer``'s ``sharded_state_dict`` writes
+where ``metadata`` names none: flattened ranges of each parameter, which
+``dist_checkpointing`` refuses from megatron-core 0.16 on (``ShardedTensor.flattened_range
+is not supported``) and whose load asserts on 0.13 to 0.15."""
+
+
+def format_advice(root: Node, metadata: Mapping[str, object] | None) -> str:
+    """What to say where Megatron's own ``sharded_state_dict`` raised for a stack holding a
+    ``DistributedOptimizer`` in :data:`DEFAULT_SHARDING`: the format it fell back to, and
+    one that its load takes; empty otherwise."""
+    sharding = (metadata or {}).get("distrib_optim_sharding_type", DEFAULT_SHARDING)
+    if sharding != DEFAULT_SHARDING or not any(_LAYOUTS.lookup(type(node.optimizer)) is _steps_in_groups for node in tree_nodes(root)):
+        return ""
+    why = (
+        "as metadata asks"
+        if metadata and "distrib_optim_sharding_type" in metadata
+        else "Megatron's default, as metadata names no distrib_optim_sharding_type"
+    )
+    return (
+        f" (its DistributedOptimizer writes {DEFAULT_SHARDING}, {why}: flattened ranges, which Megatron's "
+        "dist_checkpointing refuses from megatron-core 0.16 on; pass the format your training saves in, at the save and at "
+        "the load, as Megatron-LM's training does: metadata={'distrib_optim_sharding_type': 'dp_reshardable'}, its default, "
+        "loads over torch's Adam)"
+    )
+
+
 def _check_history_built(node: Node) -> None:
     """See :func:`check_saving`: a wrapper whose inner optimizer holds parameters but no
     state entry, where its schema builds history with every entry."""

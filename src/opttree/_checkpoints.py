@@ -51,7 +51,7 @@ from opttree import _registry
 from opttree._distributed import agreed
 from opttree._trees import tree
 from opttree._containers import malformed
-from opttree._checkpoint_layouts import STEP_KEY, Load, check_history_apart, check_saving, layout_error, walk
+from opttree._checkpoint_layouts import STEP_KEY, Load, check_history_apart, check_saving, format_advice, layout_error, walk
 from opttree._inspect import fresh_step_dtype
 from opttree._nodes import LeafNode, Node, tree_nodes
 from opttree._problems import Problem, ProblemKind
@@ -103,7 +103,7 @@ def sharded_state_dict(
     model_sharded_state_dict: dict[str, object],
     *,
     is_loading: bool = False,
-    metadata: dict[str, object] | None = None,
+    metadata: Mapping[str, object] | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, object]:
     """Megatron's ``optimizer.sharded_state_dict(...)``, with the step put back where
@@ -119,9 +119,9 @@ def sharded_state_dict(
     data-parallel group, where a rank that raised first would leave the others waiting),
     and on what Megatron's gave each rank.
     """
-    root = agreed(group, lambda: _checked_saving(optimizer, model_sharded_state_dict, is_loading=is_loading, metadata=metadata))
+    root, as_dict = agreed(group, lambda: _checked_saving(optimizer, model_sharded_state_dict, is_loading=is_loading, metadata=metadata))
     with _outside_inference():  # a load's sharded state dict builds the state the checkpoint is loaded into
-        return agreed(group, lambda: _sharded_state_dict(root, model_sharded_state_dict, is_loading=is_loading, metadata=metadata))
+        return agreed(group, lambda: _sharded_state_dict(root, model_sharded_state_dict, is_loading=is_loading, metadata=as_dict))
 
 
 def _outside_inference() -> torch.inference_mode:
@@ -137,22 +137,27 @@ def _checked_saving(
     model_sharded_state_dict: dict[str, object],
     *,
     is_loading: bool,
-    metadata: dict[str, object] | None,
-) -> Node:
-    """The stack's root, its arguments checked as Megatron takes them, and, for a save, the
-    stack checked for what makes Megatron's save raise or write what no load takes."""
+    metadata: Mapping[str, object] | None,
+) -> tuple[Node, dict[str, object] | None]:
+    """The stack's root and ``metadata`` as the dict Megatron takes, its arguments checked as
+    Megatron takes them, and, for a save, the stack checked for what makes Megatron's save
+    raise or write what no load takes."""
     root = _megatron_root(optimizer)
     given: tuple[object, object] = (model_sharded_state_dict, metadata)  # typed; checked for untyped callers
     if not isinstance(given[0], dict):
         what = type(given[0]).__qualname__
         raise layout_error(root, "model_sharded_state_dict", f"is a {what}, where Megatron takes the model's sharded state dict")
-    if given[1] is not None and not isinstance(given[1], dict):
+    if given[1] is not None and not isinstance(given[1], Mapping):
         raise layout_error(root, "metadata", f"is {kind_of(given[1])}, where Megatron takes a dict or None")
+    try:
+        as_dict = metadata if metadata is None or isinstance(metadata, dict) else dict(metadata)
+    except Exception as error:  # noqa: BLE001  # a mapping's own code may raise anything
+        raise layout_error(root, "metadata", f"cannot be read: {type(error).__name__}: {error}") from error
     if not isinstance(cast(object, is_loading), bool):
         raise layout_error(root, "is_loading", f"is {kind_of(is_loading)}, where Megatron takes True or False")
     if not is_loading:
-        check_saving(root, metadata)
-    return root
+        check_saving(root, as_dict)
+    return root, as_dict
 
 
 def _sharded_state_dict(
@@ -164,7 +169,10 @@ def _sharded_state_dict(
 ) -> dict[str, object]:
     sharded_state_dict_of = getattr(root.optimizer, "sharded_state_dict")
     state: dict[str, object] = _megatrons(
-        root, "sharded_state_dict", lambda: sharded_state_dict_of(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
+        root,
+        "sharded_state_dict",
+        lambda: sharded_state_dict_of(model_sharded_state_dict, is_loading=is_loading, metadata=metadata),
+        advice=format_advice(root, metadata),
     )
     if is_loading:
         return state
@@ -313,17 +321,17 @@ def _unshare_steps(root: Node) -> None:
                 seen.add(id(step))
 
 
-def _megatrons(root: Node, method: str, call: Callable[[], _Result]) -> _Result:
+def _megatrons(root: Node, method: str, call: Callable[[], _Result], *, advice: str = "") -> _Result:
     """``call()``, Megatron's own ``method``; any error it raises past opttree's checks (its
     own ``CheckpointingException``, torch's, an out-of-memory error as it moves state to
-    the device) is an :class:`~opttree.UnsupportedCheckpoint`, the original as its cause.
-    Megatron's loads are not all-or-nothing: anything it loaded before raising stays loaded,
-    which the message says, whatever the error."""
+    the device) is an :class:`~opttree.UnsupportedCheckpoint`, the original as its cause,
+    with ``advice`` after Megatron's message. Megatron's loads are not all-or-nothing:
+    anything it loaded before raising stays loaded, which the message says, whatever the error."""
     try:
         return call()
     except Exception as error:
         after = "; anything it loaded before raising stays loaded: load into a fresh stack" if method == "load_state_dict" else ""
-        message = f"Megatron's own {method} raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}{after}"
+        message = f"Megatron's own {method} raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}{advice}{after}"
         raise layout_error(root, method, message) from error
 
 
