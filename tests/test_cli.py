@@ -85,3 +85,12 @@ def test_the_console_script_and_the_module_print_the_version() -> None:
         done = subprocess.run([*command, "--version"], capture_output=True, text=True, check=True, timeout=60)
         assert done.stdout.strip() == f"opttree {opttree.__version__}"
     assert run(factory="tests.test_cli:homegrown", command=(str(script),)).startswith("Homegrown")
+
+
+def test_help_shows_the_commands_as_a_shell_user_types_them() -> None:
+    """The help text is the module's docstring, whose reST quotes argparse printed as they were."""
+    from opttree._cli import parser
+
+    text = parser().format_help()
+    assert "opttree describe MODULE:FACTORY [--json] (or python -m opttree)" in text
+    assert "``" not in text

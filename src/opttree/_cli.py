@@ -115,7 +115,8 @@ def refuse_non_optimizer(spec: str, problems: Sequence[Problem]) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="opttree", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    help_text = (__doc__ or "").replace("``", "")  # the docstring's literals, without their reST quotes
+    parser = argparse.ArgumentParser(prog="opttree", description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"opttree {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     for command, text in (
