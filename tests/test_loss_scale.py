@@ -315,6 +315,59 @@ def test_a_scaler_with_other_factors_than_megatrons_factory_is_refused(name: str
     assert opttree.reset(stack.optimizer, keep_loss_scale=True).loss_scales_kept == 1
 
 
+@pytest.mark.parametrize("factor", ["growth_factor", "backoff_factor", "min_scale"])
+def test_a_scale_that_is_one_of_the_scalers_own_tensors_is_refused_with_nothing_changed(factor: str) -> None:
+    """The scaler's other tensors are kept memory, read by name: a scale tensor that is
+    its growth factor itself was left out with the scale, and the reset wrote the initial
+    scale into the factor, which then grew the scale 262144-fold a window, in silence."""
+    stack, scaler = trained()
+    shared = getattr(scaler, factor)
+    scaler._scale = shared
+    before = shared.clone()
+
+    (problem,) = opttree.validate(stack.optimizer)
+
+    assert problem.kind is opttree.ProblemKind.ALIASED_STATE and f"grad_scaler.{factor}" in problem.message
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=rf"key 'grad_scaler': shares memory with 'grad_scaler\.{factor}'"):
+        opttree.reset(stack.optimizer)
+    assert torch.equal(shared, before)
+
+
+class _Unequal:
+    """A value whose own ``==`` raises."""
+
+    def __eq__(self, other: object) -> bool:
+        raise ValueError("no ==")
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize(
+    ("owner", "name", "value", "said"),
+    [
+        ("config", "initial_loss_scale", 2**1024, "no positive, finite initial_loss_scale"),
+        ("config", "hysteresis", torch.tensor([2, 2]), "its hysteresis is 2 and the wrapper's config says a Tensor"),
+        ("config", "loss_scale", torch.tensor([1.0, 1.0]), "config's loss_scale is a Tensor, where Megatron takes a number or None"),
+        ("scaler", "min_scale", _Unequal(), "its min_scale is a _Unequal and the wrapper's config says 1.0"),
+    ],
+)
+def test_a_scaler_or_config_value_that_is_no_number_is_reported_not_raised_from(owner: str, name: str, value: object, said: str) -> None:
+    """An int beyond a float, a tensor of several elements and a value whose ``==`` raises
+    raised OverflowError, RuntimeError and ValueError from validate and reset."""
+    stack, scaler = trained()
+    (wrapper,) = getattr(stack.optimizer, "chained_optimizers")
+    setattr(wrapper.config if owner == "config" else scaler, name, value)
+    before = scaler_state(scaler)
+
+    (problem,) = opttree.validate(stack.optimizer)
+
+    assert problem.key == "grad_scaler" and said in problem.message
+    assert "loss_scale=" in opttree.describe(stack.optimizer)
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'grad_scaler'"):
+        opttree.reset(stack.optimizer)
+    assert scaler_state(scaler) == before
+
+
 @pytest.mark.parametrize("shared_with", ["master weight", "history"])
 def test_a_scale_sharing_memory_with_a_weight_or_history_is_refused_with_nothing_changed(shared_with: str) -> None:
     """A reset writes the scale as it writes history: one that is a view of a master weight

@@ -24,6 +24,7 @@ import torch
 from attrs import frozen
 
 from opttree._dispatch import LazyDispatch, dotted_name
+from opttree._fields import kind_of
 from opttree._held import own_attributes
 from opttree._overrides import foreign_method, own_definition, own_instance_method
 from opttree._numbers import real_number
@@ -45,6 +46,9 @@ class ScalerReset:
         setattr(self.scaler, "_hysteresis_tracker", self.hysteresis)
 
 
+SCALE = "_scale"
+"""The attribute a ``DynamicGradScaler`` keeps its scale tensor in."""
+
 Planned = ScalerReset | str | None
 """A scaler's reset, the reason it cannot be reset, or None where there is nothing to reset."""
 
@@ -55,16 +59,16 @@ def _nothing(scaler: object, config: object) -> Planned:
 
 def _dynamic(scaler: object, config: object) -> Planned:
     mine, theirs = own_attributes(scaler), own_attributes(config)
-    scale, min_scale = mine.get("_scale"), mine.get("min_scale")
+    scale, min_scale = mine.get(SCALE), mine.get("min_scale")
     if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or not scale.is_floating_point():
         return f"its scale is {type(scale).__qualname__}, expected a one-element float tensor"
     unwritable = writable_ranges([scale])
     if isinstance(unwritable, tuple):
         return f"its scale tensor cannot be written in place: it is {unwritable[1]}"
-    initial = theirs.get("initial_loss_scale")
-    if not isinstance(initial, (int, float)) or isinstance(initial, bool) or initial <= 0:
-        return "the wrapper's config has no positive initial_loss_scale to start from"
-    fault = unfillable_reason(float(initial), scale.dtype)
+    initial = real_number(theirs.get("initial_loss_scale"))  # None for an int beyond a float too
+    if initial is None or not 0 < initial < math.inf:
+        return "the wrapper's config has no positive, finite initial_loss_scale to start from"
+    fault = unfillable_reason(initial, scale.dtype)
     if fault is not None:
         return f"its scale tensor cannot hold the initial_loss_scale: {fault}"
     config, factory = "the wrapper's config says", "Megatron's factory builds it with"
@@ -78,32 +82,38 @@ def _dynamic(scaler: object, config: object) -> Planned:
     for name, (value, expected, source) in pairs.items():
         if not _same(value, expected):
             return (
-                f"its {name} is {_shown(value)!r} and {source} {expected!r}: it was not built from the config "
+                f"its {name} is {_shown(value)} and {source} {_shown(expected)}: it was not built from the config "
                 "as Megatron's factory builds it, so the scale it started from is not known"
             )
     hysteresis = mine["hysteresis"]
-    if not isinstance(hysteresis, int) or theirs.get("loss_scale"):
+    constant = theirs.get("loss_scale")
+    if constant is not None and real_number(constant) is None:
+        return f"the wrapper's config's loss_scale is {kind_of(constant)}, where Megatron takes a number or None"
+    if not isinstance(hysteresis, int) or (constant is not None and real_number(constant) != 0.0):
         return "the wrapper's config asks for a constant loss scale"
-    return ScalerReset(scaler, scale, float(initial), hysteresis)
+    return ScalerReset(scaler, scale, initial, hysteresis)
 
 
 def _same(held: object, configured: object) -> bool:
-    """Whether a scaler's value is its config's: ``DynamicGradScaler`` keeps ``min_scale``
-    in a one-element float32 tensor, which holds 1e-4 as 9.99999975e-05, so a configured
-    float is compared rounded to float32 as it was (by ``struct``: no tensor is made)."""
-    if not isinstance(held, torch.Tensor):
-        return held == configured
+    """Whether a scaler's value is its config's, both read as numbers (anything else, a
+    tensor of several elements among them, is not known to be): ``DynamicGradScaler``
+    keeps ``min_scale`` in a one-element float32 tensor, which holds 1e-4 as
+    9.99999975e-05, so a configured float is compared rounded to float32 as it was (by
+    ``struct``: no tensor is made)."""
     value, number = real_number(held), real_number(configured)
     if value is None or number is None:
         return False
-    if held.dtype is torch.float32 and math.isfinite(number) and abs(number) <= torch.finfo(torch.float32).max:
+    if isinstance(held, torch.Tensor) and held.dtype is torch.float32 and math.isfinite(number) and abs(number) <= torch.finfo(torch.float32).max:
         number = struct.unpack("f", struct.pack("f", number))[0]
     return value == number
 
 
-def _shown(held: object) -> object:
-    value = real_number(held) if isinstance(held, torch.Tensor) else None
-    return held if value is None else value
+def _shown(value: object) -> str:
+    """A scaler's or config's value as a message shows it: the number it holds, or what it is."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return repr(value)  # beyond a float too
+    number = real_number(value)
+    return kind_of(value) if number is None else repr(number)
 
 
 _SCALERS: LazyDispatch[Callable[[object, object], Planned]] = LazyDispatch()
@@ -117,7 +127,7 @@ _HOLDERS.register_lazy("megatron.core.optimizer.optimizer.MixedPrecisionOptimize
 
 def held_scale(scaler: object) -> torch.Tensor | None:
     """The scale tensor a loss scaler holds (``_scale``), or None."""
-    scale = own_attributes(scaler).get("_scale")
+    scale = own_attributes(scaler).get(SCALE)
     return scale if isinstance(scale, torch.Tensor) else None
 
 
@@ -170,5 +180,5 @@ def scaler_text(wrapper: object) -> str:
     scaler = loss_scaler(wrapper)
     if scaler is None:
         return ""
-    value = real_number(own_attributes(scaler).get("_scale"))  # None for a freed, complex or nested scale, as validate reports it
+    value = real_number(own_attributes(scaler).get(SCALE))  # None for a freed, complex or nested scale, as validate reports it
     return f" loss_scale={'?' if value is None else f'{value:.8g}'} ({type(scaler).__name__})"

@@ -25,7 +25,7 @@ from opttree._paths import ROOT
 from opttree._plan import ResetPlan, StateEntry
 from opttree._preflight import Owner, duplicates, overlap, plain_torch, ranges, unique_ranges
 from opttree._problems import Problem, ProblemKind, Severity
-from opttree._scalers import ScalerReset, held_scale, loss_scaler, plan_scaler
+from opttree._scalers import SCALE, ScalerReset, held_scale, loss_scaler, plan_scaler
 from opttree._trees import lenient_tree
 from opttree._schema import StateSchema, StepLocation
 from opttree._runs import alike_runs, sibling_groups
@@ -573,7 +573,8 @@ class ValidateVisitor(TraverserVisitor):
         if scale is not None:
             into = self._plan.state.written if planned is not None else self._plan.state.kept_ranges
             into.extend(ranges([scale]).owned((node.path, cls, "grad_scaler")))
-        self._keep_own_tensors(node, [("grad_scaler", value) for value in own_attributes(scaler).values() if isinstance(value, torch.Tensor) and value is not scale])
+        others = [(f"grad_scaler.{name}", value) for name, value in own_attributes(scaler).items() if isinstance(value, torch.Tensor) and name != SCALE]
+        self._keep_own_tensors(node, others)  # by name: a growth factor that is the scale tensor itself is kept memory too
 
     def _planned_scaler(self, node: WrapperNode, chosen: AbstractSet[int] | None, counted: Selection) -> ScalerReset | None:
         """The reset of ``node``'s loss scaler, or None where it is kept (counted where the
