@@ -204,3 +204,94 @@ def test_history_with_gaps_is_refused_in_a_fused_group_and_reset_in_another() ->
         weight.grad = torch.sin(weight.detach() * 3 + 10)
         stepped.step()
     assert torch.equal(param, twin)
+
+
+def emerging_muon(weight: torch.nn.Parameter) -> torch.optim.Optimizer:
+    muon = getattr(importlib.import_module("emerging_optimizers.orthogonalized_optimizers.muon"), "Muon")
+    optimizer: torch.optim.Optimizer = muon([weight], lr=1e-2, fp32_matmul_prec="highest")
+    return optimizer
+
+
+def matrix_steps(weight: torch.nn.Parameter, optimizer: torch.optim.Optimizer, steps: range) -> None:
+    for k in steps:
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(k))
+        optimizer.zero_grad()
+        torch.autograd.backward((x @ weight.t()).tanh().pow(2).mean())
+        optimizer.step()
+
+
+def stepped_matrix(build: Callable[[torch.nn.Parameter], torch.optim.Optimizer]) -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(5, 6) * 0.3)
+    optimizer = build(weight)
+    matrix_steps(weight, optimizer, range(2))
+    return weight, optimizer
+
+
+@pytest.mark.parametrize("build", [pytest.param(emerging_muon, marks=needs_emerging, id="emerging Muon"), pytest.param(lambda w: adamw([w]), id="AdamW")])
+def test_a_stale_gradient_does_not_vouch_for_history_built_like_its_parameter(build: Callable[[torch.nn.Parameter], torch.optim.Optimizer]) -> None:
+    """A weight laid out anew through ``.data`` keeps the gradient of its old layout until
+    the next backward, which autograd lays out as the weight. History built ``zeros_like``
+    the weight (``like_param``, not ``like_grad``) laid out as that stale gradient was
+    taken as built: emerging-optimizers' Muon, reset so, stepped unlike a fresh one."""
+    weight, optimizer = stepped_matrix(build)
+    weight.data = weight.data.t().contiguous().t()  # the same values, column-major
+    assert weight.grad is not None and weight.grad.stride() == (6, 1)
+    before = snapshot(optimizer)
+
+    problems = opttree.validate(optimizer)
+
+    assert {p.key for p in problems} in ({"momentum_buffer"}, {"exp_avg", "exp_avg_sq"})
+    assert all("strides (6, 1) where a fresh optimizer builds it with strides (1, 5)" in p.message for p in problems)
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="history laid out with strides"):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before)
+
+
+def with_row_gaps(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (a matrix) copied into every second element of a buffer twice its size:
+    its memory order kept, with gaps."""
+    strided = torch.zeros(*tensor.shape, 2, dtype=tensor.dtype)[..., 0]
+    return strided.copy_(tensor)
+
+
+@needs_emerging
+def test_history_with_gaps_is_refused_where_the_schema_does_not_say_its_steps_are_elementwise() -> None:
+    """emerging-optimizers' Muon multiplies its momentum as a matrix: zeroed in place with
+    gaps between its elements, it steps unlike a fresh optimizer's dense one, in the last
+    bits. Its schema is not ``elementwise``, so such history is refused with nothing
+    changed; torch's Adam, whose schema is, is reset and steps as a fresh one."""
+    weight, optimizer = stepped_matrix(emerging_muon)
+    optimizer.state[weight]["momentum_buffer"] = with_row_gaps(optimizer.state[weight]["momentum_buffer"])
+    before = snapshot(optimizer)
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"key 'momentum_buffer': history laid out with strides \(12, 2\) where a fresh optimizer builds it with strides \(6, 1\)"):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before)
+
+    optimizer.state[weight]["momentum_buffer"].zero_()  # what the reset would have done
+    twin = torch.nn.Parameter(weight.detach().clone())
+    fresh = emerging_muon(twin)
+    matrix_steps(weight, optimizer, range(10, 13))
+    matrix_steps(twin, fresh, range(10, 13))
+    assert not torch.equal(weight, twin)
+
+    weight, elementwise = stepped_matrix(lambda w: adamw([w]))
+    elementwise.state[weight]["exp_avg"] = with_row_gaps(elementwise.state[weight]["exp_avg"])
+    opttree.reset(elementwise)
+    twin = torch.nn.Parameter(weight.detach().clone())
+    fresh = adamw([twin])
+    matrix_steps(weight, elementwise, range(10, 13))
+    matrix_steps(twin, fresh, range(10, 13))
+    assert torch.equal(weight, twin)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"like_grad": {"exp_avg"}}, r"like_grad names \['exp_avg'\], which are not like_param keys"),
+        ({"like_param": {"exp_avg"}, "elementwise": "yes"}, "elementwise must be True or False, got 'yes'"),
+    ],
+)
+def test_layout_fields_that_say_nothing_true_are_refused_at_registration(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(opttree.RegistrationError, match=message):
+        opttree.StateSchema(zero={"exp_avg"}, **fields)  # type: ignore[arg-type]

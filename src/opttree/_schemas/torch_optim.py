@@ -74,7 +74,9 @@ def _per_step(
     ``shape_of`` (Adafactor's factored ones, typed as the parameter in a shape derived from
     its) and ``one_value`` (NAdam's ``mu_product`` and ASGD's ``eta`` and ``mu``, scalars).
     Every entry is built whole (``if len(state) == 0``) with each of its keys but those of
-    ``built_if`` and ``built_for`` (Adafactor's, which depend on its parameter's dimensions)."""
+    ``built_if`` and ``built_for`` (Adafactor's, which depend on its parameter's dimensions).
+    Each steps its history element by element (``elementwise``), in its for-loop, foreach
+    and fused kernels alike; a fused group is checked for gaps all the same."""
     shapes = dict(shape_of or {})
     fills = dict(fill or {})
     optional = dict(built_if or {})
@@ -94,6 +96,7 @@ def _per_step(
         always_built=(set(zero) | set(fills)) - set(optional) - set(built_for or {}),
         counted_with_step=counted_with_step,
         bound_together=bound_together,
+        elementwise=True,
     )
 
 
@@ -134,7 +137,9 @@ SCHEMAS: dict[str, StateSchema] = {
         shape_of={"row_var": _rows, "col_var": _columns},
         built_for={"row_var": _factored, "col_var": _factored, "variance": _unfactored},
     ),
-    "Muon": StateSchema(zero={"momentum_buffer"}, keep={MASTER_PARAM}, rebuilds_missing=True, like_param={"momentum_buffer"}),
+    "Muon": StateSchema(  # zeros_like the gradient, multiplied as a matrix
+        zero={"momentum_buffer"}, keep={MASTER_PARAM}, rebuilds_missing=True, like_param={"momentum_buffer"}, like_grad={"momentum_buffer"}
+    ),
 }
 """By class name in ``torch.optim``; a class this torch lacks (Muon, Adafactor before
 2.5) is skipped."""
