@@ -111,10 +111,12 @@ def test_its_own_parameters_and_state_held_again_are_no_state_of_their_own() -> 
 
 
 def test_a_schema_names_each_attribute_once() -> None:
-    with pytest.raises(opttree.RegistrationError, match=r"\['flag'\] are named in two"):
+    with pytest.raises(opttree.RegistrationError, match=r"attributes \['flag'\] are named in both step_attributes and known_attributes"):
         opttree.StateSchema(zero={"m"}, step=opttree.StepLocation.PER_GROUP, step_attributes={"flag"}, known_attributes={"flag"})
-    with pytest.raises(opttree.RegistrationError, match=r"\['masters'\] are named in two"):
+    with pytest.raises(opttree.RegistrationError, match=r"attributes \['masters'\] are named in both known_attributes and master_groups"):
         opttree.StateSchema(zero={"m"}, master_groups="masters", known_attributes={"masters"})
+    with pytest.raises(opttree.RegistrationError, match=r"attributes \['_cache'\] are named in both known_attributes and cached"):
+        opttree.StateSchema(zero={"m"}, known_attributes={"_cache"}, cached={"_cache"})
 
 
 @dataclasses.dataclass

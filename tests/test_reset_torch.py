@@ -412,3 +412,51 @@ def test_nadams_mu_product_cast_by_a_load_is_refused_and_released_exactly() -> N
         optimizer.step()
         fresh.step()
     assert torch.equal(param, twin)
+
+
+def _lbfgs_steps(weight: torch.nn.Parameter, optimizer: torch.optim.Optimizer) -> None:
+    def closure() -> float:
+        optimizer.zero_grad()
+        loss = weight.pow(2).sum()
+        torch.autograd.backward(loss)
+        return float(loss)
+
+    optimizer.step(closure)
+
+
+@pytest.mark.parametrize("release", [False, True])
+def test_lbfgs_derives_its_parameters_size_again_after_a_reset(release: bool) -> None:
+    """LBFGS caches its parameters' total size (``_numel_cache``) at its first step: kept
+    through a reset, a weight resized through ``.data`` since made the next step raise an
+    AssertionError where a fresh LBFGS trains. The schema's ``cached`` sets it back to None."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(4))
+    optimizer = torch.optim.LBFGS([weight], lr=0.1, max_iter=2)
+    _lbfgs_steps(weight, optimizer)
+    weight.data = torch.randn(6)
+
+    opttree.reset(optimizer, release=release)
+
+    twin = torch.nn.Parameter(weight.detach().clone())
+    fresh = torch.optim.LBFGS([twin], lr=0.1, max_iter=2)
+    _lbfgs_steps(weight, optimizer)
+    _lbfgs_steps(twin, fresh)
+    assert torch.equal(weight, twin)
+
+
+def test_a_cached_attribute_holding_a_tensor_is_named_by_the_schema() -> None:
+    """A tensor in an attribute the schema names as ``cached`` is accounted for: it is set
+    back to None, not refused as a tensor the schema does not name."""
+
+    class Caching(torch.optim.AdamW):
+        pass
+
+    opttree.register_schema(Caching, opttree.StateSchema(zero={"exp_avg", "exp_avg_sq"}, step=opttree.StepLocation.PER_PARAMETER, cached={"_norms"}))
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = Caching([weight])
+    weight.grad = torch.ones(3)
+    optimizer.step()
+    optimizer._norms = torch.ones(1)  # type: ignore[attr-defined]
+    assert opttree.validate(optimizer) == ()
+    opttree.reset(optimizer)
+    assert optimizer._norms is None  # type: ignore[attr-defined]

@@ -420,6 +420,7 @@ class LeafInspector:
                 self.problem(node, ProblemKind.EMPTY_STATE, f"a group says step {step} but none of its parameters has state")
         self.unnamed_attribute_tensors(node, in_groups)
         self.plan_step_attributes(node, in_groups)
+        self.plan_cached(node)
         if self.schema.master_groups is not None:
             self.plan_master_groups(node, self.schema.master_groups)
         reason = malformed_state(state)
@@ -816,6 +817,14 @@ class LeafInspector:
             state.written.extend(checked.owned((*owner, name)))
             state.zeroed += 1
             state.bytes_reset += checked.nbytes
+
+    def plan_cached(self, node: LeafNode) -> None:
+        """Set back to None the attributes where the leaf caches what it derives from its
+        parameters (the schema's ``cached``), as a fresh optimizer holds them."""
+        names = self.schema.cached
+        if names:
+            attributes = dict(instance_attributes(node.optimizer))
+            self.plan.state.cleared.extend((node.optimizer, name) for name in sorted(names & attributes.keys()) if attributes[name] is not None)
 
     def plan_master_groups(self, node: LeafNode, attribute: str) -> None:
         """Record the master copies kept beside the leaf's groups (``master_groups``) as memory

@@ -46,6 +46,9 @@ class StatePlan:
     release: list[tuple[torch.optim.Optimizer, list[torch.Tensor]]] = field(factory=list)
     """Optimizers, each with the parameters whose state entries a release deletes."""
     drop: list[tuple[StateEntry, str]] = field(factory=list)
+    cleared: list[tuple[object, str]] = field(factory=list)
+    """Optimizers, each with an attribute where it caches what it derives from its
+    parameters (the schema's ``cached``), set back to None."""
     scales: list[torch.Tensor] = field(factory=list)
     scaled_keys: set[str] = field(factory=set)
     """The keys whose history ``scales`` scale: not zero at the start, as a whole."""
@@ -95,6 +98,7 @@ class StatePlan:
         self.released += other.released
         self.bytes_released += other.bytes_released
         self.drop.extend(other.drop)
+        self.cleared.extend(other.cleared)
         self.scales.extend(other.scales)
         self.scaled_keys |= other.scaled_keys
         self.zeroed += other.zeroed
@@ -147,6 +151,8 @@ class ResetPlan:
                 scaler.apply()
         for entry, key in state.drop:
             del entry[key]
+        for holder, name in state.cleared:
+            setattr(holder, name, None)
         for (entry, key), step in zip(state.unshared, own_steps, strict=True):
             entry[key] = step
         for entry, zero in state.number_steps:

@@ -88,13 +88,14 @@ parameter of that shape (Adafactor's ``row_var`` for two dimensions or more)."""
 _Value = TypeVar("_Value")
 
 
-def _named_apart(fields: Mapping[str, frozenset[str]]) -> None:
-    """Refuse a state key that two of these schema fields (by name) both name."""
+def _named_apart(fields: Mapping[str, frozenset[str]], what: str = "state keys") -> None:
+    """Refuse a state key (or attribute: ``what``) that two of these schema fields (by
+    name) both name."""
     named = list(fields.items())
     for i, (first, first_keys) in enumerate(named):
         for second, second_keys in named[i + 1 :]:
             if first_keys & second_keys:
-                msg = f"state keys {sorted(first_keys & second_keys)} are named in both {first} and {second}"
+                msg = f"{what} {sorted(first_keys & second_keys)} are named in both {first} and {second}"
                 raise RegistrationError(msg)
 
 
@@ -318,6 +319,13 @@ class StateSchema:
     counters zeroes them in place; one that keeps its counters keeps them; one that takes
     the counters of only some of its parameters is refused, since one flag counts for all.
 
+    ``cached``: instance attributes where the optimizer caches what it derives from its
+    parameters when it first needs it, None until then (LBFGS's ``_numel_cache``, the
+    parameters' total size). A reset sets them back to None, as a fresh optimizer holds
+    them, and the optimizer derives them again from its parameters as they are then: kept,
+    a weight resized through ``.data`` since left LBFGS's next step raising where a fresh
+    one's trains.
+
     ``known_attributes``: instance attributes holding tensors that the schema's own
     functions account for (TE's ``_scales``, which its ``scale_of`` reads, and its constant
     ``dtype_to_range_map``). A leaf holding tensors in any other attribute or slot beyond
@@ -360,6 +368,7 @@ class StateSchema:
     master_groups: str | None = field(default=None, kw_only=True)
     step_attributes: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     known_attributes: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
+    cached: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     counted_with_step: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     expressed_in: tuple[tuple[str, frozenset[str]], ...] = field(converter=_bases, factory=tuple, kw_only=True)
     bound_together: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
@@ -376,7 +385,7 @@ class StateSchema:
     @functools.cached_property
     def attributes(self) -> frozenset[str]:
         """The instance attributes the schema names: tensors there are accounted for."""
-        named = self.step_attributes | self.known_attributes
+        named = self.step_attributes | self.known_attributes | self.cached
         return named if self.master_groups is None else named | {self.master_groups}
 
     @property
@@ -527,10 +536,9 @@ class StateSchema:
         if self.master_groups is not None and not isinstance(cast(object, self.master_groups), str):
             msg = f"master_groups names an instance attribute, got {kind_of(self.master_groups)}"
             raise RegistrationError(msg)
-        both = self.step_attributes & (self.known_attributes | {self.master_groups})
-        if self.master_groups in self.known_attributes or both:
-            msg = f"attributes {sorted(both or {str(self.master_groups)})} are named in two of step_attributes, known_attributes and master_groups"
-            raise RegistrationError(msg)
+        groups = frozenset() if self.master_groups is None else frozenset({self.master_groups})
+        attributes = {"step_attributes": self.step_attributes, "known_attributes": self.known_attributes, "cached": self.cached, "master_groups": groups}
+        _named_apart(attributes, "attributes")
         if self.counted_with_step and self.step is StepLocation.NONE:
             msg = "counted_with_step names keys counted with a step; this schema's step is none"
             raise RegistrationError(msg)

@@ -106,6 +106,7 @@ LBFGS = StateSchema(
     drop={"func_evals", "n_iter", "d", "t", "old_dirs", "old_stps", "ro", "H_diag", "prev_flat_grad", "prev_loss", "al"},
     rebuilds_missing=True,
     indivisible=True,
+    cached={"_numel_cache"},  # the parameters' total size, derived at its first step
 )
 
 SCHEMAS: dict[str, StateSchema] = {
