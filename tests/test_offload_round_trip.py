@@ -55,7 +55,7 @@ def test_a_precision_aware_optimizer_after_megatrons_round_trip_is_refused_with_
 
     problems = opttree.validate(stack.optimizer)
     assert [(p.kind, p.path) for p in problems] == [(opttree.ProblemKind.DETACHED_SHARD, "chained[0]")]
-    assert "no longer lie in the model's weights" in problems[0].message
+    assert "shard_float16_groups" in problems[0].message and "a shard it steps in place no longer in its weight" in problems[0].message
     with stack.device, pytest.raises(opttree.MalformedWrapper, match="offload_to_cpu"):
         opttree.reset(stack.optimizer)
     after = [v for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
@@ -71,3 +71,33 @@ def test_where_the_optimizer_steps_copies_a_reset_after_the_round_trip_is_exact(
     with stack.device:
         opttree.reset(stack.optimizer)
     assert trains_as_fresh_stack(stack, testing.build(name), 2, 2)
+
+
+DISTRIBUTED = [name for name in ("dist_fp32", "dist_bf16", "dist_fp16", "offload_0.75") if testing.is_available(name)]
+
+
+@pytest.mark.parametrize("name", DISTRIBUTED)
+def test_a_weight_given_memory_of_its_own_under_a_distributed_optimizer_is_refused(name: str) -> None:
+    """Any DistributedOptimizer writes its updated shards into DDP's parameter buffer, of
+    which the model's weights are views (precision-aware or not). A weight whose ``.data``
+    is swapped for memory of its own is no longer updated by Megatron's steps (shown), and
+    no reset makes the stack train as a fresh one: validate said nothing and the reset went
+    through. Refused, with nothing changed."""
+    stack = testing.build(name)
+    stack.train(0, 2)
+    weight = next(stack.model.parameters())
+    weight.data = weight.data.clone()  # the same values, memory of its own
+    before = [v.clone() for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+
+    problems = opttree.validate(stack.optimizer)
+
+    assert [(p.kind, p.path) for p in problems] == [(opttree.ProblemKind.DETACHED_SHARD, "chained[0]")]
+    assert "a weight no longer in DDP's parameter buffer" in problems[0].message
+    with stack.device, pytest.raises(opttree.MalformedWrapper, match="no longer lie where its step writes them"):
+        opttree.reset(stack.optimizer)
+    after = [v for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+    swapped = weight.detach().clone()
+    stack.train(2, 2)
+    assert torch.equal(weight.detach(), swapped)  # Megatron's steps no longer reach it

@@ -68,12 +68,13 @@ class ProblemKind(enum.Enum):
     """A partial reset of step counters inside one Megatron optimizer, which checkpoints
     one step for all its parameters."""
     PARTIAL_LOSS_SCALE = "partial-loss-scale"
-    """A reset of some of a Megatron stack's fp16 loss scalers, which must stay equal:
-    the stack scales its loss by one of them."""
+    """A reset of some of a Megatron stack's fp16 loss scalers and not the others: the
+    stack scales its loss by one of them, and each wrapper unscales by its own."""
     UNKNOWN_KEY = "unknown-key"
     DETACHED_SHARD = "detached-shard"
     """A shard of a model parameter that a Megatron wrapper steps in place, no longer a view
-    of the model's weights: its steps no longer reach the model."""
+    of the model's weights, or a model weight no longer in the buffer the wrapper's step
+    writes it through: its steps no longer reach the model."""
     STALE_MASTER = "stale-master"
     """A master copy a wrapper steps differs from the model parameter it stands for."""
     UNCHECKED_MASTER = "unchecked-master"

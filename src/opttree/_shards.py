@@ -8,7 +8,10 @@ writes the weights through the views. Megatron's own ``offload_to_cpu()`` and
 ``restore_from_cpu()`` (megatron-core 0.15 to 0.19, for colocated RL) move every tensor
 of its inner optimizer's param groups with ``p.data = p.data.cpu()`` and back, which
 gives each shard memory of its own: from then on no step reaches the model, and no
-reset makes the stack train as a fresh one. Found by where each shard's memory lies.
+reset makes the stack train as a fresh one. Any ``DistributedOptimizer`` (precision-aware
+or not) writes its updated shards into DDP's parameter buffer, of which the model's
+weights are views: a weight given memory of its own through ``.data`` is no longer
+updated, whatever a reset does. Found by where each shard's and weight's memory lies.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from opttree._adapter import instance_attribute
+from opttree._held import own_attributes
 from opttree._dispatch import LazyDispatch
 from opttree._errors import OptTreeError
 from opttree._nodes import Node
@@ -30,9 +34,10 @@ _DetachedShards = Callable[[object, str], list[str]]
 
 def _distributed_detached(wrapper: object, path: str) -> list[str]:
     """The model parameters, by position, whose shard a precision-aware
-    DistributedOptimizer steps in place but which no longer lie in their memory. Not
-    precision-aware (its inner optimizer steps fp32 copies of the fp16/bf16 shards, and
-    copies every shard back into the model after a step): none."""
+    DistributedOptimizer steps in place but which no longer lie in their memory, and, of
+    any DistributedOptimizer, those no longer in DDP's parameter buffer (see
+    :func:`_outside_buffers`). Not precision-aware, its inner optimizer steps fp32 copies of
+    the fp16/bf16 shards and copies every shard back into the buffer after a step."""
     pairs = [
         (f"{inner} (parameter {index} of them)", model, shard)
         for outer, inner in (("model_float16_groups", "shard_float16_groups"), ("model_fp32_groups", "shard_fp32_groups"))
@@ -43,14 +48,46 @@ def _distributed_detached(wrapper: object, path: str) -> list[str]:
     # a malformed group is the leaf's own problem, reported where the leaf is checked
     stepped = {id(p) for group in groups if isinstance(group, dict) and isinstance(group.get("params"), (list, tuple)) for p in group["params"]}
     float16 = {id(shard) for name, _, shard in pairs if name.startswith("shard_float16")}
-    if stepped.isdisjoint(float16):
-        return []
+    in_place = not stepped.isdisjoint(float16)
     with plain_reads():
-        return [name for name, model, shard in pairs if id(shard) in stepped and not _within(shard, model)]
+        apart = [(name, model) for name, model, shard in pairs if in_place and id(shard) in stepped and not _within(shard, model)]
+        told = {id(model) for _, model in apart}
+        models = [(name.replace("shard_", "model_"), model) for name, model, _ in pairs if id(model) not in told]
+        return [name for name, _ in apart] + _outside_buffers(wrapper, models)
+
+
+def _outside_buffers(wrapper: object, models: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """The model parameters, by name, that no longer lie in the bucket of DDP's parameter
+    buffer that Megatron maps them to (``model_param_gbuf_map``): its step copies each
+    updated shard into that bucket's ``param_data`` (or, precision-aware, steps views of
+    it), which the model's weights are views of, so a weight given memory of its own
+    through ``.data`` is no longer updated. A weight of a tensor subclass (a quantized one)
+    keeps its data otherwise, and a layout other than Megatron's says nothing: neither is
+    looked at."""
+    attributes = own_attributes(wrapper)
+    gbuf_map, buffers = attributes.get("model_param_gbuf_map"), attributes.get("buffers")
+    if not isinstance(gbuf_map, dict) or not isinstance(buffers, list):
+        return []
+    found: list[str] = []
+    for name, model in models:
+        if type(model) not in _PLAIN:
+            continue
+        try:
+            gbuf_index, _, bucket_id = gbuf_map[model]
+            bucket_data = buffers[gbuf_index].buckets[bucket_id].param_data
+        except Exception:  # noqa: BLE001  # not Megatron's layout, whose own code would raise there
+            continue
+        if isinstance(bucket_data, torch.Tensor) and not _within(model, bucket_data):
+            found.append(name)
+    return found
+
+
+_PLAIN = (torch.nn.Parameter, torch.Tensor)
 
 
 def _within(shard: torch.Tensor, model: torch.Tensor) -> bool:
-    """Whether ``shard``'s elements lie in ``model``'s memory, as a view of it."""
+    """Whether ``shard``'s elements lie in ``model``'s memory, as a view of it (or a
+    weight's in its bucket's)."""
     if shard.untyped_storage().data_ptr() != model.untyped_storage().data_ptr():
         return False
     found = ranges([shard, model])
@@ -79,9 +116,11 @@ def detached_shards(node: Node) -> Problem | None:
     if not detached:
         return None
     message = (
-        f"{len(detached)} of the model's parameter shards it steps in place ({detached[0]} first) no longer lie in the "
-        "model's weights, whose views they were: its steps no longer reach the model (Megatron's "
-        "offload_to_cpu()/restore_from_cpu() gives them memory of their own on a precision-aware optimizer), and no "
-        "reset makes it train as a fresh one; rebuild the optimizer, or load a checkpoint into a new one"
+        f"{len(detached)} of the model's weights or their shards ({detached[0]} first) no longer lie where its step "
+        "writes them: a shard it steps in place no longer in its weight, whose view it was (Megatron's "
+        "offload_to_cpu()/restore_from_cpu() gives them memory of their own on a precision-aware optimizer), or a "
+        "weight no longer in DDP's parameter buffer, into which its step copies the updated shards (a weight's .data "
+        "swapped for memory of its own): its steps no longer reach the model, and no reset makes it train as a fresh "
+        "one; rebuild the optimizer, or load a checkpoint into a new one"
     )
     return Problem(ProblemKind.DETACHED_SHARD, node.path, type(node.optimizer).__qualname__, message)
