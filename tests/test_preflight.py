@@ -339,9 +339,9 @@ def test_history_sharing_memory_with_a_gradient_is_refused(pooled: bool) -> None
 
 
 WRAPPER_TENSORS: list[tuple[str, Callable[[object], torch.Tensor], str]] = [
-    ("fp16", lambda wrapper: getattr(wrapper, "grad_scaler").min_scale, "grad_scaler"),
-    ("fp16", lambda wrapper: getattr(wrapper, "grad_scaler").growth_factor, "grad_scaler"),
-    ("dist_fp16", lambda wrapper: getattr(wrapper, "grad_scaler").backoff_factor, "grad_scaler"),
+    ("fp16", lambda wrapper: getattr(wrapper, "grad_scaler").min_scale, "grad_scaler.min_scale"),
+    ("fp16", lambda wrapper: getattr(wrapper, "grad_scaler").growth_factor, "grad_scaler.growth_factor"),
+    ("dist_fp16", lambda wrapper: getattr(wrapper, "grad_scaler").backoff_factor, "grad_scaler.backoff_factor"),
     ("bf16", lambda wrapper: getattr(wrapper, "_scale_one"), "_scale_one"),
     ("fp32", lambda wrapper: getattr(wrapper, "_scale"), "_scale"),
 ]
