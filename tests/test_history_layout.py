@@ -131,20 +131,60 @@ def test_history_laid_out_as_a_fresh_optimizer_lays_it_out_is_not_refused() -> N
 
 
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="no torch.optim.Muon in this torch")
-def test_history_built_like_a_gradient_set_by_hand_is_as_built() -> None:
+def test_history_built_like_a_gradient_set_by_hand_is_refused_and_released() -> None:
     """torch's Muon builds its momentum ``zeros_like`` the gradient, which a gradient set by
-    hand may lay out otherwise than its parameter: as built, not refused."""
+    hand may lay out otherwise than its parameter. That gradient says nothing of the next
+    one, which autograd lays out as the parameter, and a fresh optimizer builds its momentum
+    so: refused (a stale gradient once vouched for PSGD's history, whose reset then stepped
+    unlike a fresh one, below). ``release=True`` deletes the entry, which the next step
+    builds from the gradient it meets."""
     param = torch.nn.Parameter(torch.randn(6, 4))
     optimizer = torch.optim.Muon([param], lr=1e-2)
     param.grad = torch.randn(4, 6).t()
     optimizer.step()  # type: ignore[no-untyped-call]
     assert optimizer.state[param]["momentum_buffer"].stride() == (1, 6) and param.stride() == (4, 1)
 
-    assert opttree.validate(optimizer) == ()
-    opttree.reset(optimizer)
-    param.grad = None
-    problems = opttree.validate(optimizer)  # without the gradient, nothing says it was built so
-    assert [p.key for p in problems] == ["momentum_buffer"]
+    problems = opttree.validate(optimizer)
+
+    assert [p.key for p in problems] == ["momentum_buffer"] and "release=True" in problems[0].message
+    assert opttree.reset(optimizer, release=True).entries_released == 1
+
+
+@needs_emerging
+def test_a_stale_gradient_does_not_vouch_for_history_built_like_the_gradient() -> None:
+    """PSGD builds its ``exp_avg`` ``zeros_like`` the gradient. A weight laid out anew
+    through ``.data`` keeps its stale gradient until the next backward: history laid out as
+    that gradient was taken as built, and PSGD, reset so, stepped unlike a fresh one."""
+    x = [torch.randn(9, 64, generator=torch.Generator().manual_seed(k)) for k in range(14)]
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(48, 64) * 0.3)
+    optimizer = psgd([weight])
+
+    def step(w: torch.nn.Parameter, stepped: torch.optim.Optimizer, k: int) -> None:
+        torch.manual_seed(1000 + k)
+        stepped.zero_grad()
+        torch.autograd.backward((x[k] @ w.t()).tanh().pow(2).mean())
+        stepped.step()
+
+    for k in range(3):
+        step(weight, optimizer, k)
+    weight.data = weight.data.t().contiguous().t()
+    assert weight.grad is not None and weight.grad.stride() == (64, 1)
+    before = snapshot(optimizer)
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"key 'exp_avg': history laid out with strides \(64, 1\) where a fresh optimizer builds it with strides \(1, 48\)"):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before)
+
+    optimizer.state[weight]["exp_avg"].zero_()  # what the reset would have done
+    optimizer.state[weight].pop("Q")
+    optimizer.state[weight].pop("L")
+    optimizer.state[weight]["step"] = 0
+    twin = torch.nn.Parameter(weight.detach().clone())
+    fresh = psgd([twin])
+    for k in range(10, 14):
+        step(weight, optimizer, k)
+        step(twin, fresh, k)
+    assert not torch.equal(weight, twin)
 
 
 class AdagradPair:
@@ -288,7 +328,6 @@ def test_history_with_gaps_is_refused_where_the_schema_does_not_say_its_steps_ar
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"like_grad": {"exp_avg"}}, r"like_grad names \['exp_avg'\], which are not like_param keys"),
         ({"like_param": {"exp_avg"}, "elementwise": "yes"}, "elementwise must be True or False, got 'yes'"),
     ],
 )

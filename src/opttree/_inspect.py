@@ -1082,13 +1082,9 @@ class LeafInspector:
         tensor swapped in through ``.data``). Zeroed in place it keeps its old layout, and an
         optimizer that draws random numbers ``like`` its history (PSGD's) or multiplies it
         as a matrix steps otherwise than a fresh one."""
-        grads: list[torch.Tensor | None] = [None] * len(params)
-        if key in self.schema.like_grad:
-            with plain_reads():
-                grads = [_GRAD(param) if _IS_LEAF(param) else None for param in params]  # a view's .grad warns where none is set
         fused = {id(param) for group in node.optimizer.param_groups if is_on(group.get("fused")) for param in group["params"]}
         elementwise = self.schema.elementwise
-        unlike = unlike_layouts(tensors, params, grads, [not elementwise or id(param) in fused for param in params])
+        unlike = unlike_layouts(tensors, params, [not elementwise or id(param) in fused for param in params])
         if not unlike:
             return
         _, strides, fresh = unlike[0]

@@ -218,32 +218,26 @@ def _overlaps_itself(tensor: torch.Tensor) -> bool:
 
 
 def unlike_layouts(
-    history: Sequence[torch.Tensor], params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], dense: Sequence[bool]
+    history: Sequence[torch.Tensor], params: Sequence[torch.Tensor], dense: Sequence[bool]
 ) -> list[tuple[int, tuple[int, ...], tuple[int, ...] | None]]:
     """Where history that its optimizer builds ``zeros_like`` its parameter is not laid out
     in memory in the order ``zeros_like`` lays one out for the parameter now (the
     parameter's own where its elements are dense and apart, else contiguous, as torch's
     ``preserve_format`` decides): each place, with the history's strides and the fresh ones
     (None where torch cannot lay one out for the parameter). The order of the dimensions
-    in memory is compared, not the gaps between elements (a slice of columns keeps the
-    order of the contiguous history it is cut from), nor dimensions of one element, which
-    place nothing. History laid out as ``zeros_like`` lays one out for the parameter's
-    gradient (``grads``, None where it has none) is as built too: some optimizers build it
-    from the gradient (PSGD, torch's Muon), which autograd lays out as its parameter but a
-    gradient set by hand may not be. For tensors of equal shapes, read where some are not
-    contiguous: contiguous ones of one shape are laid out alike. Where ``dense`` says so
-    (history of a fused group) the gaps are compared too: torch's fused kernels step
-    history as ``zeros_like`` lays it out, and a fused Adagrad stepped a slice with gaps
-    otherwise than a fresh one."""
+    in memory is compared, and, where ``dense`` says so (history of a fused group, or of an
+    optimizer whose steps are not elementwise), the gaps between elements too; dimensions
+    of one element place nothing. An optimizer that builds history ``zeros_like`` the
+    gradient (PSGD, torch's Muon) builds it as the parameter is laid out too: autograd lays
+    each new gradient out so, whatever layout a gradient kept from before, or set by hand,
+    has. For tensors of equal shapes, read where some are not contiguous: contiguous ones
+    of one shape are laid out alike."""
     found: list[tuple[int, tuple[int, ...], tuple[int, ...] | None]] = []
     with plain_torch():
-        for index, (tensor, param, grad, gapless) in enumerate(zip(history, params, grads, dense, strict=True)):
+        for index, (tensor, param, gapless) in enumerate(zip(history, params, dense, strict=True)):
             shape, strides = tuple(tensor.shape), tuple(tensor.stride())
             fresh = _fresh_strides(param)
-            if fresh is not None and _laid_out_as(shape, strides, fresh, dense=gapless):
-                continue
-            from_grad = None if grad is None or tuple(grad.shape) != shape else _fresh_strides(grad)
-            if from_grad is None or not _laid_out_as(shape, strides, from_grad, dense=gapless):
+            if fresh is None or not _laid_out_as(shape, strides, fresh, dense=gapless):
                 found.append((index, strides, fresh))
     return found
 
