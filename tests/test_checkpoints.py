@@ -467,13 +467,15 @@ def test_a_distributed_optimizers_default_format_is_refused_naming_one_that_load
 
 
 def test_only_a_distributed_optimizers_failing_default_format_is_advised_on() -> None:
-    """An error of Megatron's own sharded_state_dict elsewhere (a model state dict that
-    maps none of the parameters) gets no word on formats."""
-    stack = testing.build("fp32")
-    stack.train(0, K)
-    with stack.device, pytest.raises(opttree.UnsupportedCheckpoint, match="does not match any model sharded param") as raised:
-        opttree.sharded_state_dict(stack.optimizer, {})
-    assert "fully_sharded_model_space" not in str(raised.value)
+    """An error of Megatron's own sharded_state_dict of another cause (a model state dict
+    that maps none of the parameters), under a DistributedOptimizer in its default format
+    too, gets no word on formats."""
+    for name, said in (("fp32", "does not match any model sharded param"), ("dist_bf16", "Model param")):
+        stack = testing.build(name)
+        stack.train(0, K)
+        with stack.device, pytest.raises(opttree.UnsupportedCheckpoint, match=said) as raised:
+            opttree.sharded_state_dict(stack.optimizer, {})
+        assert "fully_sharded_model_space" not in str(raised.value)
 
 
 def _dp_reshardable_round_trip(stack: testing.MegatronStack, tmp_path: Path, *, with_opttree: bool) -> testing.MegatronStack:

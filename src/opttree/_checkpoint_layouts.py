@@ -940,12 +940,13 @@ where ``metadata`` names none: flattened ranges of each parameter, which
 is not supported``) and whose load asserts on 0.13 to 0.15."""
 
 
-def format_advice(root: Node, metadata: Mapping[str, object] | None) -> str:
-    """What to say where Megatron's own ``sharded_state_dict`` raised for a stack holding a
-    ``DistributedOptimizer`` in :data:`DEFAULT_SHARDING`: the format it fell back to, and
-    one that its load takes; empty otherwise."""
+def format_advice(root: Node, metadata: Mapping[str, object] | None, error: Exception) -> str:
+    """What to say where Megatron's own ``sharded_state_dict`` raised ``error`` for a stack
+    holding a ``DistributedOptimizer`` in :data:`DEFAULT_SHARDING`, refusing its flattened
+    ranges: the format it fell back to, and one that its load takes; empty otherwise (an
+    error of another cause, a model state dict that maps no parameter, is not the format's)."""
     sharding = (metadata or {}).get("distrib_optim_sharding_type", DEFAULT_SHARDING)
-    if sharding != DEFAULT_SHARDING or not any(_LAYOUTS.lookup(type(node.optimizer)) is _steps_in_groups for node in tree_nodes(root)):
+    if "flattened_range" not in str(error) or sharding != DEFAULT_SHARDING or not any(_LAYOUTS.lookup(type(node.optimizer)) is _steps_in_groups for node in tree_nodes(root)):
         return ""
     why = (
         "as metadata asks"

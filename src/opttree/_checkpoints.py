@@ -172,7 +172,7 @@ def _sharded_state_dict(
         root,
         "sharded_state_dict",
         lambda: sharded_state_dict_of(model_sharded_state_dict, is_loading=is_loading, metadata=metadata),
-        advice=format_advice(root, metadata),
+        advice=lambda error: format_advice(root, metadata, error),
     )
     if is_loading:
         return state
@@ -321,17 +321,19 @@ def _unshare_steps(root: Node) -> None:
                 seen.add(id(step))
 
 
-def _megatrons(root: Node, method: str, call: Callable[[], _Result], *, advice: str = "") -> _Result:
+def _megatrons(root: Node, method: str, call: Callable[[], _Result], *, advice: Callable[[Exception], str] | None = None) -> _Result:
     """``call()``, Megatron's own ``method``; any error it raises past opttree's checks (its
     own ``CheckpointingException``, torch's, an out-of-memory error as it moves state to
     the device) is an :class:`~opttree.UnsupportedCheckpoint`, the original as its cause,
-    with ``advice`` after Megatron's message. Megatron's loads are not all-or-nothing:
-    anything it loaded before raising stays loaded, which the message says, whatever the error."""
+    with what ``advice`` says of it after Megatron's message. Megatron's loads are not
+    all-or-nothing: anything it loaded before raising stays loaded, which the message
+    says, whatever the error."""
     try:
         return call()
     except Exception as error:
         after = "; anything it loaded before raising stays loaded: load into a fresh stack" if method == "load_state_dict" else ""
-        message = f"Megatron's own {method} raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}{advice}{after}"
+        said = "" if advice is None else advice(error)
+        message = f"Megatron's own {method} raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}{said}{after}"
         raise layout_error(root, method, message) from error
 
 
