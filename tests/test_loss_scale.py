@@ -266,7 +266,7 @@ def test_a_min_loss_scale_beyond_a_float_is_reported_not_raised() -> None:
     (wrapper,) = getattr(stack.optimizer, "chained_optimizers")
     wrapper.config.min_loss_scale = 10**400
     (problem,) = opttree.validate(stack.optimizer)
-    assert problem.key == "grad_scaler" and "its min_scale is 1.0 and the wrapper's config says 1000" in problem.message
+    assert problem.key == "grad_scaler" and "its min_scale is 1.0 and the wrapper's config says an int of 401 digits" in problem.message
     with pytest.raises(opttree.UnsupportedOptimizerState, match="its min_scale is 1.0"):
         opttree.reset(stack.optimizer)
 
@@ -483,3 +483,21 @@ def test_megatron_scales_a_frozen_chains_loss_by_its_stubs_scaler_which_never_ba
     stack.train(16, 6)
     fresh.train(16, 6)
     assert same_weights(stack, fresh)
+
+
+def test_a_hysteresis_of_any_whole_number_type_is_reset_and_a_fraction_refused_saying_so() -> None:
+    """Megatron counts the hysteresis down whatever whole number type it is (a NumPy int
+    from a config read off a file): reset as an int. A fraction was refused as if the
+    config asked for a constant loss scale."""
+    import numpy
+
+    stack, scaler = trained()
+    scaler.hysteresis = numpy.int64(2)  # type: ignore[assignment]
+    assert opttree.validate(stack.optimizer) == ()
+    opttree.reset(stack.optimizer)
+    assert scaler._hysteresis_tracker == 2
+
+    (wrapper,) = getattr(stack.optimizer, "chained_optimizers")
+    scaler.hysteresis = wrapper.config.hysteresis = 2.5  # type: ignore[assignment]
+    (problem,) = opttree.validate(stack.optimizer)
+    assert problem.key == "grad_scaler" and "its hysteresis is 2.5, where Megatron counts it down in whole steps" in problem.message

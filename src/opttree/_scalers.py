@@ -17,6 +17,7 @@ config's: whoever built it so resets with ``keep_loss_scale=True`` and sets the 
 from __future__ import annotations
 
 import math
+import numbers
 import struct
 from collections.abc import Callable
 
@@ -86,12 +87,15 @@ def _dynamic(scaler: object, config: object) -> Planned:
                 "as Megatron's factory builds it, so the scale it started from is not known"
             )
     hysteresis = mine["hysteresis"]
+    if isinstance(hysteresis, bool) or not isinstance(hysteresis, numbers.Integral):
+        return f"its hysteresis is {_shown(hysteresis)}, where Megatron counts it down in whole steps"
     constant = theirs.get("loss_scale")
-    if constant is not None and real_number(constant) is None:
+    fixed = None if constant is None else real_number(constant)
+    if constant is not None and fixed is None:
         return f"the wrapper's config's loss_scale is {kind_of(constant)}, where Megatron takes a number or None"
-    if not isinstance(hysteresis, int) or (constant is not None and real_number(constant) != 0.0):
+    if fixed:
         return "the wrapper's config asks for a constant loss scale"
-    return ScalerReset(scaler, scale, initial, hysteresis)
+    return ScalerReset(scaler, scale, initial, int(hysteresis))
 
 
 def _same(held: object, configured: object) -> bool:
@@ -111,7 +115,8 @@ def _same(held: object, configured: object) -> bool:
 def _shown(value: object) -> str:
     """A scaler's or config's value as a message shows it: the number it holds, or what it is."""
     if isinstance(value, int) and not isinstance(value, bool):
-        return repr(value)  # beyond a float too
+        shown = repr(value)  # beyond a float too
+        return shown if len(shown) <= 20 else f"an int of {len(shown)} digits"
     number = real_number(value)
     return kind_of(value) if number is None else repr(number)
 

@@ -57,7 +57,7 @@ def _distributed_detached(wrapper: object, path: str) -> list[str]:
 
 
 def _outside_buffers(wrapper: object, models: list[tuple[str, torch.Tensor]]) -> list[str]:
-    """The model parameters, by name, that no longer lie in the bucket of DDP's parameter
+    """The model parameters (of ``models``, named by group and position) that no longer lie in the bucket of DDP's parameter
     buffer that Megatron maps them to (``model_param_gbuf_map``): its step copies each
     updated shard into that bucket's ``param_data`` (or, precision-aware, steps views of
     it), which the model's weights are views of, so a weight given memory of its own
