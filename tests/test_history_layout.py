@@ -150,6 +150,50 @@ def test_history_built_like_a_gradient_set_by_hand_is_refused_and_released() -> 
     assert opttree.reset(optimizer, release=True).entries_released == 1
 
 
+def _transposed_slice() -> torch.nn.Parameter:
+    """Rows of a weight stored transposed: a parameter with gaps, whose gradient autograd
+    lays out contiguous, where ``zeros_like`` of the parameter keeps its column order."""
+    return torch.nn.Parameter(torch.randn(16, 40, generator=torch.Generator().manual_seed(1)).t()[:24])
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(lambda ps: torch.optim.Muon(ps, lr=1e-2), marks=pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="no torch.optim.Muon in this torch"), id="torch Muon"),
+        pytest.param(psgd, marks=needs_emerging, id="PSGDPro"),
+    ],
+)
+def test_history_built_like_the_gradient_of_a_parameter_with_gaps_is_as_built(build: Build) -> None:
+    """History built ``zeros_like`` the gradient (``like_grad``) is laid out as autograd
+    lays out the gradient: contiguous for a parameter with gaps. Compared with the
+    parameter's own order instead, ordinary training of such a parameter was refused."""
+    x = [torch.randn(5, 16, generator=torch.Generator().manual_seed(k)) for k in range(14)]
+
+    def step(w: torch.nn.Parameter, stepped: torch.optim.Optimizer, k: int) -> None:
+        torch.manual_seed(1000 + k)
+        stepped.zero_grad()
+        torch.autograd.backward((x[k] @ w.t()).tanh().pow(2).mean())
+        stepped.step()
+
+    weight = _transposed_slice()
+    optimizer = build([weight])
+    for k in range(3):
+        step(weight, optimizer, k)
+    history = [v for v in optimizer.state[weight].values() if isinstance(v, torch.Tensor) and v.shape == weight.shape]
+    assert weight.stride() == (1, 40) and history and all(v.stride() == (16, 1) for v in history)  # contiguous, as the gradient
+
+    assert opttree.validate(optimizer) == ()
+    opttree.reset(optimizer)
+    twin = _transposed_slice()
+    with torch.no_grad():
+        twin.copy_(weight)
+    fresh = build([twin])
+    for k in range(10, 14):
+        step(weight, optimizer, k)
+        step(twin, fresh, k)
+    assert torch.equal(weight, twin)
+
+
 @needs_emerging
 def test_a_stale_gradient_does_not_vouch_for_history_built_like_the_gradient() -> None:
     """PSGD builds its ``exp_avg`` ``zeros_like`` the gradient. A weight laid out anew
@@ -328,6 +372,7 @@ def test_history_with_gaps_is_refused_where_the_schema_does_not_say_its_steps_ar
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
+        ({"like_grad": {"exp_avg"}}, r"like_grad names \['exp_avg'\], which are not like_param keys"),
         ({"like_param": {"exp_avg"}, "elementwise": "yes"}, "elementwise must be True or False, got 'yes'"),
     ],
 )

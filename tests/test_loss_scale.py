@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from typing import cast
 
+import numpy
 import pytest
 import torch
 from megatron.core.optimizer.grad_scaler import DynamicGradScaler
@@ -266,7 +268,7 @@ def test_a_min_loss_scale_beyond_a_float_is_reported_not_raised() -> None:
     (wrapper,) = getattr(stack.optimizer, "chained_optimizers")
     wrapper.config.min_loss_scale = 10**400
     (problem,) = opttree.validate(stack.optimizer)
-    assert problem.key == "grad_scaler" and "its min_scale is 1.0 and the wrapper's config says an int of 401 digits" in problem.message
+    assert problem.key == "grad_scaler" and "its min_scale is 1.0 and the wrapper's config says an int beyond a float's range" in problem.message
     with pytest.raises(opttree.UnsupportedOptimizerState, match="its min_scale is 1.0"):
         opttree.reset(stack.optimizer)
 
@@ -349,7 +351,10 @@ class _Unequal:
         ("config", "hysteresis", torch.tensor([2, 2]), "its hysteresis is 2 and the wrapper's config says a Tensor"),
         ("config", "loss_scale", torch.tensor([1.0, 1.0]), "config's loss_scale is a Tensor, where Megatron takes a number or None"),
         ("scaler", "min_scale", _Unequal(), "its min_scale is a _Unequal and the wrapper's config says 1.0"),
+        ("scaler", "hysteresis", 10**5000, "its hysteresis is an int beyond a float's range and the wrapper's config says 2"),
+        ("scaler", "hysteresis", numpy.int64(3), "its hysteresis is 3 and the wrapper's config says 2"),
     ],
+    ids=["int-beyond-float", "tensor-hysteresis", "tensor-loss-scale", "unequal", "int-of-5001-digits", "numpy-int"],  # str() refuses 10**5000
 )
 def test_a_scaler_or_config_value_that_is_no_number_is_reported_not_raised_from(owner: str, name: str, value: object, said: str) -> None:
     """An int beyond a float, a tensor of several elements and a value whose ``==`` raises
@@ -487,17 +492,16 @@ def test_megatron_scales_a_frozen_chains_loss_by_its_stubs_scaler_which_never_ba
 
 def test_a_hysteresis_of_any_whole_number_type_is_reset_and_a_fraction_refused_saying_so() -> None:
     """Megatron counts the hysteresis down whatever whole number type it is (a NumPy int
-    from a config read off a file): reset as an int. A fraction was refused as if the
-    config asked for a constant loss scale."""
-    import numpy
-
+    from a config read off a file): reset as the scaler holds it. A fraction was refused
+    as if the config asked for a constant loss scale."""
     stack, scaler = trained()
     scaler.hysteresis = numpy.int64(2)  # type: ignore[assignment]
     assert opttree.validate(stack.optimizer) == ()
     opttree.reset(stack.optimizer)
-    assert scaler._hysteresis_tracker == 2
+    tracker = cast(object, scaler._hysteresis_tracker)
+    assert type(tracker) is numpy.int64 and int(tracker) == 2  # as a fresh scaler's starts
 
     (wrapper,) = getattr(stack.optimizer, "chained_optimizers")
     scaler.hysteresis = wrapper.config.hysteresis = 2.5  # type: ignore[assignment]
     (problem,) = opttree.validate(stack.optimizer)
-    assert problem.key == "grad_scaler" and "its hysteresis is 2.5, where Megatron counts it down in whole steps" in problem.message
+    assert problem.key == "grad_scaler" and "its hysteresis is 2.5 (a float), where Megatron's factory gives it a whole number" in problem.message

@@ -1084,7 +1084,8 @@ class LeafInspector:
         as a matrix steps otherwise than a fresh one."""
         fused = {id(param) for group in node.optimizer.param_groups if is_on(group.get("fused")) for param in group["params"]}
         elementwise = self.schema.elementwise
-        unlike = unlike_layouts(tensors, params, [not elementwise or id(param) in fused for param in params])
+        dense = [not elementwise or id(param) in fused for param in params]
+        unlike = unlike_layouts(tensors, params, dense, from_grad=key in self.schema.like_grad)
         if not unlike:
             return
         _, strides, fresh = unlike[0]

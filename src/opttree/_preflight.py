@@ -218,25 +218,23 @@ def _overlaps_itself(tensor: torch.Tensor) -> bool:
 
 
 def unlike_layouts(
-    history: Sequence[torch.Tensor], params: Sequence[torch.Tensor], dense: Sequence[bool]
+    history: Sequence[torch.Tensor], params: Sequence[torch.Tensor], dense: Sequence[bool], *, from_grad: bool
 ) -> list[tuple[int, tuple[int, ...], tuple[int, ...] | None]]:
-    """Where history that its optimizer builds ``zeros_like`` its parameter is not laid out
-    in memory in the order ``zeros_like`` lays one out for the parameter now (the
-    parameter's own where its elements are dense and apart, else contiguous, as torch's
-    ``preserve_format`` decides): each place, with the history's strides and the fresh ones
-    (None where torch cannot lay one out for the parameter). The order of the dimensions
-    in memory is compared, and, where ``dense`` says so (history of a fused group, or of an
-    optimizer whose steps are not elementwise), the gaps between elements too; dimensions
-    of one element place nothing. An optimizer that builds history ``zeros_like`` the
-    gradient (PSGD, torch's Muon) builds it as the parameter is laid out too: autograd lays
-    each new gradient out so, whatever layout a gradient kept from before, or set by hand,
-    has. For tensors of equal shapes, read where some are not contiguous: contiguous ones
-    of one shape are laid out alike."""
+    """Where history that its optimizer builds ``zeros_like`` its parameter (or, with
+    ``from_grad``, ``zeros_like`` the parameter's gradient) is not laid out in memory in the
+    order a fresh one would be (see :func:`_fresh_strides` and :func:`_gradient_strides`):
+    each place, with the history's strides and the fresh ones (None where torch cannot lay
+    one out for the parameter). The order of the dimensions in memory is compared, and,
+    where ``dense`` says so (history of a fused group, or of an optimizer whose steps are
+    not elementwise), the gaps between elements too; dimensions of one element place
+    nothing. For tensors of equal shapes, read where some are not contiguous: contiguous
+    ones of one shape are laid out alike."""
+    layout = _gradient_strides if from_grad else _fresh_strides
     found: list[tuple[int, tuple[int, ...], tuple[int, ...] | None]] = []
     with plain_torch():
         for index, (tensor, param, gapless) in enumerate(zip(history, params, dense, strict=True)):
             shape, strides = tuple(tensor.shape), tuple(tensor.stride())
-            fresh = _fresh_strides(param)
+            fresh = layout(param)
             if fresh is None or not _laid_out_as(shape, strides, fresh, dense=gapless):
                 found.append((index, strides, fresh))
     return found
@@ -256,6 +254,28 @@ def _fresh_strides(tensor: torch.Tensor) -> tuple[int, ...] | None:
         return tuple(torch.empty_like(tensor, device="meta").stride())
     except Exception:  # noqa: BLE001  # a tensor subclass's own code may raise anything
         return None
+
+
+def _gradient_strides(param: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides of the gradient autograd gives ``param`` (its layout contract): the
+    parameter's own where its elements are dense and apart, as ``zeros_like`` lays them
+    out, else contiguous. What the gradient held now is laid out as says nothing of the
+    next one (kept from before the weight was laid out anew, or set by hand)."""
+    fresh = _fresh_strides(param)
+    if fresh is None:
+        return None
+    shape = tuple(param.shape)
+    if all(held == laid for held, laid, size in zip(param.stride(), fresh, shape, strict=True) if size > 1):
+        return fresh
+    return _contiguous_strides(shape)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _memory_order(shape: tuple[int, ...], strides: tuple[int, ...]) -> list[int]:

@@ -39,7 +39,7 @@ class ScalerReset:
     scaler: object
     scale: torch.Tensor
     initial: float
-    hysteresis: int
+    hysteresis: numbers.Integral
 
     def apply(self) -> None:
         self.scale.fill_(self.initial)
@@ -88,14 +88,14 @@ def _dynamic(scaler: object, config: object) -> Planned:
             )
     hysteresis = mine["hysteresis"]
     if isinstance(hysteresis, bool) or not isinstance(hysteresis, numbers.Integral):
-        return f"its hysteresis is {_shown(hysteresis)}, where Megatron counts it down in whole steps"
+        return f"its hysteresis is {_shown(hysteresis)} ({kind_of(hysteresis)}), where Megatron's factory gives it a whole number"
     constant = theirs.get("loss_scale")
     fixed = None if constant is None else real_number(constant)
     if constant is not None and fixed is None:
         return f"the wrapper's config's loss_scale is {kind_of(constant)}, where Megatron takes a number or None"
     if fixed:
         return "the wrapper's config asks for a constant loss scale"
-    return ScalerReset(scaler, scale, initial, int(hysteresis))
+    return ScalerReset(scaler, scale, initial, hysteresis)  # as the scaler holds it: a fresh one's tracker starts as it
 
 
 def _same(held: object, configured: object) -> bool:
@@ -114,10 +114,9 @@ def _same(held: object, configured: object) -> bool:
 
 def _shown(value: object) -> str:
     """A scaler's or config's value as a message shows it: the number it holds, or what it is."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        shown = repr(value)  # beyond a float too
-        return shown if len(shown) <= 20 else f"an int of {len(shown)} digits"
     number = real_number(value)
+    if not isinstance(value, bool) and isinstance(value, numbers.Integral):
+        return "an int beyond a float's range" if number is None else repr(int(value))  # str() refuses ints of over 4300 digits
     return kind_of(value) if number is None else repr(number)
 
 

@@ -202,6 +202,14 @@ class StateSchema:
     it), or its memory layout (``model.to(memory_format=torch.channels_last)``), a reset in
     place would keep it so where a fresh optimizer builds it as the parameter is now: refused.
 
+    ``like_grad``: ``like_param`` keys the optimizer builds ``zeros_like`` the gradient at
+    the first step (PSGD's ``exp_avg``, torch's Muon's ``momentum_buffer``), laid out as
+    autograd lays out a gradient of the parameter: as the parameter where its elements are
+    dense and apart, else contiguous (a transposed slice of a weight has a contiguous
+    gradient, where ``zeros_like`` would keep its order). The gradient the parameter holds
+    now is not read: one kept from before the weight was laid out anew, or set by hand,
+    says nothing of the next.
+
     ``elementwise``: the optimizer steps each element of its ``like_param`` history apart
     from the others (torch's Adam, RMSprop, ...), so history in its parameter's memory order
     but with gaps between its elements (a strided slice of a larger buffer) steps as a fresh
@@ -349,6 +357,7 @@ class StateSchema:
     starts_at_first_step: bool = field(default=False, kw_only=True)
     step_type: StepType = field(default=StepType.TENSOR, kw_only=True)
     like_param: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
+    like_grad: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     elementwise: bool = field(default=False, kw_only=True)
     one_value: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     shape_of: tuple[tuple[str, ShapeOf], ...] = field(converter=_shapes, factory=tuple, kw_only=True)
@@ -501,6 +510,9 @@ class StateSchema:
                 what = "neither zeroed, filled nor identity" if derived else "neither zeroed nor filled"
                 msg = f"{name} names {sorted(named - allowed)}, which are {what}"
                 raise RegistrationError(msg)
+        if not self.like_grad <= self.like_param:
+            msg = f"like_grad names {sorted(self.like_grad - self.like_param)}, which are not like_param keys"
+            raise RegistrationError(msg)
         if not self.typed <= self.built_like_param:
             msg = f"dtype_of names {sorted(self.typed - self.built_like_param)}, which are neither like_param nor shape_of keys, nor shape_with ones"
             raise RegistrationError(msg)

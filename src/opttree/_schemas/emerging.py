@@ -12,8 +12,7 @@ dropped. Their moments are built ``zeros_like`` their parameter (``like_param``)
 AdaptiveMuon's ``moment2_buffer``, typed as it and shaped by its ``moment2_method``
 (``shape_with``); SOAP's are built in float32 whatever
 the parameter's dtype (``dtype_of``), and its Kronecker factors square (``shape_of``).
-PSGDPro builds its ``exp_avg`` ``zeros_like`` the gradient, which autograd lays out as the
-parameter (``like_param``). None is
+PSGDPro builds its ``exp_avg`` ``zeros_like`` the gradient (``like_grad``). None is
 ``elementwise``: the orthogonalized ones multiply their momentum as a matrix (with gaps
 between its elements, Muon's step differed from a fresh one's in the last bits), and the
 scalar ones run compiled kernels. PSGDPro creates its ``exp_avg`` and step each on its own when missing, and
@@ -133,6 +132,7 @@ LAZY: dict[str, StateSchema] = {
     "emerging_optimizers.psgd.psgd.PSGDPro": StateSchema(
         zero={"exp_avg"},
         like_param={"exp_avg"},
+        like_grad={"exp_avg"},
         drop={"Q", "L"},
         rebuilt_together={"Q", "L"},
         keep={MASTER_PARAM},

@@ -138,7 +138,9 @@ SCHEMAS: dict[str, StateSchema] = {
         shape_of={"row_var": _rows, "col_var": _columns},
         built_for={"row_var": _factored, "col_var": _factored, "variance": _unfactored},
     ),
-    "Muon": StateSchema(zero={"momentum_buffer"}, keep={MASTER_PARAM}, rebuilds_missing=True, like_param={"momentum_buffer"}),
+    "Muon": StateSchema(  # zeros_like the gradient, multiplied as a matrix
+        zero={"momentum_buffer"}, keep={MASTER_PARAM}, rebuilds_missing=True, like_param={"momentum_buffer"}, like_grad={"momentum_buffer"}
+    ),
 }
 """By class name in ``torch.optim``; a class this torch lacks (Muon, Adafactor before
 2.5) is skipped."""
