@@ -1081,11 +1081,15 @@ class LeafInspector:
         history was built (``model.to(memory_format=torch.channels_last)``, a transposed
         tensor swapped in through ``.data``). Zeroed in place it keeps its old layout, and an
         optimizer that draws random numbers ``like`` its history (PSGD's) or multiplies it
-        as a matrix steps otherwise than a fresh one."""
-        fused = {id(param) for group in node.optimizer.param_groups if is_on(group.get("fused")) for param in group["params"]}
-        elementwise = self.schema.elementwise
-        dense = [not elementwise or id(param) in fused for param in params]
-        unlike = unlike_layouts(tensors, params, dense, from_grad=key in self.schema.like_grad)
+        as a matrix steps otherwise than a fresh one. An optimizer whose steps are
+        ``elementwise`` steps each element alike in any layout (its elements apart, which
+        the preflight checks), so only its fused groups are compared, whose kernels read
+        history as ``zeros_like`` lays it out."""
+        if self.schema.elementwise:
+            fused = {id(param) for group in node.optimizer.param_groups if is_on(group.get("fused")) for param in group["params"]}
+            laid_out = [index for index, param in enumerate(params) if id(param) in fused]
+            tensors, params = [tensors[index] for index in laid_out], [params[index] for index in laid_out]
+        unlike = unlike_layouts(tensors, params, from_grad=key in self.schema.like_grad)
         if not unlike:
             return
         _, strides, fresh = unlike[0]

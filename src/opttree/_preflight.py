@@ -218,34 +218,23 @@ def _overlaps_itself(tensor: torch.Tensor) -> bool:
 
 
 def unlike_layouts(
-    history: Sequence[torch.Tensor], params: Sequence[torch.Tensor], dense: Sequence[bool], *, from_grad: bool
+    history: Sequence[torch.Tensor], params: Sequence[torch.Tensor], *, from_grad: bool
 ) -> list[tuple[int, tuple[int, ...], tuple[int, ...] | None]]:
     """Where history that its optimizer builds ``zeros_like`` its parameter (or, with
-    ``from_grad``, ``zeros_like`` the parameter's gradient) is not laid out in memory in the
-    order a fresh one would be (see :func:`_fresh_strides` and :func:`_gradient_strides`):
-    each place, with the history's strides and the fresh ones (None where torch cannot lay
-    one out for the parameter). The order of the dimensions in memory is compared, and,
-    where ``dense`` says so (history of a fused group, or of an optimizer whose steps are
-    not elementwise), the gaps between elements too; dimensions of one element place
-    nothing. For tensors of equal shapes, read where some are not contiguous: contiguous
-    ones of one shape are laid out alike."""
+    ``from_grad``, ``zeros_like`` the parameter's gradient) is not laid out in memory as a
+    fresh one would be (see :func:`_fresh_strides` and :func:`_gradient_strides`): each
+    place, with the history's strides and the fresh ones (None where torch cannot lay one
+    out for the parameter). Strides are compared over the dimensions of more than one
+    element (the others place nothing)."""
     layout = _gradient_strides if from_grad else _fresh_strides
     found: list[tuple[int, tuple[int, ...], tuple[int, ...] | None]] = []
     with plain_torch():
-        for index, (tensor, param, gapless) in enumerate(zip(history, params, dense, strict=True)):
+        for index, (tensor, param) in enumerate(zip(history, params, strict=True)):
             shape, strides = tuple(tensor.shape), tuple(tensor.stride())
             fresh = layout(param)
-            if fresh is None or not _laid_out_as(shape, strides, fresh, dense=gapless):
+            if fresh is None or any(strides[dim] != fresh[dim] for dim, size in enumerate(shape) if size > 1):
                 found.append((index, strides, fresh))
     return found
-
-
-def _laid_out_as(shape: tuple[int, ...], strides: tuple[int, ...], fresh: tuple[int, ...], *, dense: bool) -> bool:
-    """Whether strides lay a tensor out in the order of ``fresh`` (with ``dense``, with
-    its gaps too), over the dimensions of more than one element."""
-    if dense:
-        return all(strides[dim] == fresh[dim] for dim, size in enumerate(shape) if size > 1)
-    return _memory_order(shape, strides) == _memory_order(shape, fresh)
 
 
 def _fresh_strides(tensor: torch.Tensor) -> tuple[int, ...] | None:
@@ -276,12 +265,6 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
-
-
-def _memory_order(shape: tuple[int, ...], strides: tuple[int, ...]) -> list[int]:
-    """The dimensions of more than one element, outermost in memory first: the order in
-    which a walk through memory meets a tensor's elements."""
-    return sorted((dim for dim, size in enumerate(shape) if size > 1), key=lambda dim: -strides[dim])
 
 
 def _storage_short(tensor: torch.Tensor) -> bool:

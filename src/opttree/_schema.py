@@ -199,8 +199,9 @@ class StateSchema:
     in memory as their parameter (``zeros_like(param)``, in its ``preserve_format``). Where
     one no longer has its own parameter's shape and dtype (the parameter was cast by
     ``module.double()``, or reshaped or swapped through ``.data``, after the optimizer built
-    it), or its memory layout (``model.to(memory_format=torch.channels_last)``), a reset in
-    place would keep it so where a fresh optimizer builds it as the parameter is now: refused.
+    it), or its memory layout (``model.to(memory_format=torch.channels_last)``; but see
+    ``elementwise``), a reset in place would keep it so where a fresh optimizer builds it as
+    the parameter is now: refused.
 
     ``like_grad``: ``like_param`` keys the optimizer builds ``zeros_like`` the gradient at
     the first step (PSGD's ``exp_avg``, torch's Muon's ``momentum_buffer``), laid out as
@@ -211,11 +212,13 @@ class StateSchema:
     says nothing of the next.
 
     ``elementwise``: the optimizer steps each element of its ``like_param`` history apart
-    from the others (torch's Adam, RMSprop, ...), so history in its parameter's memory order
-    but with gaps between its elements (a strided slice of a larger buffer) steps as a fresh
-    optimizer's dense history does. Otherwise (a matrix product over it, Muon's; a kernel
-    that reads memory as ``zeros_like`` lays it out; an optimizer nobody has said this of)
-    such history is refused, as it is in a fused group of any optimizer.
+    from the others (torch's Adam, RMSprop, ...), so history in any memory layout whose
+    elements are apart (another order of dimensions than its parameter's now, gaps between
+    elements as in a strided slice of a larger buffer) steps as a fresh optimizer's does.
+    Otherwise (a matrix product over it, Muon's; random numbers drawn like it, PSGD's; an
+    optimizer nobody has said this of) history not laid out as a fresh one's is refused,
+    as it is in a fused group of any optimizer, whose kernels read memory as
+    ``zeros_like`` lays it out.
 
     ``shape_of``: zeroed, filled or identity keys the optimizer builds typed as their
     parameter, in a shape derived from the parameter's (Adafactor's factored ``row_var`` and
