@@ -128,8 +128,9 @@ def test_torchs_own_deprecation_wrapper_is_not_a_patch() -> None:
 
 def test_a_patched_class_registered_by_the_user_is_reset_exactly() -> None:
     """The refusal names the way out: the user's registration of the class's schema (or,
-    for a wrapper, of its kind), their word that the patch keeps no state. Registrations
-    last the process, so it runs apart."""
+    for a wrapper, of its kind), their word that the patch keeps no state. That word is
+    for the class: a subclass with a method of its own stays refused (it was accepted, and
+    its reset trained unlike a fresh one). Registrations last the process, so it runs apart."""
     script = textwrap.dedent(
         """
         import functools, torch, opttree
@@ -149,6 +150,25 @@ def test_a_patched_class_registered_by_the_user_is_reset_exactly() -> None:
         assert opttree.validate(optimizer) == ()
         opttree.reset(optimizer)
         assert trains_as_fresh(net, optimizer, lambda twin: torch.optim.AdamW(twin.parameters(), lr=1e-2), 3, 3)
+        print("ok")
+
+        class FloorAdamW(torch.optim.AdamW):  # its second moment starts at a floor, not at zero
+            def _init_group(self, group, *args):
+                new = [p for p in group["params"] if p.grad is not None and len(self.state[p]) == 0]
+                built = super()._init_group(group, *args)
+                for p in new:
+                    self.state[p]["exp_avg_sq"].fill_(1e-4)
+                return built
+
+        floor_net = model()
+        floored = FloorAdamW(floor_net.parameters(), lr=1e-2)
+        train(floor_net, floored, 0, 3)
+        problems = opttree.validate(floored)  # AdamW's registration vouches for AdamW, not for this
+        assert [p.kind.value for p in problems] == ["unsupported-optimizer"], problems
+        assert "FloorAdamW defines its own _init_group" in problems[0].message, problems[0].message
+        opttree.register_schema(FloorAdamW, opttree.schema_for(torch.optim.AdamW))  # the user's word, wrong here
+        opttree.reset(floored)
+        assert not trains_as_fresh(floor_net, floored, lambda twin: FloorAdamW(twin.parameters(), lr=1e-2), 3, 3)
         print("ok")
 
         from opttree.testing import build
@@ -171,7 +191,7 @@ def test_a_patched_class_registered_by_the_user_is_reset_exactly() -> None:
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["ok", "ok"]
+    assert done.stdout.split() == ["ok", "ok", "ok"]
 
 
 def _function_from(path: str, name: str) -> Callable[..., object]:

@@ -39,16 +39,28 @@ _user_kinds: LazyDispatch[Expander] = LazyDispatch()
 def _applying(cls: type) -> tuple[StateSchema | None, tuple[type, str] | None]:
     """The schema that applies to ``cls``, and, where a built-in one would but ``cls``
     defines something of its own (see :mod:`opttree._overrides`), the class of that
-    schema and the name, in its place. A user's registration wins; one that applies
-    ambiguously leaves no schema."""
+    schema and the name, in its place. A user's registration wins, and covers the classes
+    below the class it names whatever they define (a family of the user's own); but one
+    for a class opttree has a schema of its own for (AdamW's schema registered again, to
+    accept a patch of AdamW) vouches for that class, not for a subclass's own methods,
+    which stay refused as they were. One that applies ambiguously leaves no schema."""
     users = _user_schemas.resolved(cls)
-    if users is not None:
-        return (None, None) if isinstance(users, str) else (users[1], None)
+    if isinstance(users, str):
+        return None, None
+    if users is not None and not _is_builtin(users[0]):
+        return users[1], None
     found = _builtin_schemas.lookup_owner(cls)
     if found is None:
         return None, None
+    schema = found[1] if users is None else users[1]
     method = own_definition(cls, found[0])
-    return (found[1], None) if method is None else (None, (found[0], method))
+    return (schema, None) if method is None else (None, (found[0], method))
+
+
+def _is_builtin(cls: type) -> bool:
+    """Whether opttree has a schema of its own for ``cls`` itself."""
+    found = _builtin_schemas.lookup_owner(cls)
+    return found is not None and found[0] is cls
 
 
 def schema_for(cls: type) -> StateSchema | None:
