@@ -153,6 +153,32 @@ def test_a_subclass_of_a_megatron_wrapper_defining_nothing_is_its_bases_kind() -
     assert weights_equal(net, twin)
 
 
+class RegisteredWarmChain(ChainedOptimizer):
+    """A ChainedOptimizer with a method of its own, registered by its user as the README
+    says, over the members of the factory's chain."""
+
+    def warm(self) -> None:
+        return None
+
+
+opttree.register_wrapper(RegisteredWarmChain, children=lambda w: [(f"chained[{i}]", o) for i, o in enumerate(w.chained_optimizers)])
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp16", "dist_bf16"])
+def test_a_registered_subclass_of_the_chain_is_the_chain_its_members_were_built_under(name: str) -> None:
+    """Registered, a subclass of ``ChainedOptimizer`` over the factory's members is the
+    chain they were built under: every reset of it was refused as reaching them without
+    their chain."""
+    stack = testing.build(name)
+    stack.train(0, 3)
+    with stack.device:
+        warm = RegisteredWarmChain(list(stack.optimizer.chained_optimizers))
+
+    assert opttree.validate(warm) == ()
+    assert opttree.reset(warm).leaves == len(stack.leaves())
+    assert trains_as_fresh_stack(stack, testing.build(name), 3, 3)
+
+
 class StagedWrapper:
     """A wrapper registered with a children function that names only its first optimizer,
     while it also keeps others: in a list, in a dict and in a dataclass."""

@@ -12,7 +12,7 @@ import torch
 from opttree._eager import eager
 from opttree import _registry
 from opttree._containers import PLAIN_STATES, malformed, own_writes
-from opttree._dispatch import dotted_name, is_megatron_class
+from opttree._dispatch import LazyDispatch, dotted_name, is_megatron_class
 from opttree._errors import OptTreeError
 from opttree._shards import detached_shards
 from opttree._held import Held, held_by_leaf, held_optimizers, only_bookkeeping, own_attributes
@@ -693,8 +693,8 @@ class ValidateVisitor(TraverserVisitor):
         alone left the chain scaling its loss by one scale and unscaling by another, or a
         checkpoint that failed to load. That holds at any depth: passed alone, as a node
         built by hand, or held by a user's wrapper. The factory returns a chain (a
-        ``ChainedOptimizer``, or its subclass ``LayerWiseDistributedOptimizer``), and what
-        is below one is not refused; nor is a reset that keeps steps (``prune``, ``scale``,
+        ``ChainedOptimizer``, or a subclass: ``LayerWiseDistributedOptimizer``, or a user's
+        registered with ``register_wrapper``), and what is below one is not refused; nor is a reset that keeps steps (``prune``, ``scale``,
         ``keys`` without ``"step"``), which touches none of those."""
         if not (self._selection.steps or self._selection.release):
             return  # history alone is its own
@@ -702,7 +702,7 @@ class ValidateVisitor(TraverserVisitor):
         chained: set[int] | None = None  # the optimizers the tree reaches below a chain, read where one is needed
         while nodes:
             node = nodes.pop()
-            if isinstance(node, ChainedNode) or (isinstance(node, LeafNode) and node.shared_with is not None):
+            if _is_chain(node) or (isinstance(node, LeafNode) and node.shared_with is not None):
                 continue
             if isinstance(node, WrapperNode) and node.is_stub:
                 what = "a Megatron stub (it holds no optimizer, and is built only as a member of a chain, whose loss scale it holds)"
@@ -944,11 +944,21 @@ def _below_chains(root: Node) -> set[int]:
     nodes = [root]
     while nodes:
         node = nodes.pop()
-        if isinstance(node, ChainedNode):
+        if _is_chain(node):
             found.update(map(object.__hash__, map(_OPTIMIZER, tree_nodes(node))))
         else:
             nodes.extend(node.children)
     return found
+
+
+def _is_chain(node: Node) -> bool:
+    """Whether ``node`` is a chain the factory returns: a ``ChainedOptimizer`` (or a
+    subclass, a user's ``register_wrapper`` one too, whose members are its children)."""
+    return isinstance(node, ChainedNode) or _CHAINS.lookup(type(node.optimizer)) is not None
+
+
+_CHAINS: LazyDispatch[bool] = LazyDispatch()
+_CHAINS.register_lazy("megatron.core.optimizer.optimizer.ChainedOptimizer", True)
 
 
 _FACTORY_OPTIONS = frozenset({"is_expert_parallel", "max_lr", "min_lr"})
