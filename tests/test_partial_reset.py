@@ -788,6 +788,18 @@ def test_selecting_frozen_parameters_is_refused_saying_that_they_are_frozen() ->
     assert opttree.reset(stack.optimizer, params=trainable, keys=["exp_avg"]).tensors_zeroed > 0
 
 
+def test_selecting_a_state_dicts_tensors_is_refused_saying_they_are_no_parameters() -> None:
+    """A state dict's values (and ``.detach()`` copies) share their parameters' memory but
+    are other tensors, trainable parameters all: the refusal says so, where it called them
+    frozen and sent the user looking for frozen layers."""
+    stack = testing.build("bf16")
+    stack.train(0, K)
+    for given in (list(stack.model.state_dict().values()), [p.detach() for p in stack.model.parameters()]):
+        with pytest.raises(opttree.UnmappedParameter, match=r"unmapped; 4 of them tensors that are no parameter \(a state_dict's values") as refused:
+            opttree.reset(stack.optimizer, params=given)
+        assert "frozen" not in str(refused.value)
+
+
 @pytest.mark.skipif("frozen_fp16" not in testing.available(), reason="no frozen_fp16 recipe in this lane")
 def test_a_member_of_the_factorys_chain_passed_alone_is_refused_where_it_takes_steps() -> None:
     """The trained member of an fp16 chain, reset alone, reset its loss scale apart from the

@@ -453,12 +453,19 @@ def select(root: Node, params: ParamsArg | None, keys: Iterable[str] | None, mod
         first = chosen[missing[0]]
         name = names.get(id(first))
         label = unnamed_param(first) if name is None else name
-        frozen = [i for i in missing if not _REQUIRES_GRAD(chosen[i])]
-        why = (
-            f"; {len(frozen)} of them frozen (requires_grad=False), which Megatron's factory builds no optimizer for: "
-            "select the trainable ones"
-            if frozen
-            else ""
+        plain = [i for i in missing if not isinstance(chosen[i], torch.nn.Parameter)]
+        frozen = [i for i in missing if i not in plain and not _REQUIRES_GRAD(chosen[i])]
+        why = "".join(
+            (
+                f"; {len(plain)} of them tensors that are no parameter (a state_dict's values, .detach() or .data share a "
+                "parameter's memory, but an optimizer holds the parameter): select the parameters themselves"
+                if plain
+                else "",
+                f"; {len(frozen)} of them frozen (requires_grad=False), which Megatron's factory builds no optimizer for: "
+                "select the trainable ones"
+                if frozen
+                else "",
+            )
         )
         msg = (
             f"parameter {label} is held by no optimizer under {type(root.optimizer).__qualname__} at "
