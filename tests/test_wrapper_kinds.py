@@ -161,7 +161,11 @@ class RegisteredWarmChain(ChainedOptimizer):
         return None
 
 
-opttree.register_wrapper(RegisteredWarmChain, children=lambda w: [(f"chained[{i}]", o) for i, o in enumerate(w.chained_optimizers)])
+def _members(chain: RegisteredWarmChain) -> list[tuple[str, object]]:
+    return [(f"chained[{i}]", member) for i, member in enumerate(chain.chained_optimizers)]
+
+
+opttree.register_wrapper(RegisteredWarmChain, children=_members)
 
 
 @pytest.mark.parametrize("name", ["fp32", "fp16", "dist_bf16"])
@@ -171,8 +175,12 @@ def test_a_registered_subclass_of_the_chain_is_the_chain_its_members_were_built_
     their chain."""
     stack = testing.build(name)
     stack.train(0, 3)
+    chain = stack.optimizer
+    assert isinstance(chain, ChainedOptimizer)
+    members = [member for member in chain.chained_optimizers if isinstance(member, MegatronOptimizer)]
+    assert len(members) == len(chain.chained_optimizers)
     with stack.device:
-        warm = RegisteredWarmChain(list(stack.optimizer.chained_optimizers))
+        warm = RegisteredWarmChain(members)
 
     assert opttree.validate(warm) == ()
     assert opttree.reset(warm).leaves == len(stack.leaves())
