@@ -77,6 +77,23 @@ def test_describe_json_gives_problems_as_objects() -> None:
     }
 
 
+def talkative() -> object:
+    print("building the optimizer")
+    return homegrown()
+
+
+def test_json_is_all_of_stdout_whatever_the_factory_prints() -> None:
+    """What a factory prints goes to stderr with ``--json``: it came before the JSON on
+    stdout, which then did not parse."""
+    done = subprocess.run(
+        [sys.executable, "-m", "opttree", "validate", "tests.test_cli:talkative", "--json"], capture_output=True, text=True, check=False, timeout=180
+    )
+    assert done.returncode == 1
+    assert [p["kind"] for p in json.loads(done.stdout)["problems"]] == ["unsupported-optimizer"]
+    assert "building the optimizer" in done.stderr
+    assert "building the optimizer" in run(factory="tests.test_cli:talkative")  # printed as it was without --json
+
+
 def test_the_console_script_and_the_module_print_the_version() -> None:
     import opttree
 

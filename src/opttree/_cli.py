@@ -8,6 +8,7 @@ problems only, exiting 1 if any is an error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -133,8 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     spec: str = args.factory
     describing = args.command == "describe"
-    optimizer = call_factory(spec)
-    problems = validate(optimizer)
+    # With --json, what the factory's module and call print goes to stderr: stdout is the JSON alone.
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        optimizer = call_factory(spec)
+        problems = validate(optimizer)
     refuse_non_optimizer(spec, problems)
     if args.json:
         payload: dict[str, object] = {"problems": [p.to_dict() for p in problems]}
