@@ -55,6 +55,38 @@ def test_soap_state_of_another_layout_is_refused(name: str, key: str, wrong: tor
     assert unchanged(optimizer, before)
 
 
+@pytest.mark.parametrize("name", ["soap", "rekls"])
+def test_soap_over_a_column_major_weight_is_reset_exactly(name: str) -> None:
+    """Each step replaces SOAP's moments with their rotations, row-major whatever the
+    weight's layout: over a column-major weight they are not laid out as ``zeros_like``
+    the weight, and an untouched SOAP was refused as if its weight had been laid out anew.
+    Zeros rotate to the same zeros in any layout: reset, it trains as a fresh one."""
+    from tests.test_emerging_catalogue import BUILD, _registry
+
+    def column_major() -> torch.nn.Parameter:
+        return torch.nn.Parameter(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)).t())
+
+    def train(optimizer: torch.optim.Optimizer, weight: torch.nn.Parameter, steps: range) -> None:
+        for k in steps:
+            weight.grad = torch.sin(weight.detach() * 1.3 + k)
+            optimizer.step()
+
+    weight = column_major()
+    optimizer = BUILD[name](_registry()[name], [weight])
+    train(optimizer, weight, range(3))
+    assert weight.stride() == (1, 4) and optimizer.state[weight]["exp_avg"].stride() == (6, 1)
+
+    assert opttree.validate(optimizer) == ()
+    opttree.reset(optimizer)
+    twin = column_major()
+    with torch.no_grad():
+        twin.copy_(weight)
+    fresh = BUILD[name](_registry()[name], [twin])
+    train(optimizer, weight, range(3, 8))
+    train(fresh, twin, range(3, 8))
+    assert torch.equal(weight, twin)
+
+
 def test_soaps_kronecker_factors_follow_torchs_default_dtype() -> None:
     """SOAP builds its factors and eigenbases in torch's default dtype, its moments in
     float32: with the default switched to float64 after they were built, a fresh SOAP would

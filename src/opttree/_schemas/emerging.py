@@ -82,6 +82,11 @@ def _columns_square(shape: tuple[int, ...]) -> tuple[int, int]:
     return (shape[-1], shape[-1])
 
 
+def _parameters_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """SOAP's moments: the parameter's shape, in a layout of their own (see :data:`SOAP`)."""
+    return shape
+
+
 def _float32(param_dtype: torch.dtype) -> torch.dtype:
     return torch.float32
 
@@ -99,15 +104,26 @@ SOAP = StateSchema(
     identity={"Q_L", "Q_R"},
     rebuilds_missing=True,
     always_built={"exp_avg", "exp_avg_sq", "L", "R", "Q_L", "Q_R"},
-    like_param={"exp_avg", "exp_avg_sq"},
-    shape_of={"L": _rows_square, "Q_L": _rows_square, "R": _columns_square, "Q_R": _columns_square},
+    shape_of={
+        "exp_avg": _parameters_shape,
+        "exp_avg_sq": _parameters_shape,
+        "L": _rows_square,
+        "Q_L": _rows_square,
+        "R": _columns_square,
+        "Q_R": _columns_square,
+    },
     dtype_of={"exp_avg": _float32, "exp_avg_sq": _float32, "L": _default_dtype, "R": _default_dtype, "Q_L": _default_dtype, "Q_R": _default_dtype},
     expressed_in={"exp_avg": {"Q_L", "Q_R"}, "exp_avg_sq": {"Q_L", "Q_R"}},
 )
 """SOAP and REKLS (2-D parameters only) build their moments in the parameter's shape in
 float32, their Kronecker factors and eigenbases square in its rows and its columns, in
 torch's default dtype. Their moments are kept in the eigenbases' coordinates
-(``update_eigenbasis_and_exp_avgs`` rotates them from the old bases to the new ones)."""
+(``update_eigenbasis_and_exp_avgs`` rotates them from the old bases to the new ones).
+Each step replaces the moments with those rotations, row-major whatever the parameter's
+layout, before it reads them otherwise: built ``zeros_like`` the parameter, they are not
+laid out like it after the first step (a column-major weight's), and zeros in any layout
+rotate to the same zeros, so their layout is not compared (``shape_of``, not
+``like_param``): compared, every SOAP over a column-major weight was refused."""
 
 _ORTHOGONALIZED = "emerging_optimizers.orthogonalized_optimizers."
 LAZY: dict[str, StateSchema] = {
