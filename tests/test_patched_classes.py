@@ -129,8 +129,9 @@ def test_torchs_own_deprecation_wrapper_is_not_a_patch() -> None:
 def test_a_patched_class_registered_by_the_user_is_reset_exactly() -> None:
     """The refusal names the way out: the user's registration of the class's schema (or,
     for a wrapper, of its kind), their word that the patch keeps no state. That word is
-    for the class: a subclass with a method of its own stays refused (it was accepted, and
-    its reset trained unlike a fresh one). Registrations last the process, so it runs apart."""
+    for the class: a subclass with a method of its own stays refused, a leaf's or a
+    wrapper's (it was accepted, and an AdamW subclass's reset trained unlike a fresh one).
+    Registrations last the process, so it runs apart."""
     script = textwrap.dedent(
         """
         import functools, torch, opttree
@@ -187,11 +188,23 @@ def test_a_patched_class_registered_by_the_user_is_reset_exactly() -> None:
         fresh.train(2, 2)
         assert all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))
         print("ok")
+
+        class Counting(member):  # a method of its own, which the registration of its base does not vouch for
+            def count(self):
+                return None
+
+        counted = build("dist_fp32")
+        counted.train(0, 2)
+        counted.optimizer.chained_optimizers[0].__class__ = Counting
+        problems = opttree.validate(counted.optimizer)
+        assert problems[0].kind.value == "unknown-wrapper", problems
+        assert "Counting defines its own count" in problems[0].message, problems[0].message
+        print("ok")
         """
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["ok", "ok", "ok"]
+    assert done.stdout.split() == ["ok", "ok", "ok", "ok"]
 
 
 def _function_from(path: str, name: str) -> Callable[..., object]:

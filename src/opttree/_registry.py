@@ -192,14 +192,17 @@ def kind_for(cls: type) -> Expander | None:
     """A class's wrapper kind (or leaf kind): a user's registration wins over a built-in
     one; none where users' registrations apply to it ambiguously. A subclass of a built-in
     wrapper kind that defines anything of its own (see :mod:`opttree._overrides`) may keep
-    optimizers or state elsewhere: its kind refuses it until it is registered."""
+    optimizers or state elsewhere: its kind refuses it until it is registered. A user's
+    registration covers the subclasses of a class of the user's own whatever they define;
+    one for a class of a built-in kind (registered again, to accept a patch of it) is the
+    user's word for that class, and its subclasses' own methods stay refused."""
     users = _user_kinds.resolved(cls)
     if isinstance(users, str):
         return refusing_kind(users)
     if users is not None:
         leaf = _schema_owner(cls)
         if leaf is None:
-            return users[1]
+            return _users_kind(cls, *users)
         if leaf is users[0]:
             return refusing_kind(
                 f"{dotted_name(leaf)} is registered as a wrapper kind and has a schema: a class is a leaf with a schema "
@@ -207,7 +210,7 @@ def kind_for(cls: type) -> Expander | None:
             )
         wrapper_at, leaf_at = _base_index(cls, users[0]), _base_index(cls, leaf)
         if wrapper_at == 0:
-            return users[1]
+            return _users_kind(cls, *users)
         if leaf_at != 0:
             if wrapper_at is None or leaf_at is None:
                 return refusing_kind(
@@ -216,14 +219,34 @@ def kind_for(cls: type) -> Expander | None:
                     "so neither is nearer: register the class itself with register_schema or register_wrapper"
                 )
             if wrapper_at < leaf_at:
-                return users[1]
+                return _users_kind(cls, *users)
         # a schema nearer than the wrapper kind: a leaf, as the schema says
     found = _builtin_kinds.lookup_owner(cls)
     if found is None:
         return None
     base, expand = found
-    if expand is expand_leaf or expand is expand_unknown_megatron:  # leaves: their schemas say
+    if not _is_wrapper_kind(found):  # leaves: their schemas say
         return expand
+    return _unless_own(cls, base, expand)
+
+
+def _users_kind(cls: type, owner: type, expand: Expander) -> Expander:
+    """A user's kind, registered for ``owner``, as it applies to ``cls``."""
+    builtin = _builtin_kinds.lookup_owner(owner)
+    if builtin is None or builtin[0] is not owner or not _is_wrapper_kind(builtin):
+        return expand
+    nearest = _builtin_kinds.lookup_owner(cls)
+    return expand if nearest is None else _unless_own(cls, nearest[0], expand)
+
+
+def _is_wrapper_kind(found: tuple[type, Expander]) -> bool:
+    """Whether a built-in kind is a wrapper's: not a leaf's, nor an unknown Megatron one's."""
+    return found[1] is not expand_leaf and found[1] is not expand_unknown_megatron
+
+
+def _unless_own(cls: type, base: type, expand: Expander) -> Expander:
+    """``expand``, or a refusing kind where ``cls`` defines something of its own below
+    ``base``, a wrapper kind opttree knows."""
     name = own_definition(cls, base)
     if name is None:
         return expand
