@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import opttree
-from tests.helpers import clone_model, model, refused_in_place, train, weights_equal
+from tests.helpers import clone_model, model, refused_in_place, snapshot, train, unchanged, weights_equal
 from tests.standins import TEFusedAdam
 
 ADAMW = opttree.schema_for(torch.optim.AdamW)
@@ -182,3 +182,79 @@ def test_attributes_a_schema_names_are_read_from_slots_too() -> None:
     opttree.reset(optimizer)
 
     assert int(flag) == 0
+
+
+class Lookahead:
+    """Lookahead over an inner optimizer: every second step (by the inner optimizer's own
+    count) the weights move halfway to slow copies it keeps, and take their place; a fresh
+    one copies the weights."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+        self.slow = [p.detach().clone() for group in inner.param_groups for p in group["params"]]
+
+    def weights(self) -> list[torch.Tensor]:
+        return [p for group in self.inner.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.inner.step()
+        if int(self.inner.state[self.weights()[0]]["step"]) % 2:
+            return
+        for slow, weight in zip(self.slow, self.weights(), strict=True):
+            slow.add_(weight - slow, alpha=0.5)
+            weight.copy_(slow)
+
+
+def _lookahead_inner(wrapper: Lookahead) -> list[tuple[str, object]]:
+    return [("inner", wrapper.inner)]
+
+
+opttree.register_wrapper(Lookahead, children=_lookahead_inner)
+
+
+def lookahead_over(net: torch.nn.Module) -> Lookahead:
+    return Lookahead(torch.optim.AdamW(net.parameters(), lr=1e-2))
+
+
+def train_lookahead(net: torch.nn.Module, wrapper: Lookahead, start: int, steps: int) -> None:
+    for i in range(start, start + steps):
+        wrapper.inner.zero_grad()
+        torch.autograd.backward(net(torch.randn(4, 6, generator=torch.Generator().manual_seed(i))).pow(2).mean())
+        wrapper.step()
+
+
+def test_tensors_a_registered_wrapper_holds_beside_its_optimizers_are_refused() -> None:
+    """A wrapper's kind names its optimizers: tensors it keeps of its own (Lookahead's slow
+    weights) were kept through a reset, validate said nothing, and it trained unlike a
+    fresh Lookahead. Refused with nothing changed, as a leaf's are; the way out the
+    refusal names, its optimizer reset directly and the slow weights by hand, is exact."""
+    net = model()
+    wrapper = lookahead_over(net)
+    train_lookahead(net, wrapper, 0, 3)
+    slow, inner = [s.clone() for s in wrapper.slow], snapshot(wrapper.inner)
+
+    problems = opttree.validate(wrapper)
+
+    assert [(p.kind, p.path, p.key) for p in problems] == [(opttree.ProblemKind.UNSUPPORTED_STATE, "<root>", "slow")]
+    assert "holds 4 tensor(s) in its attribute 'slow'" in problems[0].message
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"Lookahead at <root>: key 'slow': .*reset its optimizers directly"):
+        opttree.reset(wrapper)
+    assert unchanged(wrapper.inner, inner) and all(map(torch.equal, wrapper.slow, slow))
+
+    twin = clone_model(net)
+    opttree.reset(wrapper.inner)  # what the reset did: the slow weights kept
+    fresh = lookahead_over(twin)
+    train_lookahead(net, wrapper, 3, 3)
+    train_lookahead(twin, fresh, 3, 3)
+    assert not weights_equal(net, twin)
+
+    twin = clone_model(net)
+    opttree.reset(wrapper.inner)
+    with torch.no_grad():
+        for kept, weight in zip(wrapper.slow, wrapper.weights(), strict=True):
+            kept.copy_(weight)
+    fresh = lookahead_over(twin)
+    train_lookahead(net, wrapper, 6, 3)
+    train_lookahead(twin, fresh, 6, 3)
+    assert weights_equal(net, twin)

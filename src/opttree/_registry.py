@@ -230,6 +230,11 @@ def kind_for(cls: type) -> Expander | None:
     return _unless_own(cls, base, expand)
 
 
+def registered_wrapper(cls: type) -> bool:
+    """Whether a user's ``register_wrapper`` applies to ``cls``."""
+    return isinstance(_user_kinds.resolved(cls), tuple)
+
+
 def _users_kind(cls: type, owner: type, expand: Expander) -> Expander:
     """A user's kind, registered for ``owner``, as it applies to ``cls``."""
     builtin = _builtin_kinds.lookup_owner(owner)

@@ -11,11 +11,11 @@ import torch
 
 from opttree._eager import eager
 from opttree import _registry
-from opttree._containers import PLAIN_STATES, malformed, own_writes
+from opttree._containers import PLAIN_STATES, malformed, own_writes, tensors_held
 from opttree._dispatch import LazyDispatch, dotted_name, is_megatron_class
 from opttree._errors import OptTreeError
 from opttree._shards import detached_shards
-from opttree._held import Held, held_by_leaf, held_optimizers, only_bookkeeping, own_attributes
+from opttree._held import Held, beyond_bookkeeping, held_by_leaf, held_optimizers, held_tensors, only_bookkeeping, own_attributes
 from opttree._hooks import surely_known_hooks, unknown_global_step_hook, unknown_step_hook
 from opttree._identity import identity_key, identity_keys
 from opttree._adapter import TreeBuilder
@@ -380,11 +380,45 @@ class ValidateVisitor(TraverserVisitor):
             if megatron:
                 self._megatron_above.pop()
 
+    def _check_own_tensors(self, node: Node) -> None:
+        """A wrapper of a user's kind holding tensors in its attributes (a Lookahead's slow
+        weights, at any depth its holders are searched for optimizers) that are neither
+        parameters nor state of the optimizers below it, nor parameters and copies its
+        ``inner_params`` names: its kind names only its optimizers, and a reset of them would keep those
+        tensors, whatever they hold, where a fresh wrapper starts anew (a Lookahead reset
+        so trained unlike a fresh one). Refused, as a leaf's are. Megatron's wrappers' own
+        tensors are read by their kinds."""
+        cls = type(node.optimizer)
+        if not isinstance(node, WrapperNode) or is_megatron_class(cls) or not _registry.registered_wrapper(cls):
+            return
+        held = [(name, found) for name, value in beyond_bookkeeping(node.optimizer) if (found := held_tensors([(name, value)]))]
+        if not held:
+            return
+        known = set(map(object.__hash__, chain(tree_params(node), tensors_held(_all_values(_states_under(node))))))
+        inner_params = inner_params_of(node)
+        if inner_params is not None:
+            try:
+                pairs = list(inner_params(node.optimizer, node.path))
+            except OptTreeError:
+                return  # the master checks report the failure
+            known.update(object.__hash__(tensor) for param, copies in pairs for tensor in (param, *copies))
+        for name, found in held:
+            unknown = [label for label, tensors in found for tensor in tensors if object.__hash__(tensor) not in known]
+            if unknown:
+                message = (
+                    f"holds {len(unknown)} tensor(s) in its attribute {name!r} (the first at {unknown[0]}), neither "
+                    "parameters nor state of the optimizers below it: a reset of those would keep them, whatever they "
+                    "hold, where a fresh wrapper starts anew; reset its optimizers directly (their nodes in "
+                    "opttree.tree(wrapper)), and these tensors yourself"
+                )
+                self.problems.append(Problem(ProblemKind.UNSUPPORTED_STATE, node.path, cls.__qualname__, message, name))
+
     def _check_own_state(self, node: Node) -> None:
         """A wrapper that is a torch optimizer itself (a Lookahead, over the optimizer it
         steps) may keep state of its own: its kind names only the optimizers it holds,
         whose state a reset covers, so entries of its ``state`` that are not theirs (a
         HybridDeviceOptimizer's mirror its sub-optimizers') would be kept. Refused."""
+        self._check_own_tensors(node)
         if not is_a(node.optimizer, torch.optim.Optimizer):
             return
         own = own_attributes(node.optimizer).get("state")  # Megatron's is a property over its inner optimizer's
