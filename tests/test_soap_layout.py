@@ -87,6 +87,28 @@ def test_soap_over_a_column_major_weight_is_reset_exactly(name: str) -> None:
     assert torch.equal(weight, twin)
 
 
+def test_moments_cast_by_torchs_load_are_refused_naming_the_load() -> None:
+    """torch's ``load_state_dict`` casts floating-point state to its parameter's dtype:
+    SOAP's float32 moments (and its factors and bases, in the default dtype) of a bfloat16
+    weight come back bfloat16, where a fresh SOAP builds them float32. Refused, and the message names the load, not only a cast of the
+    weight, which never changed."""
+    from tests.test_emerging_catalogue import BUILD, _registry
+
+    weight = torch.nn.Parameter(torch.randn(4, 6, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16))
+    trained = BUILD["soap"](_registry()["soap"], [weight])
+    weight.grad = torch.ones_like(weight)
+    trained.step()
+    loaded = BUILD["soap"](_registry()["soap"], [weight])
+    loaded.load_state_dict(trained.state_dict())
+    assert loaded.state[weight]["exp_avg"].dtype is torch.bfloat16
+
+    problems = opttree.validate(loaded)
+
+    assert {p.key for p in problems} == {"exp_avg", "exp_avg_sq", "L", "R", "Q_L", "Q_R"}
+    assert all("or torch's load_state_dict cast it to the parameter's dtype" in p.message for p in problems)
+    assert not any("load_state_dict" in p.message for p in opttree.validate(trained))
+
+
 def test_soaps_kronecker_factors_follow_torchs_default_dtype() -> None:
     """SOAP builds its factors and eigenbases in torch's default dtype, its moments in
     float32: with the default switched to float64 after they were built, a fresh SOAP would

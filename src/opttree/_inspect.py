@@ -1065,11 +1065,13 @@ class LeafInspector:
         derived = built is not param_shapes or built_dtypes is not param_dtypes
         as_built = f"built as {_layout_text(built[first], built_dtypes[first])} for it; " if derived else ""
         settings = schema.shape_field(key) == "shape_with"
+        cast_by_load = dtypes[first] is param_dtypes[first] and built_dtypes[first] is not param_dtypes[first]
         message = (
             f"history of {_layout_text(shapes[first], dtypes[first])} where its parameter is "
             f"{_layout_text(param_shapes[first], param_dtypes[first])} ({as_built}{len(unlike)} of {count} such): the parameter was "
             "cast, reshaped or swapped after it was built"
             + (", or its optimizer's settings that shape it changed (a checkpoint of other settings loaded)" if settings else "")
+            + (", or torch's load_state_dict cast it to the parameter's dtype, as it casts floating-point state" if cast_by_load else "")
             + f", and a fresh optimizer would build it as {'they are' if settings else 'the parameter is'} now; "
             + self.rebuild_advice()
         )
