@@ -955,6 +955,11 @@ def test_registrations_no_leaf_or_wrapper_could_use_are_refused() -> None:
             opttree.register_wrapper(reexported, children=lambda wrapper: [])
     with pytest.raises(opttree.RegistrationError, match="megatron.core.optimizer.optimizer.ChainedOptimizer is a wrapper kind opttree knows"):
         opttree.register_schema("megatron.core.optimizer.ChainedOptimizer", opttree.StateSchema())
+    # paths that name no class in a module imported already: never a leaf's or a wrapper's
+    with pytest.raises(opttree.RegistrationError, match=r"got 'torch.optim.adamw', which names a module"):
+        opttree.register_schema("torch.optim.adamw", opttree.StateSchema())
+    with pytest.raises(opttree.RegistrationError, match=r"got 'torch.optim.adamw.adamw', which names a function in torch.optim.adamw"):
+        opttree.register_wrapper("torch.optim.adamw.adamw", children=lambda wrapper: [])
     param = torch.nn.Parameter(torch.ones(2))
     assert opttree.validate(torch.optim.Adam([param])) == ()
     assert [p.kind for p in opttree.validate(None)] == [opttree.ProblemKind.NOT_AN_OPTIMIZER]

@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Generic, TypeVar, cast
 
+from opttree._fields import kind_of
+
 V = TypeVar("V")
 
 
@@ -81,6 +83,28 @@ def imported_class(dotted: str) -> type | None:
         for name in parts[split + 1 :]:
             found = class_namespace(found).get(name) if isinstance(found, type) else None
         return found if isinstance(found, type) else None
+    return None
+
+
+def imported_non_class(dotted: str) -> str | None:
+    """What a dotted path names where that is no class, read as :func:`imported_class`
+    reads it: a module, or a module's function or other object ("a module", "a function
+    in torch.optim.adamw"). None where it names a class or nothing yet (a class made at
+    run time names its module without being in it, and matches its path all the same)."""
+    if dotted in sys.modules:
+        return "a module"
+    parts = dotted.split(".")
+    for split in range(min(len(parts) - 1, _MODULE_DEPTH), 0, -1):
+        module_name = ".".join(parts[:split])
+        module = sys.modules.get(module_name)
+        if module is None:
+            continue
+        if type(module) is not ModuleType or split != len(parts) - 1:
+            return None
+        found = module.__dict__.get(parts[split])
+        if found is None or isinstance(found, type):
+            return None
+        return f"{kind_of(found)} in {module_name}"
     return None
 
 

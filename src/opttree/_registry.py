@@ -22,7 +22,7 @@ from opttree._adapter import (
     refusing_kind,
     yielded_wrongly,
 )
-from opttree._dispatch import LazyDispatch, dotted_name, imported_class
+from opttree._dispatch import LazyDispatch, dotted_name, imported_class, imported_non_class
 from opttree._errors import OptTreeError, RegistrationError
 from opttree._schemas import builtin_schemas
 from opttree._schema import StateSchema, StepLocation
@@ -341,6 +341,10 @@ def _refuse_odd_path(function: str, dotted: str) -> None:
     if named is not None:
         _refuse_odd_class(function, named)
         return
+    other = imported_non_class(dotted)
+    if other is not None:
+        msg = f"{function} registers a class or its dotted path, got {dotted!r}, which names {other}"
+        raise RegistrationError(msg)
     if function == "register_schema" and dotted in MEGATRON_KINDS:
         msg = f"{dotted} is a wrapper kind opttree knows: the optimizers it holds carry the schemas"
         raise RegistrationError(msg)
