@@ -35,7 +35,7 @@ def view(plan: ResetPlan) -> PlanView:
     s = plan.state
     return (
         {key: [id(t) for t in tensors] for key, tensors in s.lists.items()},
-        [id(entry) for entry in s.number_steps],
+        [(id(entry), key) for entry, key, _ in s.number_writes],
         [(id(entry), key) for entry, key in s.drop],
         s.zeroed,
         s.steps,

@@ -548,3 +548,89 @@ def test_a_class_registered_with_a_schema_builds_its_steps_as_it_does() -> None:
     assert opttree.reset(optimizer).steps == 1 and optimizer.state[param]["step"].shape == (1,)
     optimizer.state[param]["step"] = torch.zeros(1, dtype=torch.bfloat16)
     refused_with_one_step_problem(optimizer, r"key 'step': step counter: it is bfloat16, where a fresh SharedAdam counts in a float32 tensor")
+
+
+class ScheduleFreeSGD(torch.optim.Optimizer):
+    """A schedule-free SGD in the shape of facebookresearch's: each param group counts its
+    steps ``k`` and the weight of its average ``weight_sum``, made there by ``setdefault``
+    at the first step; each parameter's ``z`` is built as a copy of it, and the weights
+    average toward it, by a share that shrinks as ``weight_sum`` grows."""
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            group["k"] = group.setdefault("k", 0) + 1
+            group["weight_sum"] = group.setdefault("weight_sum", 0.0) + group["lr"] * group["k"]
+            share = group["lr"] * group["k"] / group["weight_sum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                z = self.state[p].setdefault("z", p.detach().clone())
+                z.sub_(p.grad, alpha=group["lr"])
+                p.lerp_(z, share)
+
+
+class CountersLeftOut(ScheduleFreeSGD):
+    """The same, registered with a schema that leaves its group counters out."""
+
+
+opttree.register_schema(CountersLeftOut, opttree.StateSchema(drop={"z"}, rebuilds_missing=True))
+opttree.register_schema(ScheduleFreeSGD, opttree.StateSchema(drop={"z"}, rebuilds_missing=True, group_counters={"k", "weight_sum"}))
+
+
+def schedule_free(cls: type[ScheduleFreeSGD], net: torch.nn.Module) -> ScheduleFreeSGD:
+    return cls([p for p in net.parameters() if isinstance(p, torch.nn.Parameter)])
+
+
+def test_counters_a_schema_names_in_param_groups_are_set_back_as_a_fresh_group_holds_them() -> None:
+    """A group's counters other than ``step`` (``group_counters``) are deleted where the
+    defaults hold none, as a fresh group has none until its first step: the reset trains
+    as a fresh optimizer. A schema that leaves them out keeps them, and trained unlike
+    a fresh one: opttree cannot tell them from settings a user gave the group."""
+    for cls, exact in ((ScheduleFreeSGD, True), (CountersLeftOut, False)):
+        net = model()
+        optimizer = schedule_free(cls, net)
+        train(net, optimizer, 0, 3)
+        assert optimizer.param_groups[0]["k"] == 3
+
+        assert opttree.validate(optimizer) == ()
+        opttree.reset(optimizer)
+
+        assert ("k" in optimizer.param_groups[0]) is not exact
+        assert trains_as_fresh(net, optimizer, lambda twin: schedule_free(cls, twin), 3, 3) is exact
+
+
+def test_group_counters_go_with_the_steps() -> None:
+    """A reset that keeps steps keeps a group's counters; one that takes part of a group
+    with its steps is refused, naming them; counters in the defaults are set back to
+    their value there; a counter that is no number is refused, changing nothing."""
+    net = model()
+    optimizer = schedule_free(ScheduleFreeSGD, net)
+    train(net, optimizer, 0, 3)
+    first = next(iter(optimizer.state))
+
+    opttree.reset(optimizer, keys=["z"])
+    assert (optimizer.param_groups[0]["k"], "z" in optimizer.state[first]) == (3, False)
+    train(net, optimizer, 3, 1)
+    with pytest.raises(opttree.PartialResetRefused, match=r"param group 0 counts 'k' and 'weight_sum' for its 4 parameters and 1 are selected"):
+        opttree.reset(optimizer, params=[first], keys=["z", "step"])
+
+    optimizer.defaults["k"] = 0
+    opttree.reset(optimizer)
+    assert optimizer.param_groups[0]["k"] == 0 and "weight_sum" not in optimizer.param_groups[0]
+
+    train(net, optimizer, 4, 1)
+    optimizer.param_groups[0]["k"] = torch.tensor(1)
+    before = snapshot(optimizer)
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"key 'k': param group 0's counter 'k' is a Tensor, expected a number"):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before) and optimizer.param_groups[0]["weight_sum"] > 0
+
+
+@pytest.mark.parametrize("name", ["step", "params"])
+def test_group_counters_name_neither_the_step_nor_the_parameters(name: str) -> None:
+    with pytest.raises(opttree.RegistrationError, match=repr(name)):
+        opttree.StateSchema(group_counters={name})

@@ -54,6 +54,7 @@ from opttree._problems import Problem, ProblemKind
 from opttree._schema import BuiltFor, KeyAction, MasterOf, ScaleLookup, StateSchema, StepLocation, StepType
 from opttree._selection import EVERYTHING, Selection
 from opttree._fields import article, kind_of
+from opttree._numbers import real_number
 
 Placement = tuple[torch.dtype | None, torch.device | None]
 
@@ -356,6 +357,10 @@ def outside_dtypes(found: Extents, allowed: frozenset[torch.dtype]) -> tuple[int
     return len(wrong), wrong[0]
 
 
+_NO_VALUE = object()
+"""What a group or the defaults hold where they hold no value under a name."""
+
+
 class LeafInspector:
     """Plans the leaves of one optimizer class against its schema, recording every problem."""
 
@@ -404,6 +409,8 @@ class LeafInspector:
         for index, group in enumerate(optimizer.param_groups):
             params = list(group["params"])
             in_groups.extend(params)
+            if self.schema.group_counters:
+                self.plan_group_counters(node, index, group, params)
             step, held = _group_step(group)
             if step is None:
                 if held and self.resets("step"):
@@ -464,8 +471,8 @@ class LeafInspector:
         schema = self.schema
         if schema.scale_of is not None or schema.fill or schema.shape_with or self.selection.release or schema.indivisible:
             return False  # scales, fills and settings' shapes are looked up, releases and indivisible states planned, leaf by leaf
-        if schema.step_attributes or schema.master_groups is not None:
-            return False  # read from each leaf's own attributes
+        if schema.step_attributes or schema.master_groups is not None or schema.group_counters:
+            return False  # read from each leaf's own attributes and groups
         if schema.dropped_by_group_if and self.selection.tensors is not None:
             return False  # a partial drop checked group by group
         problems_before = len(self.problems)
@@ -707,9 +714,10 @@ class LeafInspector:
         if not self.written_by_own_code(node, [group], f"param group {index}", "step"):
             self.plan.state.drop.append((group, "step"))
 
-    def takes_group(self, node: Node, index: int, params: list[torch.Tensor]) -> bool:
-        """Whether the selection takes a group's step, which the group shares: all of its
-        parameters or none; part of them is refused."""
+    def takes_group(self, node: Node, index: int, params: list[torch.Tensor], counted: str = "one step", key: str = "step") -> bool:
+        """Whether the selection takes a group's step (or what else it ``counted`` under
+        ``key``), which the group shares: all of its parameters or none; part of them is
+        refused."""
         chosen = self.selection.tensors
         if chosen is None:
             return True
@@ -718,11 +726,32 @@ class LeafInspector:
             self.problem(
                 node,
                 ProblemKind.PARTIAL_GROUP,
-                f"param group {index} counts one step for its {len(params)} parameters and "
+                f"param group {index} counts {counted} for its {len(params)} parameters and "
                 f"{taken} are selected: select the whole group, or leave 'step' out of keys",
-                "step",
+                key,
             )
         return taken == len(params)
+
+    def plan_group_counters(self, node: LeafNode, index: int, group: StateEntry, params: list[torch.Tensor]) -> None:
+        """The options the schema's ``group_counters`` names, set back with the steps to
+        what a fresh optimizer's group holds: the defaults' value, or none."""
+        names = sorted(self.schema.group_counters)
+        if not self.resets("step") or not self.takes_group(node, index, params, " and ".join(map(repr, names)), names[0]):
+            return
+        defaults = node.optimizer.defaults
+        for name in names:
+            fresh = defaults.get(name, _NO_VALUE) if isinstance(defaults, Mapping) else _NO_VALUE
+            for what, value in ((f"param group {index}'s", group.get(name, _NO_VALUE)), ("its defaults'", fresh)):
+                if value is not _NO_VALUE and (isinstance(value, torch.Tensor) or real_number(value) is None):
+                    message = f"{what} counter {name!r} is {kind_of(value)}, expected a number: a reset sets it back to its defaults' value"
+                    self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, name)
+                    return
+            if self.written_by_own_code(node, [group], f"param group {index}", name):
+                return
+            if fresh is not _NO_VALUE:
+                self.plan.state.number_writes.append((group, name, cast(float, fresh)))
+            elif name in group:
+                self.plan.state.drop.append((group, name))
 
     def plan_group_step(
         self, node: Node, index: int, group: StateEntry, params: list[torch.Tensor], step: object
@@ -750,7 +779,7 @@ class LeafInspector:
                 return
             if self.written_by_own_code(node, [group], f"param group {index}", "step"):
                 return
-            state.number_steps.append((group, zero))
+            state.number_writes.append((group, "step", zero))
         state.steps += 1
         state.found_keys.add("step")
 
@@ -1306,14 +1335,14 @@ class LeafInspector:
         :func:`fresh_step_dtype` (zeroed in place, one of another shape or dtype stays so,
         and a compiled or differentiable step computes with it unlike a fresh one)."""
         numbers = [] if len(tensors) == len(having) else [entry for entry in having if not isinstance(entry[key], torch.Tensor)]
-        zeros: list[tuple[StateEntry, int | float]] = []
+        zeros: list[tuple[StateEntry, str, int | float]] = []
         for entry in numbers:
             zero = _zero_like(entry[key])
             if zero is None:
                 message = f"step counter is {kind_of(entry[key])}, expected a number or tensor"
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
                 return
-            zeros.append((entry, zero))
+            zeros.append((entry, key, zero))
         if numbers and self.schema.step_type is StepType.TENSOR:
             message = (
                 f"step counter is {kind_of(numbers[0][key])} ({len(numbers)} of {len(having)} entries) where "
@@ -1328,7 +1357,7 @@ class LeafInspector:
         if self.schema.step_type is StepType.INT:
             # replaced, not written; their ranges still show a step tensor shared by several
             into.step_ranges.extend(ranges(tensors).owned((*owner, key)))
-            into.number_steps.extend((entry, 0) for entry in having)
+            into.number_writes.extend((entry, key, 0) for entry in having)
             return
         if tensors:
             checked = writable_ranges(tensors)
@@ -1344,7 +1373,7 @@ class LeafInspector:
             into.zero_list((key, *placement)).extend(tensors)
             into.step_ranges.extend(checked.owned((*owner, key)))
             into.step_holders.append((key, having if not numbers else [entry for entry in having if isinstance(entry[key], torch.Tensor)]))
-        into.number_steps.extend(zeros)
+        into.number_writes.extend(zeros)
 
     def unfresh_steps(
         self,

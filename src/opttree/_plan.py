@@ -38,7 +38,8 @@ class StatePlan:
     fills: dict[tuple[ListKey, float], list[torch.Tensor]] = field(factory=dict)
     identities: list[tuple[str, torch.Tensor]] = field(factory=list)
     """Square history by key, also in ``lists``, whose diagonal is set to one once zeroed."""
-    number_steps: list[tuple[StateEntry, int | float]] = field(factory=list)
+    number_writes: list[tuple[StateEntry, str, int | float]] = field(factory=list)
+    """Numbers a reset sets: step counters held as numbers, in entries or groups, and group counters."""
     step_holders: list[tuple[str, list[StateEntry]]] = field(factory=list)
     """Per state key, the entries whose tensor steps are zeroed, to find one shared."""
     unshared: list[tuple[StateEntry, str]] = field(factory=list)
@@ -91,7 +92,7 @@ class StatePlan:
         for (key, value), tensors in other.fills.items():
             self.fill_list(key, value).extend(tensors)
         self.identities.extend(other.identities)
-        self.number_steps.extend(other.number_steps)
+        self.number_writes.extend(other.number_writes)
         self.step_holders.extend(other.step_holders)
         self.unshared.extend(other.unshared)
         self.release.extend(other.release)
@@ -155,8 +156,8 @@ class ResetPlan:
             setattr(holder, name, None)
         for (entry, key), step in zip(state.unshared, own_steps, strict=True):
             entry[key] = step
-        for entry, zero in state.number_steps:
-            entry["step"] = zero
+        for entry, key, number in state.number_writes:
+            entry[key] = number
         for optimizer, held in state.release:
             for param in held:
                 del optimizer.state[param]

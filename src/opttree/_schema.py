@@ -323,6 +323,15 @@ class StateSchema:
     counters zeroes them in place; one that keeps its counters keeps them; one that takes
     the counters of only some of its parameters is refused, since one flag counts for all.
 
+    ``group_counters``: options the optimizer counts in its param groups as it steps, other
+    than ``step`` (a schedule-free optimizer's ``k`` and ``weight_sum``, kept there by
+    ``setdefault``): numbers a reset sets back to what a fresh optimizer's group holds, its
+    defaults' value, or deletes where its defaults hold none (a fresh group has none until
+    its first step). They go with the steps: a reset that keeps steps (``keys`` without
+    ``"step"``) keeps them, and one that takes part of a group's parameters is refused.
+    A schema that leaves such a counter out keeps it, and opttree cannot tell it from a
+    setting a user gave the group: name every one.
+
     ``cached``: instance attributes where the optimizer caches what it derives from its
     parameters when it first needs it, None until then (LBFGS's ``_numel_cache``, the
     parameters' total size). A reset sets them back to None, as a fresh optimizer holds
@@ -373,6 +382,7 @@ class StateSchema:
     step_attributes: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     known_attributes: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     cached: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
+    group_counters: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     counted_with_step: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     expressed_in: tuple[tuple[str, frozenset[str]], ...] = field(converter=_bases, factory=tuple, kw_only=True)
     bound_together: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
@@ -531,8 +541,11 @@ class StateSchema:
                 msg = f"{name} names {sorted(named - history)}, which are neither zeroed, filled nor identity"
                 raise RegistrationError(msg)
         _named_apart(built)
-        if "step" in self.zero | self.drop | self.keep | self.filled | self.identity:
+        if "step" in self.zero | self.drop | self.keep | self.filled | self.identity | self.group_counters:
             msg = "'step' is described by StateSchema.step, not by a key set"
+            raise RegistrationError(msg)
+        if "params" in self.group_counters:
+            msg = "group_counters names 'params', a group's parameters: name the options the optimizer counts in its groups"
             raise RegistrationError(msg)
         if self.starts_at_first_step and not self.rebuilds_missing:
             msg = "starts_at_first_step deletes entries for the optimizer to build again: it needs rebuilds_missing=True"
