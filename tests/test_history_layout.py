@@ -154,6 +154,52 @@ def test_elementwise_history_in_an_old_layout_is_reset_and_steps_as_a_fresh_opti
     assert as_fresh(model, conv_optimizer, build)
 
 
+def half_precision_steps(weight: torch.nn.Parameter, optimizer: torch.optim.Optimizer, steps: range) -> None:
+    for k in steps:
+        weight.grad = torch.sin(weight.detach().float() * 0.7 + k).to(weight.dtype)
+        optimizer.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("build", "relaid"),
+    [
+        (lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.9, eps=1e-3), "gaps"),  # 1e-8 is 0 in float16
+        (lambda ps: torch.optim.Adadelta(ps, lr=0.1), "order"),
+    ],
+    ids=["RMSprop momentum, gaps", "Adadelta, old order"],
+)
+def test_elementwise_history_of_half_precision_weights_is_laid_out_as_a_fresh_optimizers(
+    build: Build, relaid: str, dtype: torch.dtype
+) -> None:
+    """torch's CPU loops round bfloat16 and float16 after each operation where operands
+    are laid out unlike each other: elementwise steps over such history, zeroed in place,
+    moved weights unlike a fresh optimizer's (``param.add_(buf, alpha=-lr)``). Its layout
+    is compared as any schema's is, and the reset refused with nothing changed."""
+    weight = torch.nn.Parameter((torch.randn(29, 67, generator=torch.Generator().manual_seed(0)) * 0.3).to(dtype))
+    optimizer = build([weight])
+    half_precision_steps(weight, optimizer, range(3))
+    if relaid == "gaps":
+        optimizer.state[weight] = {k: with_row_gaps(v) if v.shape == weight.shape else v for k, v in optimizer.state[weight].items()}
+    else:
+        weight.data = weight.data.t().contiguous().t()
+    before = snapshot(optimizer)
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="history laid out with strides"):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before)
+
+    for key, value in optimizer.state[weight].items():  # what the reset would have done
+        if key != "step":
+            value.zero_()
+    optimizer.state[weight]["step"].zero_()
+    twin = torch.nn.Parameter(weight.detach().clone().t().contiguous().t() if relaid == "order" else weight.detach().clone())
+    fresh = build([twin])
+    half_precision_steps(weight, optimizer, range(3, 8))
+    half_precision_steps(twin, fresh, range(3, 8))
+    assert not torch.equal(weight.view(torch.int16), twin.view(torch.int16))
+
+
 @needs_emerging
 def test_psgd_history_zeroed_in_its_old_layout_trains_unlike_a_fresh_optimizer() -> None:
     """The other side: what a reset in place would leave. Reset (exactly) while the weight

@@ -357,6 +357,9 @@ def outside_dtypes(found: Extents, allowed: frozenset[torch.dtype]) -> tuple[int
     return len(wrong), wrong[0]
 
 
+_ANY_LAYOUT = frozenset({torch.float32, torch.float64})
+"""The dtypes of parameters whose ``elementwise`` history steps alike in any layout."""
+
 _NO_VALUE = object()
 """What a group or the defaults hold where they hold no value under a name."""
 
@@ -1087,7 +1090,7 @@ class LeafInspector:
             shapes = list(map(_SHAPE, tensors))
         if shapes == built and dtypes == built_dtypes:
             if key in schema.like_param and not (checked.contiguous and all(layouts.contiguous)):
-                self.unlike_layouts(node, key, tensors, layouts.params, count)
+                self.unlike_layouts(node, key, tensors, layouts.params, param_dtypes, count)
             return
         unlike = [i for i, (a, b, c, d) in enumerate(zip(shapes, dtypes, built, built_dtypes, strict=True)) if a != c or b is not d]
         first = unlike[0]
@@ -1106,19 +1109,25 @@ class LeafInspector:
         )
         self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
 
-    def unlike_layouts(self, node: LeafNode, key: str, tensors: list[torch.Tensor], params: list[torch.Tensor], count: int) -> None:
+    def unlike_layouts(
+        self, node: LeafNode, key: str, tensors: list[torch.Tensor], params: list[torch.Tensor], dtypes: list[torch.dtype], count: int
+    ) -> None:
         """``like_param`` history laid out in memory otherwise than ``zeros_like`` lays it out
         for its parameter now, as a problem: the parameter's memory format changed after the
         history was built (``model.to(memory_format=torch.channels_last)``, a transposed
         tensor swapped in through ``.data``). Zeroed in place it keeps its old layout, and an
         optimizer that draws random numbers ``like`` its history (PSGD's) or multiplies it
         as a matrix steps otherwise than a fresh one. An optimizer whose steps are
-        ``elementwise`` steps each element alike in any layout (its elements apart, which
-        the preflight checks), so only its fused groups are compared, whose kernels read
-        history as ``zeros_like`` lays it out."""
+        ``elementwise`` steps each float32 and float64 element alike in any layout (its
+        elements apart, which the preflight checks), so only its fused groups are compared,
+        whose kernels read history as ``zeros_like`` lays it out, and its parameters of
+        other dtypes: torch's CPU loops round bfloat16 and float16 after each operation where
+        operands are laid out unlike each other, and after the whole expression where they
+        are alike (RMSprop's momentum with gaps, and Adadelta's history in a weight's old
+        order, stepped bfloat16 weights unlike a fresh one's)."""
         if self.schema.elementwise:
             fused = {id(param) for group in node.optimizer.param_groups if is_on(group.get("fused")) for param in group["params"]}
-            laid_out = [index for index, param in enumerate(params) if id(param) in fused]
+            laid_out = [index for index, (param, dtype) in enumerate(zip(params, dtypes, strict=True)) if id(param) in fused or dtype not in _ANY_LAYOUT]
             tensors, params = [tensors[index] for index in laid_out], [params[index] for index in laid_out]
         unlike = unlike_layouts(tensors, params, from_grad=key in self.schema.like_grad)
         if not unlike:

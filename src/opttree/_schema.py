@@ -212,9 +212,11 @@ class StateSchema:
     says nothing of the next.
 
     ``elementwise``: the optimizer steps each element of its ``like_param`` history apart
-    from the others (torch's Adam, RMSprop, ...), so history in any memory layout whose
-    elements are apart (another order of dimensions than its parameter's now, gaps between
-    elements as in a strided slice of a larger buffer) steps as a fresh optimizer's does.
+    from the others (torch's Adam, RMSprop, ...), so history of float32 and float64
+    parameters in any memory layout whose elements are apart (another order of dimensions
+    than its parameter's now, gaps between elements as in a strided slice of a larger
+    buffer) steps as a fresh optimizer's does (bfloat16 and float16 do not: torch rounds
+    them after each operation where operands are laid out unlike each other).
     Otherwise (a matrix product over it, Muon's; random numbers drawn like it, PSGD's; an
     optimizer nobody has said this of) history not laid out as a fresh one's is refused,
     as it is in a fused group of any optimizer, whose kernels read memory as
