@@ -207,6 +207,58 @@ def test_a_patched_class_registered_by_the_user_is_reset_exactly() -> None:
     assert done.stdout.split() == ["ok", "ok", "ok", "ok"]
 
 
+def test_a_registration_vouches_for_its_own_class_not_a_patched_subclass_nor_an_instance() -> None:
+    """A registration is the user's word for the class it names: Adam's is not for a patch
+    of AdamW (a subclass), MegatronOptimizer's not for a patch of
+    Float16OptimizerWithFloat16Params, and AdamW's not for a step set on one AdamW.
+    Each was accepted, and trained unlike a fresh optimizer. Registrations last the
+    process, so it runs apart."""
+    script = textwrap.dedent(
+        """
+        import functools, types, torch, opttree
+        from megatron.core.optimizer import ChainedOptimizer, Float16OptimizerWithFloat16Params, MegatronOptimizer
+        from opttree import testing
+        from tests.helpers import model, train
+        original = torch.optim.AdamW.step
+
+        @functools.wraps(original)
+        def logged_step(self, closure=None):
+            return original(self, closure)
+
+        torch.optim.AdamW.step = logged_step
+        opttree.register_schema(torch.optim.Adam, opttree.schema_for(torch.optim.Adam))
+        problems = opttree.validate(torch.optim.AdamW(model().parameters()))
+        assert [p.kind.value for p in problems] == ["unsupported-optimizer"] and "AdamW.step runs code from" in problems[0].message, problems
+        torch.optim.AdamW.step = original
+        print("ok")
+
+        opttree.register_schema(torch.optim.AdamW, opttree.schema_for(torch.optim.AdamW))
+        net = model()
+        optimizer = torch.optim.AdamW(net.parameters())
+        train(net, optimizer, 0, 2)
+        optimizer.step = types.MethodType(lambda self, closure=None: original(self, closure), optimizer)
+        problems = opttree.validate(optimizer)
+        assert [p.kind.value for p in problems] == ["unsupported-optimizer"] and "holds its own step on the instance" in problems[0].message, problems
+        print("ok")
+
+        member_step = Float16OptimizerWithFloat16Params.step_with_ready_grads
+        Float16OptimizerWithFloat16Params.step_with_ready_grads = lambda self: member_step(self)
+        opttree.register_wrapper(
+            MegatronOptimizer,
+            children=lambda w: [(f"chained[{i}]", m) for i, m in enumerate(w.chained_optimizers)] if isinstance(w, ChainedOptimizer) else [("optimizer", w.optimizer)],
+        )
+        stack = testing.build("bf16")
+        stack.train(0, 2)
+        problems = opttree.validate(stack.optimizer)
+        assert "unknown-wrapper" in [p.kind.value for p in problems], problems
+        print("ok")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["ok", "ok", "ok"]
+
+
 def _function_from(path: str, name: str) -> Callable[..., object]:
     """A function whose code says it lies in ``path``, as one defined in that file would."""
     namespace: dict[str, object] = {}

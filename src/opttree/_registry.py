@@ -89,34 +89,61 @@ def builds_as_its_schema_says(cls: type) -> bool:
 def instance_builder(optimizer: object) -> str | None:
     """The first method ``optimizer`` holds in its own ``__dict__`` over its class's,
     where a built-in schema applies to the class: a ``step`` set on one instance may keep
-    other state, as a subclass's may. None where it holds none, or a user's registration applies."""
-    return _unregistered_instance_method(optimizer, _user_schemas)
+    other state, as a subclass's may. None where it holds none, or a user's registration
+    of a class of their own applies (see :func:`_vouched_for_instances`)."""
+    return _unregistered_instance_method(optimizer, _user_schemas, _builtin_schemas)
 
 
 def wrapper_instance_method(wrapper: object) -> str | None:
     """The first method a wrapper of a built-in kind holds in its own ``__dict__`` over its
     class's (a ``step`` that warms the lr up, set on one ChainedOptimizer): where its kind
-    is a user's registration, the registration says what it keeps."""
-    return _unregistered_instance_method(wrapper, _user_kinds)
+    is a user's registration of a class of their own, the registration says what it keeps."""
+    return _unregistered_instance_method(wrapper, _user_kinds, _builtin_kinds)
 
 
-def _unregistered_instance_method(obj: object, registrations: LazyDispatch[StateSchema] | LazyDispatch[Expander]) -> str | None:
+def _unregistered_instance_method(
+    obj: object, registrations: LazyDispatch[StateSchema] | LazyDispatch[Expander], builtins: LazyDispatch[StateSchema] | LazyDispatch[Expander]
+) -> str | None:
     method = own_instance_method(obj)
-    if method is None or registrations.resolved(type(obj)) is not None:
+    if method is None or _vouched_for_instances(type(obj), registrations, builtins):
         return None
     return method
+
+
+def _vouched_for_instances(
+    cls: type, registrations: LazyDispatch[StateSchema] | LazyDispatch[Expander], builtins: LazyDispatch[StateSchema] | LazyDispatch[Expander]
+) -> bool:
+    """Whether a user's registration applying to ``cls`` is for a class of the user's own
+    (none opttree has a schema or kind for itself), at or below the built-in one that
+    would apply: their word for its instances too. One for a class opttree knows (AdamW's
+    registered again, Adam's for an AdamW, MegatronOptimizer's for Megatron's wrappers) is
+    their word for that class, not for a method set on one instance."""
+    users = registrations.resolved(cls)
+    if not isinstance(users, tuple):
+        return False
+    own = builtins.lookup_owner(users[0])
+    nearest = builtins.lookup_owner(cls)
+    return (own is None or own[0] is not users[0]) and (nearest is None or issubclass(users[0], nearest[0]))
+
+
+def _registered_at_or_below(registrations: LazyDispatch[StateSchema] | LazyDispatch[Expander], cls: type, known: type) -> bool:
+    """Whether a user's registration applying to ``cls`` is for ``known`` (the class of
+    the built-in schema or kind that would apply) or a class below it: the user's word
+    for what ``known``, as it is now, keeps. One for a base of it (Adam's, for a patched
+    AdamW; MegatronOptimizer's, for a patched Float16OptimizerWithFloat16Params) is not."""
+    users = registrations.resolved(cls)
+    return isinstance(users, tuple) and issubclass(users[0], known)
 
 
 def patched_schema_reason(cls: type) -> str | None:
     """Why a leaf class whose built-in schema applies is refused: the class the schema is
     for, or a base of it, holds a method patched in from outside its package (see
     :func:`~opttree._overrides.foreign_method`); None where none is, or a user's
-    registration applies, which is the user's word for what the class keeps."""
-    if _user_schemas.resolved(cls) is not None:
-        return None
+    registration for that class or below it applies, which is the user's word for what
+    the class keeps."""
     found = _builtin_schemas.lookup_owner(cls)
     patch = None if found is None else foreign_method(found[0])
-    if patch is None:
+    if found is None or patch is None or _registered_at_or_below(_user_schemas, cls, found[0]):
         return None
     return (
         f"{_patch_text(patch)}: a patch of a class whose state opttree knows may build, count or change state it does "
@@ -128,13 +155,11 @@ def patched_schema_reason(cls: type) -> str | None:
 def patched_kind_reason(cls: type) -> str | None:
     """:func:`patched_schema_reason` for a wrapper of a built-in kind: a patched method
     may keep optimizers or state its kind does not say."""
-    if _user_kinds.resolved(cls) is not None:
-        return None
     found = _builtin_kinds.lookup_owner(cls)
-    if found is None or found[1] in (expand_leaf, expand_unknown_megatron):  # a leaf's schema says; an unknown one is refused
+    if found is None or not _is_wrapper_kind(found):  # a leaf's schema says; an unknown one is refused
         return None
     patch = foreign_method(found[0])
-    if patch is None:
+    if patch is None or _registered_at_or_below(_user_kinds, cls, found[0]):
         return None
     return (
         f"{_patch_text(patch)}: a patch of a wrapper kind opttree knows may keep optimizers or state the kind does not "
