@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import opttree
-from tests.helpers import clone_model, model, refused_in_place, snapshot, train, unchanged, weights_equal
+from opttree import testing
+from tests.helpers import clone_model, model, refused_in_place, snapshot, train, trains_as_fresh_stack, unchanged, weights_equal
 from tests.standins import TEFusedAdam
 
 ADAMW = opttree.schema_for(torch.optim.AdamW)
@@ -258,3 +259,50 @@ def test_tensors_a_registered_wrapper_holds_beside_its_optimizers_are_refused() 
     train_lookahead(net, wrapper, 6, 3)
     train_lookahead(twin, fresh, 6, 3)
     assert weights_equal(net, twin)
+
+
+class Trainer:
+    """A training loop's wrapper: its optimizer, and the model's parameters and their
+    gradients, kept for clipping."""
+
+    def __init__(self, optimizer: object, params: list[torch.nn.Parameter]) -> None:
+        self.optimizer = optimizer
+        self.params = params
+        self.grads = [p.grad for p in params if p.grad is not None]
+
+
+def _trainer_optimizer(trainer: Trainer) -> list[tuple[str, object]]:
+    return [("optimizer", trainer.optimizer)]
+
+
+opttree.register_wrapper(Trainer, children=_trainer_optimizer)
+
+
+def test_a_registered_wrapper_keeping_the_models_parameters_and_gradients_is_not_refused() -> None:
+    """A model's parameters, frozen ones too, and their gradients are no state of the
+    wrapper's own; nor, under a mixed-precision stack, are the model weights whose fp32
+    copies its optimizers step (each was refused once the wrapper's tensors were checked)."""
+    net = model()
+    frozen = next(iter(net.parameters()))
+    frozen.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
+    train(net, optimizer, 0, 3)
+    trainer = Trainer(optimizer, list(net.parameters()))
+    assert trainer.grads and frozen in trainer.params
+
+    assert opttree.validate(trainer) == ()
+    opttree.reset(trainer)
+    twin = clone_model(net)
+    next(iter(twin.parameters())).requires_grad_(False)
+    fresh = torch.optim.AdamW([p for p in twin.parameters() if p.requires_grad], lr=1e-2)
+    train(net, optimizer, 3, 3)
+    train(twin, fresh, 3, 3)
+    assert weights_equal(net, twin)
+
+    for name in ("bf16", "dist_fp16"):
+        stack = testing.build(name)
+        stack.train(0, 3)
+        trainer = Trainer(stack.optimizer, list(stack.model.parameters()))
+        assert opttree.validate(trainer) == ()
+        opttree.reset(trainer)
+        assert trains_as_fresh_stack(stack, testing.build(name), 3, 3)

@@ -383,10 +383,12 @@ class ValidateVisitor(TraverserVisitor):
     def _check_own_tensors(self, node: Node) -> None:
         """A wrapper of a user's kind holding tensors in its attributes (a Lookahead's slow
         weights, at any depth its holders are searched for optimizers) that are neither
-        parameters nor state of the optimizers below it, nor parameters and copies its
-        ``inner_params`` names: its kind names only its optimizers, and a reset of them would keep those
-        tensors, whatever they hold, where a fresh wrapper starts anew (a Lookahead reset
-        so trained unlike a fresh one). Refused, as a leaf's are. Megatron's wrappers' own
+        parameters (``nn.Parameter`` objects, those of the optimizers below it, and the parameters
+        and copies the ``inner_params`` of the wrappers at or below it name: a model's
+        weights under a mixed-precision stack), their gradients, nor state of the optimizers
+        below it: its kind names only its optimizers, and a reset of them would keep those
+        tensors, whatever they hold, where a fresh wrapper starts anew (a Lookahead reset so
+        trained unlike a fresh one). Refused, as a leaf's are. Megatron's wrappers' own
         tensors are read by their kinds."""
         cls = type(node.optimizer)
         if not isinstance(node, WrapperNode) or is_megatron_class(cls) or not _registry.registered_wrapper(cls):
@@ -394,22 +396,29 @@ class ValidateVisitor(TraverserVisitor):
         held = [(name, found) for name, value in beyond_bookkeeping(node.optimizer) if (found := held_tensors([(name, value)]))]
         if not held:
             return
-        known = set(map(object.__hash__, chain(tree_params(node), tensors_held(_all_values(_states_under(node))))))
-        inner_params = inner_params_of(node)
-        if inner_params is not None:
+        params: list[object] = list(tree_params(node))
+        for below in tree_nodes(node):
+            inner_params = inner_params_of(below)
+            if inner_params is None:
+                continue
             try:
-                pairs = list(inner_params(node.optimizer, node.path))
+                pairs = list(inner_params(below.optimizer, below.path))
             except OptTreeError:
                 return  # the master checks report the failure
-            known.update(object.__hash__(tensor) for param, copies in pairs for tensor in (param, *copies))
+            params.extend(tensor for param, copies in pairs for tensor in (param, *copies))
+        weights = [param for param in params if isinstance(param, torch.Tensor)]
+        known = set(map(object.__hash__, chain(weights, held_gradients(weights), tensors_held(_all_values(_states_under(node))))))
         for name, found in held:
-            unknown = [label for label, tensors in found for tensor in tensors if object.__hash__(tensor) not in known]
+            unknown = [
+                label for label, tensors in found for tensor in tensors if object.__hash__(tensor) not in known and not isinstance(tensor, torch.nn.Parameter)
+            ]
             if unknown:
                 message = (
                     f"holds {len(unknown)} tensor(s) in its attribute {name!r} (the first at {unknown[0]}), neither "
-                    "parameters nor state of the optimizers below it: a reset of those would keep them, whatever they "
-                    "hold, where a fresh wrapper starts anew; reset its optimizers directly (their nodes in "
-                    "opttree.tree(wrapper)), and these tensors yourself"
+                    "parameters (a model's, or copies the optimizers below it step), their gradients, nor state of "
+                    "those optimizers: a reset of those would keep them, whatever they hold, where a fresh wrapper "
+                    "starts anew; reset its optimizers directly (their nodes in opttree.tree(wrapper)), and these "
+                    "tensors yourself"
                 )
                 self.problems.append(Problem(ProblemKind.UNSUPPORTED_STATE, node.path, cls.__qualname__, message, name))
 
