@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 FACTORY = "tests.test_cli:chained_adamw"
@@ -77,20 +78,40 @@ def test_describe_json_gives_problems_as_objects() -> None:
     }
 
 
+class Talkative:
+    """A wrapper whose registered children function prints, as the tree is built."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+
+
+def _talkative_children(wrapper: Talkative) -> list[tuple[str, object]]:
+    print("listing the children")
+    return [("inner", wrapper.inner)]
+
+
 def talkative() -> object:
+    import os
+
+    import opttree
+
+    opttree.register_wrapper(Talkative, children=_talkative_children)
     print("building the optimizer")
-    return homegrown()
+    os.write(1, b"below Python\n")
+    return Talkative(homegrown())
 
 
-def test_json_is_all_of_stdout_whatever_the_factory_prints() -> None:
-    """What a factory prints goes to stderr with ``--json``: it came before the JSON on
+@pytest.mark.parametrize("command", ["describe", "validate"])
+def test_json_is_all_of_stdout_whatever_the_factory_prints(command: str) -> None:
+    """What a factory prints, through Python or below it, and what registered functions
+    print as the tree is built, go to stderr with ``--json``: they came before the JSON on
     stdout, which then did not parse."""
     done = subprocess.run(
-        [sys.executable, "-m", "opttree", "validate", "tests.test_cli:talkative", "--json"], capture_output=True, text=True, check=False, timeout=180
+        [sys.executable, "-m", "opttree", command, "tests.test_cli:talkative", "--json"], capture_output=True, text=True, check=False, timeout=180
     )
-    assert done.returncode == 1
+    assert done.returncode == (1 if command == "validate" else 0)
     assert [p["kind"] for p in json.loads(done.stdout)["problems"]] == ["unsupported-optimizer"]
-    assert "building the optimizer" in done.stderr
+    assert all(line in done.stderr for line in ("building the optimizer", "below Python", "listing the children"))
     assert "building the optimizer" in run(factory="tests.test_cli:talkative")  # printed as it was without --json
 
 

@@ -13,7 +13,7 @@ import importlib
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from opttree._api import describe, validate
 from opttree._trees import lenient_tree
@@ -115,6 +115,26 @@ def refuse_non_optimizer(spec: str, problems: Sequence[Problem]) -> None:
             raise SystemExit(msg)
 
 
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send to stderr what is written to stdout meanwhile, through ``sys.stdout`` and below
+    it (a subprocess, ``os.write(1, ...)``, C code) where stdout is a file descriptor."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no file descriptor 1: what Python prints is all there is to send
+        saved = None
+    try:
+        if saved is not None:
+            os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
 def parser() -> argparse.ArgumentParser:
     help_text = (__doc__ or "").replace("``", "")  # the docstring's literals, without their reST quotes
     parser = argparse.ArgumentParser(prog="opttree", description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -134,15 +154,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     spec: str = args.factory
     describing = args.command == "describe"
-    # With --json, what the factory's module and call print goes to stderr: stdout is the JSON alone.
-    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+    # With --json, what the module, the factory and registered functions print goes to stderr: stdout is the JSON alone.
+    with stdout_to_stderr() if args.json else contextlib.nullcontext():
         optimizer = call_factory(spec)
         problems = validate(optimizer)
-    refuse_non_optimizer(spec, problems)
-    if args.json:
+        refuse_non_optimizer(spec, problems)
         payload: dict[str, object] = {"problems": [p.to_dict() for p in problems]}
-        if describing:
+        if args.json and describing:
             payload = {"tree": lenient_tree(optimizer)[0].accept(JsonVisitor()), **payload}
+    if args.json:
         json.dump(payload, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
