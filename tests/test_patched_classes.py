@@ -126,23 +126,36 @@ def test_torchs_own_deprecation_wrapper_is_not_a_patch() -> None:
     assert opttree.validate(torch.optim.Adam(model().parameters())) == ()
 
 
+_PATCHED_ADAMW = """
+import functools, torch, opttree
+original = torch.optim.AdamW.step
+
+@functools.wraps(original)
+def logged_step(self, closure=None):
+    return original(self, closure)
+
+torch.optim.AdamW.step = logged_step
+"""
+"""AdamW's step patched from outside torch: the start of each script run apart."""
+
+
+def run_apart(script: str, oks: int) -> None:
+    """Run ``script`` after :data:`_PATCHED_ADAMW` in a process of its own (registrations
+    last the process), and check that it printed ``ok`` ``oks`` times."""
+    done = subprocess.run([sys.executable, "-c", _PATCHED_ADAMW + textwrap.dedent(script)], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["ok"] * oks
+
+
 def test_a_patched_class_registered_by_the_user_is_reset_exactly() -> None:
     """The refusal names the way out: the user's registration of the class's schema (or,
     for a wrapper, of its kind), their word that the patch keeps no state. That word is
     for the class: a subclass with a method of its own stays refused, a leaf's or a
     wrapper's (it was accepted, and an AdamW subclass's reset trained unlike a fresh one).
     Registrations last the process, so it runs apart."""
-    script = textwrap.dedent(
+    run_apart(
         """
-        import functools, torch, opttree
         from tests.helpers import model, train, trains_as_fresh
-        original = torch.optim.AdamW.step
-
-        @functools.wraps(original)
-        def logged_step(self, closure=None):
-            return original(self, closure)
-
-        torch.optim.AdamW.step = logged_step
         net = model()
         optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
         train(net, optimizer, 0, 3)
@@ -200,11 +213,9 @@ def test_a_patched_class_registered_by_the_user_is_reset_exactly() -> None:
         assert problems[0].kind.value == "unknown-wrapper", problems
         assert "Counting defines its own count" in problems[0].message, problems[0].message
         print("ok")
-        """
+        """,
+        oks=4,
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["ok", "ok", "ok", "ok"]
 
 
 def test_a_registration_vouches_for_its_own_class_not_a_patched_subclass_nor_an_instance() -> None:
@@ -213,19 +224,12 @@ def test_a_registration_vouches_for_its_own_class_not_a_patched_subclass_nor_an_
     Float16OptimizerWithFloat16Params, and AdamW's not for a step set on one AdamW.
     Each was accepted, and trained unlike a fresh optimizer. Registrations last the
     process, so it runs apart."""
-    script = textwrap.dedent(
+    run_apart(
         """
-        import functools, types, torch, opttree
+        import types
         from megatron.core.optimizer import ChainedOptimizer, Float16OptimizerWithFloat16Params, MegatronOptimizer
         from opttree import testing
         from tests.helpers import model, train
-        original = torch.optim.AdamW.step
-
-        @functools.wraps(original)
-        def logged_step(self, closure=None):
-            return original(self, closure)
-
-        torch.optim.AdamW.step = logged_step
         opttree.register_schema(torch.optim.Adam, opttree.schema_for(torch.optim.Adam))
         problems = opttree.validate(torch.optim.AdamW(model().parameters()))
         assert [p.kind.value for p in problems] == ["unsupported-optimizer"] and "AdamW.step runs code from" in problems[0].message, problems
@@ -252,11 +256,9 @@ def test_a_registration_vouches_for_its_own_class_not_a_patched_subclass_nor_an_
         problems = opttree.validate(stack.optimizer)
         assert "unknown-wrapper" in [p.kind.value for p in problems], problems
         print("ok")
-        """
+        """,
+        oks=3,
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["ok", "ok", "ok"]
 
 
 def _function_from(path: str, name: str) -> Callable[..., object]:
