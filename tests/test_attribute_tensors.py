@@ -4,6 +4,7 @@ them, so unless the leaf's schema names them they are refused, never kept by acc
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import functools
 import types
@@ -279,22 +280,21 @@ opttree.register_wrapper(Trainer, children=_trainer_optimizer)
 
 
 def test_a_registered_wrapper_keeping_the_models_parameters_and_gradients_is_not_refused() -> None:
-    """A model's parameters, frozen ones too, and their gradients are no state of the
+    """The parameters its optimizers step and their gradients are no state of the
     wrapper's own; nor, under a mixed-precision stack, are the model weights whose fp32
-    copies its optimizers step (each was refused once the wrapper's tensors were checked)."""
+    copies its optimizers step (each was refused once the wrapper's tensors were checked).
+    An ``nn.Parameter`` no optimizer steps is refused: a frozen weight cannot be told from
+    an EMA model's copy, which a reset would keep."""
     net = model()
-    frozen = next(iter(net.parameters()))
-    frozen.requires_grad_(False)
-    optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
     train(net, optimizer, 0, 3)
     trainer = Trainer(optimizer, list(net.parameters()))
-    assert trainer.grads and frozen in trainer.params
+    assert trainer.grads
 
     assert opttree.validate(trainer) == ()
     opttree.reset(trainer)
     twin = clone_model(net)
-    next(iter(twin.parameters())).requires_grad_(False)
-    fresh = torch.optim.AdamW([p for p in twin.parameters() if p.requires_grad], lr=1e-2)
+    fresh = torch.optim.AdamW(twin.parameters(), lr=1e-2)
     train(net, optimizer, 3, 3)
     train(twin, fresh, 3, 3)
     assert weights_equal(net, twin)
@@ -306,3 +306,9 @@ def test_a_registered_wrapper_keeping_the_models_parameters_and_gradients_is_not
         assert opttree.validate(trainer) == ()
         opttree.reset(trainer)
         assert trains_as_fresh_stack(stack, testing.build(name), 3, 3)
+
+    averaged = Trainer(optimizer, [*net.parameters(), *copy.deepcopy(net).parameters()])  # an EMA model's weights beside them
+    problems = opttree.validate(averaged)
+    assert [(p.key, p.path) for p in problems] == [("params", "<root>")] and "holds 4 tensor(s) in its attribute 'params'" in problems[0].message
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="hold it, not a list of its frozen weights"):
+        opttree.reset(averaged)

@@ -577,36 +577,48 @@ class CountersLeftOut(ScheduleFreeSGD):
     """The same, registered with a schema that leaves its group counters out."""
 
 
+class CountersFromInit(ScheduleFreeSGD):
+    """The same, with its counters put in each group by ``__init__``, not by the first step."""
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: float = 0.1) -> None:
+        super().__init__(params, lr)
+        for group in self.param_groups:
+            group["k"], group["weight_sum"] = 0, 0.0
+
+
 opttree.register_schema(CountersLeftOut, opttree.StateSchema(drop={"z"}, rebuilds_missing=True))
-opttree.register_schema(ScheduleFreeSGD, opttree.StateSchema(drop={"z"}, rebuilds_missing=True, group_counters={"k", "weight_sum"}))
+opttree.register_schema(ScheduleFreeSGD, opttree.StateSchema(drop={"z"}, rebuilds_missing=True, group_counters={"k": None, "weight_sum": None}))
+opttree.register_schema(CountersFromInit, opttree.StateSchema(drop={"z"}, rebuilds_missing=True, group_counters={"k": 0, "weight_sum": 0.0}))
 
 
 def schedule_free(cls: type[ScheduleFreeSGD], net: torch.nn.Module) -> ScheduleFreeSGD:
     return cls([p for p in net.parameters() if isinstance(p, torch.nn.Parameter)])
 
 
-def test_counters_a_schema_names_in_param_groups_are_set_back_as_a_fresh_group_holds_them() -> None:
-    """A group's counters other than ``step`` (``group_counters``) are deleted where the
-    defaults hold none, as a fresh group has none until its first step: the reset trains
-    as a fresh optimizer. A schema that leaves them out keeps them, and trained unlike
-    a fresh one: opttree cannot tell them from settings a user gave the group."""
-    for cls, exact in ((ScheduleFreeSGD, True), (CountersLeftOut, False)):
-        net = model()
-        optimizer = schedule_free(cls, net)
-        train(net, optimizer, 0, 3)
-        assert optimizer.param_groups[0]["k"] == 3
+@pytest.mark.parametrize(("cls", "exact"), [(ScheduleFreeSGD, True), (CountersFromInit, True), (CountersLeftOut, False)])
+def test_counters_a_schema_names_in_param_groups_are_set_back_as_a_fresh_group_holds_them(cls: type[ScheduleFreeSGD], exact: bool) -> None:
+    """A group's counters other than ``step`` (``group_counters``) are set back to what
+    they start as in a fresh group, or deleted where it has none until its first step:
+    the reset trains as a fresh optimizer (deleting one that ``__init__`` makes made the
+    next step raise). A schema that leaves them out keeps them, and trained unlike a fresh
+    one: opttree cannot tell them from settings a user gave the group."""
+    net = model()
+    optimizer = schedule_free(cls, net)
+    train(net, optimizer, 0, 3)
+    assert optimizer.param_groups[0]["k"] == 3
 
-        assert opttree.validate(optimizer) == ()
-        opttree.reset(optimizer)
+    assert opttree.validate(optimizer) == ()
+    opttree.reset(optimizer)
 
-        assert ("k" in optimizer.param_groups[0]) is not exact
-        assert trains_as_fresh(net, optimizer, lambda twin: schedule_free(cls, twin), 3, 3) is exact
+    assert optimizer.param_groups[0].get("k") == {ScheduleFreeSGD: None, CountersFromInit: 0, CountersLeftOut: 3}[cls]
+    assert trains_as_fresh(net, optimizer, lambda twin: schedule_free(cls, twin), 3, 3) is exact
 
 
 def test_group_counters_go_with_the_steps() -> None:
-    """A reset that keeps steps keeps a group's counters; one that takes part of a group
-    with its steps is refused, naming them; counters in the defaults are set back to
-    their value there; a counter that is no number is refused, changing nothing."""
+    """``keys`` naming ``"step"`` takes a group's counters, though its schema has no step
+    counter of its own (it was refused as naming no key the optimizer has); a reset that
+    keeps steps keeps them; one that takes part of a group with its steps is refused,
+    naming them; a counter that is no number is refused, changing nothing."""
     net = model()
     optimizer = schedule_free(ScheduleFreeSGD, net)
     train(net, optimizer, 0, 3)
@@ -617,10 +629,8 @@ def test_group_counters_go_with_the_steps() -> None:
     train(net, optimizer, 3, 1)
     with pytest.raises(opttree.PartialResetRefused, match=r"param group 0 counts 'k' and 'weight_sum' for its 4 parameters and 1 are selected"):
         opttree.reset(optimizer, params=[first], keys=["z", "step"])
-
-    optimizer.defaults["k"] = 0
-    opttree.reset(optimizer)
-    assert optimizer.param_groups[0]["k"] == 0 and "weight_sum" not in optimizer.param_groups[0]
+    opttree.reset(optimizer, keys=["step"])
+    assert "k" not in optimizer.param_groups[0] and "z" in optimizer.state[first]
 
     train(net, optimizer, 4, 1)
     optimizer.param_groups[0]["k"] = torch.tensor(1)
@@ -630,7 +640,10 @@ def test_group_counters_go_with_the_steps() -> None:
     assert unchanged(optimizer, before) and optimizer.param_groups[0]["weight_sum"] > 0
 
 
-@pytest.mark.parametrize("name", ["step", "params"])
-def test_group_counters_name_neither_the_step_nor_the_parameters(name: str) -> None:
-    with pytest.raises(opttree.RegistrationError, match=repr(name)):
-        opttree.StateSchema(group_counters={name})
+@pytest.mark.parametrize(
+    ("counters", "message"),
+    [({"step": None}, "'step'"), ({"params": None}, "'params'"), ({"k": "zero"}, "group_counters maps 'k' to a str"), ({"k": True}, "group_counters maps 'k' to a bool")],
+)
+def test_group_counters_name_neither_the_step_nor_the_parameters_and_start_as_numbers(counters: dict[str, object], message: str) -> None:
+    with pytest.raises(opttree.RegistrationError, match=re.escape(message)):
+        opttree.StateSchema(group_counters=counters)  # type: ignore[arg-type]

@@ -737,24 +737,26 @@ class LeafInspector:
 
     def plan_group_counters(self, node: LeafNode, index: int, group: StateEntry, params: list[torch.Tensor]) -> None:
         """The options the schema's ``group_counters`` names, set back with the steps to
-        what a fresh optimizer's group holds: the defaults' value, or none."""
-        names = sorted(self.schema.group_counters)
+        what they start as in a fresh optimizer's group, or deleted where it holds none."""
+        counters = sorted(self.schema.group_counters)
+        names = [name for name, _ in counters]
         if not self.resets("step") or not self.takes_group(node, index, params, " and ".join(map(repr, names)), names[0]):
             return
-        defaults = node.optimizer.defaults
-        for name in names:
-            fresh = defaults.get(name, _NO_VALUE) if isinstance(defaults, Mapping) else _NO_VALUE
-            for what, value in ((f"param group {index}'s", group.get(name, _NO_VALUE)), ("its defaults'", fresh)):
-                if value is not _NO_VALUE and (isinstance(value, torch.Tensor) or real_number(value) is None):
-                    message = f"{what} counter {name!r} is {kind_of(value)}, expected a number: a reset sets it back to its defaults' value"
-                    self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, name)
-                    return
+        for name, start in counters:
+            held = group.get(name, _NO_VALUE)
+            if held is not _NO_VALUE and (isinstance(held, torch.Tensor) or real_number(held) is None):
+                message = f"param group {index}'s counter {name!r} is {kind_of(held)}, expected a number: a reset sets it back to {start!r}"
+                self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, name)
+                return
             if self.written_by_own_code(node, [group], f"param group {index}", name):
                 return
-            if fresh is not _NO_VALUE:
-                self.plan.state.number_writes.append((group, name, cast(float, fresh)))
-            elif name in group:
+            if start is not None:
+                self.plan.state.number_writes.append((group, name, start))
+            elif held is not _NO_VALUE:
                 self.plan.state.drop.append((group, name))
+            else:
+                continue
+            self.plan.state.found_keys.add("step")  # what keys=["step"] takes
 
     def plan_group_step(
         self, node: Node, index: int, group: StateEntry, params: list[torch.Tensor], step: object

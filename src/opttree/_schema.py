@@ -145,6 +145,20 @@ def _shape_tests(value: Mapping[str, BuiltFor] | tuple[tuple[str, BuiltFor], ...
     return _keyed(value, "built_for", "functions (param shape) -> bool")
 
 
+GroupCounterStart = int | float | None
+"""What a group counter starts as in a fresh optimizer's group: a number, or None where a
+fresh group holds none (the optimizer makes it at its first step)."""
+
+
+def _counters(value: Mapping[str, GroupCounterStart] | tuple[tuple[str, GroupCounterStart], ...]) -> tuple[tuple[str, GroupCounterStart], ...]:
+    pairs = _keyed(value, "group_counters", "what they start as in a fresh group (a number, or None for none)")
+    for key, start in pairs:
+        if start is not None and (real_number(start) is None or math.isnan(cast(float, start))):
+            msg = f"group_counters maps {key!r} to {_what(start)}: expected what it starts as in a fresh group, a number, or None where a fresh group has none"
+            raise RegistrationError(msg)
+    return pairs
+
+
 def _options(value: Mapping[str, str] | tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
     pairs = _keyed(value, "built_if", "the names of group options")
     for key, option in pairs:
@@ -326,13 +340,14 @@ class StateSchema:
     the counters of only some of its parameters is refused, since one flag counts for all.
 
     ``group_counters``: options the optimizer counts in its param groups as it steps, other
-    than ``step`` (a schedule-free optimizer's ``k`` and ``weight_sum``, kept there by
-    ``setdefault``): numbers a reset sets back to what a fresh optimizer's group holds, its
-    defaults' value, or deletes where its defaults hold none (a fresh group has none until
-    its first step). They go with the steps: a reset that keeps steps (``keys`` without
-    ``"step"``) keeps them, and one that takes part of a group's parameters is refused.
-    A schema that leaves such a counter out keeps it, and opttree cannot tell it from a
-    setting a user gave the group: name every one.
+    than ``step``, each with what it starts as in a fresh optimizer's group (a schedule-free
+    optimizer's ``{"k": 0, "weight_sum": 0.0, "lr_max": -1.0}``), or None where a fresh group
+    holds none until the first step makes it (by ``setdefault``): numbers a reset sets back
+    to that start, or deletes. They go with the steps: ``keys`` naming ``"step"`` takes them
+    (a schema without a step counter of its own too), a reset that keeps steps keeps them,
+    and one that takes part of a group's parameters is refused. A schema that leaves such
+    a counter out keeps it, and opttree cannot tell it from a setting a user gave the
+    group: name every one.
 
     ``cached``: instance attributes where the optimizer caches what it derives from its
     parameters when it first needs it, None until then (LBFGS's ``_numel_cache``, the
@@ -384,7 +399,7 @@ class StateSchema:
     step_attributes: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     known_attributes: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     cached: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
-    group_counters: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
+    group_counters: tuple[tuple[str, GroupCounterStart], ...] = field(converter=_counters, factory=tuple, kw_only=True)
     counted_with_step: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     expressed_in: tuple[tuple[str, frozenset[str]], ...] = field(converter=_bases, factory=tuple, kw_only=True)
     bound_together: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
@@ -543,10 +558,11 @@ class StateSchema:
                 msg = f"{name} names {sorted(named - history)}, which are neither zeroed, filled nor identity"
                 raise RegistrationError(msg)
         _named_apart(built)
-        if "step" in self.zero | self.drop | self.keep | self.filled | self.identity | self.group_counters:
+        counters = frozenset(name for name, _ in self.group_counters)
+        if "step" in self.zero | self.drop | self.keep | self.filled | self.identity | counters:
             msg = "'step' is described by StateSchema.step, not by a key set"
             raise RegistrationError(msg)
-        if "params" in self.group_counters:
+        if "params" in counters:
             msg = "group_counters names 'params', a group's parameters: name the options the optimizer counts in its groups"
             raise RegistrationError(msg)
         if self.starts_at_first_step and not self.rebuilds_missing:
@@ -604,9 +620,10 @@ class StateSchema:
 
     @property
     def resettable(self) -> frozenset[str]:
-        """The keys a partial reset may name: history, and ``step`` where there is one."""
+        """The keys a partial reset may name: history, and ``step`` where there is one or
+        group counters go with it."""
         keys = self.zero | self.drop | self.filled | self.identity
-        return keys if self.step is StepLocation.NONE else keys | {"step"}
+        return keys if self.step is StepLocation.NONE and not self.group_counters else keys | {"step"}
 
     def fill_value(self, key: str, group: Mapping[str, object], defaults: Mapping[str, object]) -> float:
         """The value ``key`` starts as in ``group``."""

@@ -383,13 +383,14 @@ class ValidateVisitor(TraverserVisitor):
     def _check_own_tensors(self, node: Node) -> None:
         """A wrapper of a user's kind holding tensors in its attributes (a Lookahead's slow
         weights, at any depth its holders are searched for optimizers) that are neither
-        parameters (``nn.Parameter`` objects, those of the optimizers below it, and the parameters
-        and copies the ``inner_params`` of the wrappers at or below it name: a model's
-        weights under a mixed-precision stack), their gradients, nor state of the optimizers
-        below it: its kind names only its optimizers, and a reset of them would keep those
-        tensors, whatever they hold, where a fresh wrapper starts anew (a Lookahead reset so
-        trained unlike a fresh one). Refused, as a leaf's are. Megatron's wrappers' own
-        tensors are read by their kinds."""
+        parameters (those of the optimizers below it, and the parameters and copies the
+        ``inner_params`` of the wrappers at or below it name: a model's weights under a
+        mixed-precision stack), their gradients, nor state of the optimizers below it: its
+        kind names only its optimizers, and a reset of them would keep those tensors,
+        whatever they hold, where a fresh wrapper starts anew (a Lookahead reset so trained
+        unlike a fresh one). Refused, as a leaf's are: an ``nn.Parameter`` no optimizer
+        steps too, which may be a frozen weight or an EMA model's copy. Megatron's wrappers'
+        own tensors are read by their kinds."""
         cls = type(node.optimizer)
         if not isinstance(node, WrapperNode) or is_megatron_class(cls) or not _registry.registered_wrapper(cls):
             return
@@ -409,16 +410,14 @@ class ValidateVisitor(TraverserVisitor):
         weights = [param for param in params if isinstance(param, torch.Tensor)]
         known = set(map(object.__hash__, chain(weights, held_gradients(weights), tensors_held(_all_values(_states_under(node))))))
         for name, found in held:
-            unknown = [
-                label for label, tensors in found for tensor in tensors if object.__hash__(tensor) not in known and not isinstance(tensor, torch.nn.Parameter)
-            ]
+            unknown = [label for label, tensors in found for tensor in tensors if object.__hash__(tensor) not in known]
             if unknown:
                 message = (
                     f"holds {len(unknown)} tensor(s) in its attribute {name!r} (the first at {unknown[0]}), neither "
                     "parameters (a model's, or copies the optimizers below it step), their gradients, nor state of "
                     "those optimizers: a reset of those would keep them, whatever they hold, where a fresh wrapper "
                     "starts anew; reset its optimizers directly (their nodes in opttree.tree(wrapper)), and these "
-                    "tensors yourself"
+                    "tensors yourself (a model the wrapper holds is not searched: hold it, not a list of its frozen weights)"
                 )
                 self.problems.append(Problem(ProblemKind.UNSUPPORTED_STATE, node.path, cls.__qualname__, message, name))
 
