@@ -73,17 +73,14 @@ def imported_class(dotted: str) -> type | None:
     parts (a stand-in may sit there without its parent packages): joining every prefix of
     a path of 20,000 parts took about 20 seconds."""
     parts = dotted.split(".")
-    for split in range(min(len(parts) - 1, _MODULE_DEPTH), 0, -1):
-        module = sys.modules.get(".".join(parts[:split]))
-        if module is None:
-            continue
-        if type(module) is not ModuleType:
-            return None
-        found = module.__dict__.get(parts[split])
-        for name in parts[split + 1 :]:
-            found = class_namespace(found).get(name) if isinstance(found, type) else None
-        return found if isinstance(found, type) else None
-    return None
+    imported = _imported_prefix(parts)
+    if imported is None:
+        return None
+    module, split = imported
+    found = module.__dict__.get(parts[split])
+    for name in parts[split + 1 :]:
+        found = class_namespace(found).get(name) if isinstance(found, type) else None
+    return found if isinstance(found, type) else None
 
 
 def imported_non_class(dotted: str) -> str | None:
@@ -94,17 +91,24 @@ def imported_non_class(dotted: str) -> str | None:
     if dotted in sys.modules:
         return "a module"
     parts = dotted.split(".")
+    imported = _imported_prefix(parts)
+    if imported is None or imported[1] != len(parts) - 1:
+        return None
+    module, split = imported
+    found = module.__dict__.get(parts[split])
+    if found is None or isinstance(found, type):
+        return None
+    return f"{kind_of(found)} in {'.'.join(parts[:split])}"
+
+
+def _imported_prefix(parts: list[str]) -> tuple[ModuleType, int] | None:
+    """The module the longest prefix of ``parts`` names in ``sys.modules`` (of at most
+    :data:`_MODULE_DEPTH` parts) and how many parts it takes; None where no prefix is
+    imported or the longest is not a plain module."""
     for split in range(min(len(parts) - 1, _MODULE_DEPTH), 0, -1):
-        module_name = ".".join(parts[:split])
-        module = sys.modules.get(module_name)
-        if module is None:
-            continue
-        if type(module) is not ModuleType or split != len(parts) - 1:
-            return None
-        found = module.__dict__.get(parts[split])
-        if found is None or isinstance(found, type):
-            return None
-        return f"{kind_of(found)} in {module_name}"
+        module = sys.modules.get(".".join(parts[:split]))
+        if module is not None:
+            return (module, split) if type(module) is ModuleType else None
     return None
 
 
