@@ -15,6 +15,7 @@ from opttree._adapter import (
     Expander,
     builtin_kinds,
     children_expander,
+    expand_chained,
     expand_leaf,
     expand_unknown_megatron,
     function_failed,
@@ -258,6 +259,12 @@ def kind_for(cls: type) -> Expander | None:
 def registered_wrapper(cls: type) -> bool:
     """Whether a user's ``register_wrapper`` applies to ``cls``."""
     return isinstance(_user_kinds.resolved(cls), tuple)
+
+
+def builtin_chain(cls: type) -> bool:
+    """Whether ``cls`` is a chain by its built-in kind (a ``ChainedOptimizer`` or a
+    subclass), whatever a user registered it as."""
+    return _builtin_kinds.lookup(cls) is expand_chained
 
 
 def _users_kind(cls: type, owner: type, expand: Expander) -> Expander:

@@ -12,7 +12,7 @@ import torch
 from opttree._eager import eager
 from opttree import _registry
 from opttree._containers import PLAIN_STATES, malformed, own_writes, tensors_held
-from opttree._dispatch import LazyDispatch, dotted_name, is_megatron_class
+from opttree._dispatch import dotted_name, is_megatron_class
 from opttree._errors import OptTreeError
 from opttree._shards import detached_shards
 from opttree._held import Held, beyond_bookkeeping, held_by_leaf, held_optimizers, held_tensors, only_bookkeeping, own_attributes
@@ -996,11 +996,7 @@ def _below_chains(root: Node) -> set[int]:
 def _is_chain(node: Node) -> bool:
     """Whether ``node`` is a chain the factory returns: a ``ChainedOptimizer`` (or a
     subclass, a user's ``register_wrapper`` one too, whose members are its children)."""
-    return isinstance(node, ChainedNode) or _CHAINS.lookup(type(node.optimizer)) is not None
-
-
-_CHAINS: LazyDispatch[bool] = LazyDispatch()
-_CHAINS.register_lazy("megatron.core.optimizer.optimizer.ChainedOptimizer", True)
+    return isinstance(node, ChainedNode) or _registry.builtin_chain(type(node.optimizer))
 
 
 _FACTORY_OPTIONS = frozenset({"is_expert_parallel", "max_lr", "min_lr"})
