@@ -30,7 +30,7 @@ import dataclasses
 import functools
 import types
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Set as AbstractSet
 from itertools import chain, compress, islice
 from typing import cast
 
@@ -217,6 +217,26 @@ def held_tensors(items: list[tuple[str, object]]) -> list[tuple[str, list[torch.
     """The tensors among ``items`` (attribute names and values), looked for as optimizers
     are, through the same holders and as deep, by path."""
     return [(label, cast(list[torch.Tensor], found)) for label, found, _ in _Search(_is_tensor).search(items, DEPTH)]
+
+
+def unknown_attribute_tensors(
+    owner: object, known: Callable[[], AbstractSet[int]], skipped: AbstractSet[str] = frozenset()
+) -> list[tuple[str, str]]:
+    """The tensors ``owner`` holds in instance attributes beyond torch's bookkeeping (other
+    than those ``skipped``), as :func:`held_tensors` finds them, that ``known`` (identities,
+    by ``object.__hash__``; called only where tensors are held) lacks: per such attribute,
+    its name and how many it holds and where the first sits ("holds 2 tensor(s) in its
+    attribute 'slow' (the first at slow[0])")."""
+    held = [(name, found) for name, value in beyond_bookkeeping(owner) if name not in skipped and (found := held_tensors([(name, value)]))]
+    if not held:
+        return []
+    identities = known()
+    unknown: list[tuple[str, str]] = []
+    for name, found in held:
+        labels = [label for label, tensors in found for tensor in tensors if object.__hash__(tensor) not in identities]
+        if labels:
+            unknown.append((name, f"holds {len(labels)} tensor(s) in its attribute {name!r} (the first at {labels[0]})"))
+    return unknown
 
 
 OPTIMIZER_BOOKKEEPING = frozenset(

@@ -19,7 +19,7 @@ from typing import NamedTuple, TypeVar, cast
 import torch
 
 from opttree._errors import OptTreeError
-from opttree._held import beyond_bookkeeping, held_tensors, instance_attributes, own_attributes
+from opttree._held import instance_attributes, own_attributes, unknown_attribute_tensors
 from opttree._nodes import LeafNode, Node
 from opttree._containers import (
     builds_missing_entries,
@@ -793,26 +793,17 @@ class LeafInspector:
         its schema does not name (see ``StateSchema.known_attributes``), other than its
         parameters and its state's own tensors: read only where there are such attributes,
         which a torch optimizer has none of."""
-        held: list[tuple[str, list[tuple[str, list[torch.Tensor]]]]] = []
-        for name, value in beyond_bookkeeping(node.optimizer):
-            found = held_tensors([(name, value)]) if name not in self.schema.attributes else []
-            if found:
-                held.append((name, found))
-        if not held:
-            return
-        state = node.optimizer.state
-        values = [value for entry in state.values() if isinstance(entry, Mapping) for value in entry.values()]
-        known = set(map(object.__hash__, chain(params, tensors_held(values))))
-        for name, found in held:
-            unknown = [(label, tensor) for label, tensors in found for tensor in tensors if object.__hash__(tensor) not in known]
-            if unknown:
-                message = (
-                    f"holds {len(unknown)} tensor(s) in its attribute {name!r} (the first at {unknown[0][0]}), beyond its "
-                    "state and parameters, which its schema does not name: a reset would keep them, whatever they count, "
-                    "where a fresh optimizer starts anew; register a schema that names them (step_attributes, "
-                    "master_groups, known_attributes)"
-                )
-                self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, name)
+        def known() -> set[int]:
+            values = [value for entry in node.optimizer.state.values() if isinstance(entry, Mapping) for value in entry.values()]
+            return set(map(object.__hash__, chain(params, tensors_held(values))))
+
+        for name, held in unknown_attribute_tensors(node.optimizer, known, self.schema.attributes):
+            message = (
+                f"{held}, beyond its state and parameters, which its schema does not name: a reset would keep them, "
+                "whatever they count, where a fresh optimizer starts anew; register a schema that names them "
+                "(step_attributes, master_groups, known_attributes)"
+            )
+            self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, name)
 
     def plan_step_attributes(self, node: LeafNode, params: list[torch.Tensor]) -> None:
         """Zero the tensors the schema's ``step_attributes`` name along with the leaf's step

@@ -15,7 +15,7 @@ from opttree._containers import PLAIN_STATES, malformed, own_writes, tensors_hel
 from opttree._dispatch import dotted_name, is_megatron_class
 from opttree._errors import OptTreeError
 from opttree._shards import detached_shards
-from opttree._held import Held, beyond_bookkeeping, held_by_leaf, held_optimizers, held_tensors, only_bookkeeping, own_attributes
+from opttree._held import Held, held_by_leaf, held_optimizers, only_bookkeeping, own_attributes, unknown_attribute_tensors
 from opttree._hooks import surely_known_hooks, unknown_global_step_hook, unknown_step_hook
 from opttree._identity import identity_key, identity_keys
 from opttree._adapter import TreeBuilder
@@ -394,32 +394,18 @@ class ValidateVisitor(TraverserVisitor):
         cls = type(node.optimizer)
         if not isinstance(node, WrapperNode) or is_megatron_class(cls) or not _registry.registered_wrapper(cls):
             return
-        held = [(name, found) for name, value in beyond_bookkeeping(node.optimizer) if (found := held_tensors([(name, value)]))]
-        if not held:
-            return
-        params: list[object] = list(tree_params(node))
-        for below in tree_nodes(node):
-            inner_params = inner_params_of(below)
-            if inner_params is None:
-                continue
-            try:
-                pairs = list(inner_params(below.optimizer, below.path))
-            except OptTreeError:
-                return  # the master checks report the failure
-            params.extend(tensor for param, copies in pairs for tensor in (param, *copies))
-        weights = [param for param in params if isinstance(param, torch.Tensor)]
-        known = set(map(object.__hash__, chain(weights, held_gradients(weights), tensors_held(_all_values(_states_under(node))))))
-        for name, found in held:
-            unknown = [label for label, tensors in found for tensor in tensors if object.__hash__(tensor) not in known]
-            if unknown:
-                message = (
-                    f"holds {len(unknown)} tensor(s) in its attribute {name!r} (the first at {unknown[0]}), neither "
-                    "parameters (a model's, or copies the optimizers below it step), their gradients, nor state of "
-                    "those optimizers: a reset of those would keep them, whatever they hold, where a fresh wrapper "
-                    "starts anew; reset its optimizers directly (their nodes in opttree.tree(wrapper)), and these "
-                    "tensors yourself (a model the wrapper holds is not searched: hold it, not a list of its frozen weights)"
-                )
-                self.problems.append(Problem(ProblemKind.UNSUPPORTED_STATE, node.path, cls.__qualname__, message, name))
+        try:
+            unknown = unknown_attribute_tensors(node.optimizer, lambda: _known_below(node))
+        except OptTreeError:
+            return  # an inner_params function failed: the master checks report it
+        for name, held in unknown:
+            message = (
+                f"{held}, neither parameters (a model's, or copies the optimizers below it step), their gradients, "
+                "nor state of those optimizers: a reset of those would keep them, whatever they hold, where a fresh "
+                "wrapper starts anew; reset its optimizers directly (their nodes in opttree.tree(wrapper)), and these "
+                "tensors yourself (a model the wrapper holds is not searched: hold it, not a list of its frozen weights)"
+            )
+            self.problems.append(Problem(ProblemKind.UNSUPPORTED_STATE, node.path, cls.__qualname__, message, name))
 
     def _check_own_state(self, node: Node) -> None:
         """A wrapper that is a torch optimizer itself (a Lookahead, over the optimizer it
@@ -991,6 +977,20 @@ def _below_chains(root: Node) -> set[int]:
         else:
             nodes.extend(node.children)
     return found
+
+
+def _known_below(wrapper: Node) -> set[int]:
+    """The identities of the tensors a wrapper may hold of the optimizers below it: their
+    parameters, the parameters and copies the ``inner_params`` of the wrappers at or below
+    it name, those tensors' gradients, and the optimizers' state. Raises the
+    :class:`OptTreeError` an ``inner_params`` function fails with."""
+    params: list[object] = list(tree_params(wrapper))
+    for below in tree_nodes(wrapper):
+        inner_params = inner_params_of(below)
+        if inner_params is not None:
+            params.extend(tensor for param, copies in inner_params(below.optimizer, below.path) for tensor in (param, *copies))
+    weights = [param for param in params if isinstance(param, torch.Tensor)]
+    return set(map(object.__hash__, chain(weights, held_gradients(weights), tensors_held(_all_values(_states_under(wrapper))))))
 
 
 def _is_chain(node: Node) -> bool:
