@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import pytest
 import torch
@@ -53,9 +54,12 @@ def hybrid(
     offload: float = 1.0,
     like: Sequence[torch.Tensor] = (),
     gpu_optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    cpu_optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    options: Mapping[str, object] | None = None,
 ) -> Hybrid:
-    """A real HybridDeviceOptimizer with one CPU AdamW per offloaded parameter (overlap on),
-    over new parameters of ``sizes`` (values copied from ``like`` where given)."""
+    """A real HybridDeviceOptimizer with one CPU optimizer (AdamW unless named) per
+    offloaded parameter (overlap on), over new parameters of ``sizes`` (values copied from
+    ``like`` where given); ``options`` go to its sub-optimizers' groups, with lr 0.1."""
     device = cuda_on_cpu()
     params = [torch.nn.Parameter(torch.linspace(-1, 1, n)) for n in sizes]
     with torch.no_grad():
@@ -66,10 +70,10 @@ def hybrid(
         optimizer = HybridDeviceOptimizer(
             params,
             offload_fraction=offload,
-            cpu_optimizer_cls=torch.optim.AdamW,
+            cpu_optimizer_cls=cpu_optimizer_cls,
             gpu_optimizer_cls=gpu_optimizer_cls,
             overlap_cpu_optimizer_d2h_h2d=True,
-            lr=0.1,
+            **cast("dict[str, Any]", {"lr": 0.1, **(options or {})}),  # keyword arguments it takes as defaults
         )
     return optimizer, params, device
 

@@ -640,6 +640,60 @@ def test_group_counters_go_with_the_steps() -> None:
     assert unchanged(optimizer, before) and optimizer.param_groups[0]["weight_sum"] > 0
 
 
+class CountersInDefaults(ScheduleFreeSGD):
+    """The same, with its counters among its defaults, so that a HybridDeviceOptimizer's
+    constructor takes them as keyword arguments and its param groups hold them."""
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: float = 0.1, k: int = 0, weight_sum: float = 0.0) -> None:
+        torch.optim.Optimizer.__init__(self, params, {"lr": lr, "k": k, "weight_sum": weight_sum})
+
+
+opttree.register_schema(CountersInDefaults, opttree.StateSchema(drop={"z"}, rebuilds_missing=True, group_counters={"k": 0, "weight_sum": 0.0}))
+
+
+@pytest.mark.parametrize(("cls", "options"), [(ScheduleFreeSGD, {}), (CountersInDefaults, {"k": 0, "weight_sum": 0.0})], ids=["counters-in-sub-groups", "counters-in-defaults"])
+def test_a_hybrid_whose_groups_hold_a_counter_it_copies_over_a_reset_one_is_refused(cls: type[ScheduleFreeSGD], options: dict[str, object]) -> None:
+    """HybridDeviceOptimizer copies its own groups' options over its sub-optimizers' at
+    every step. Where they lack a sub-optimizer's group counters, or hold them as its
+    defaults do (from its constructor's keyword arguments, as a fresh one's do), a reset
+    trains as a fresh hybrid. One holding a counter otherwise (put there by hand, or by a
+    load of groups that held it) would copy it over the counter a reset sets back: a
+    reset of the sub-optimizers alone trains unlike a fresh hybrid, and a reset of the
+    hybrid is refused, naming the counter, with nothing changed."""
+    from tests.megatron_parts import Hybrid, hybrid, train_hybrid
+
+    def fresh_trains_as(stack: Hybrid) -> bool:
+        twin = hybrid([4, 3], cpu_optimizer_cls=cls, like=stack[1], options=options)
+        train_hybrid(stack, 3, 2)
+        train_hybrid(twin, 3, 2)
+        return all(torch.equal(a, b) for a, b in zip(stack[1], twin[1], strict=True))
+
+    stack = hybrid([4, 3], cpu_optimizer_cls=cls, options=options)
+    train_hybrid(stack, 0, 3)
+    assert opttree.validate(stack[0]) == ()
+    opttree.reset(stack[0])
+    assert fresh_trains_as(stack)
+
+    stack = hybrid([4, 3], cpu_optimizer_cls=cls, options=options)
+    train_hybrid(stack, 0, 3)
+    for group in stack[0].param_groups:
+        group.update(k=3, weight_sum=0.6)
+    problems = opttree.validate(stack[0])
+    assert [p.key for p in problems] == ["k", "weight_sum"] * len(stack[0].sub_optimizers)
+    assert "HybridDeviceOptimizer's param group holds its counter 'k' (3), which it copies into this group at every step" in problems[0].message
+    before = [snapshot(sub) for sub in stack[0].sub_optimizers]
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"key 'k': HybridDeviceOptimizer's param group holds its counter 'k' \(3\)"):
+        opttree.reset(stack[0])
+    assert all(unchanged(sub, kept) for sub, kept in zip(stack[0].sub_optimizers, before, strict=True))
+    counted = [group["k"] for sub in stack[0].sub_optimizers for group in sub.param_groups]
+    assert opttree.reset(stack[0], keys=["z"]).steps == 0  # keeps the counters, as the hybrid's copies are kept
+    assert [group["k"] for sub in stack[0].sub_optimizers for group in sub.param_groups] == counted
+
+    for sub in stack[0].sub_optimizers:
+        opttree.reset(sub)
+    assert not fresh_trains_as(stack)
+
+
 @pytest.mark.parametrize(
     ("counters", "message"),
     [({"step": None}, "'step'"), ({"params": None}, "'params'"), ({"k": "zero"}, "group_counters maps 'k' to a str"), ({"k": True}, "group_counters maps 'k' to a bool")],

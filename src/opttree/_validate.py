@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import operator
 from collections.abc import Mapping, Sequence, Set as AbstractSet
 from itertools import chain
@@ -27,7 +28,7 @@ from opttree._preflight import Owner, duplicates, overlap, plain_torch, ranges, 
 from opttree._problems import Problem, ProblemKind, Severity
 from opttree._scalers import SCALE, ScalerReset, held_scale, loss_scaler, plan_scaler
 from opttree._trees import lenient_tree
-from opttree._schema import StateSchema, StepLocation
+from opttree._schema import GroupCounterStart, StateSchema, StepLocation
 from opttree._runs import alike_runs, sibling_groups
 from opttree._selection import EVERYTHING, STEP_UNITS, Selection, inner_params_of, tree_leaves, tree_params
 from opttree._visitor import TraverserVisitor
@@ -493,15 +494,18 @@ class ValidateVisitor(TraverserVisitor):
         sub-optimizer group from the group of its first parameter). An option a
         sub-optimizer's entries are built under (its schema's ``built_if``: Adam's
         ``amsgrad``) that differs there is not the one the next step uses, and the entries
-        are checked against the sub-optimizer's own: refused. Options no entry depends on
-        (``lr``, which a scheduler moves in the hybrid's groups between steps) may differ."""
+        are checked against the sub-optimizer's own: refused. So is a counter a reset sets
+        back (its schema's ``group_counters``) that the hybrid's group holds, but as its
+        defaults hold what the counter starts as (see :meth:`_check_copied_counter`).
+        Options no entry depends on (``lr``, which a scheduler moves in the hybrid's groups
+        between steps) may differ."""
         groups = getattr(node.optimizer, "param_groups", None)
         if not isinstance(groups, list):
             return  # the hybrid's own groups are checked with its steps
         leaves = [child for child in node.children if isinstance(child, LeafNode)]
         copied = {key for group in groups if isinstance(group, dict) for key in group}
-        options = {option for cls in {type(leaf.optimizer) for leaf in leaves} for option in _built_under(cls)}
-        if copied.isdisjoint(options):
+        watched = {cls: _watched_options(cls, self._selection.resets("step")) for cls in {type(leaf.optimizer) for leaf in leaves}}
+        if all(copied.isdisjoint(options) for options in watched.values()):
             return  # as a hybrid's groups usually are: none names an option its sub-optimizers build entries under
         inner_of = {id(outer): inner[0] for outer, inner in pairs if inner}
         group_of = {
@@ -511,28 +515,37 @@ class ValidateVisitor(TraverserVisitor):
             for param in group["params"]
             if id(param) in inner_of
         }
+        defaults = getattr(node.optimizer, "defaults", None)
         for leaf in leaves:
             if malformed(leaf.optimizer) is None:  # else its own visit reports its containers
-                self._check_copied_options(leaf, group_of)
+                self._check_copied_options(leaf, group_of, watched[type(leaf.optimizer)], defaults if isinstance(defaults, dict) else {})
 
-    def _check_copied_options(self, leaf: LeafNode, group_of: Mapping[int, Mapping[str, object]]) -> None:
+    def _check_copied_options(
+        self, leaf: LeafNode, group_of: Mapping[int, Mapping[str, object]], options: Mapping[str, GroupCounterStart | _Option], defaults: Mapping[str, object]
+    ) -> None:
         """See :meth:`_check_synced_options`: ``group_of`` holds the hybrid's group of each
-        sub-optimizer parameter, by ``id``. A key the hybrid's group lacks is not copied."""
-        options = sorted(_built_under(type(leaf.optimizer)))
+        sub-optimizer parameter, by ``id``; ``options`` the options watched in it, each an
+        option entries are built under or what a counter starts as. A key the hybrid's
+        group lacks is not copied."""
+        cls = type(leaf.optimizer).__qualname__
         for sub_group in leaf.optimizer.param_groups:
             params = sub_group.get("params") if isinstance(sub_group, dict) else None
             hybrid_group = group_of.get(id(params[0])) if isinstance(params, list) and params else None
-            for option in options:
+            for option, start in sorted(options.items()):
                 if hybrid_group is None or option not in hybrid_group:
                     continue
                 ours, theirs = sub_group.get(option), hybrid_group[option]
-                if not _same_option(ours, theirs):
+                if not isinstance(start, _Option):
+                    message = _copied_counter(option, theirs, start, defaults)
+                elif not _same_option(ours, theirs):
                     message = (
                         f"its group option {option!r} is {_shown(ours)} where HybridDeviceOptimizer's param group holds "
                         f"{_shown(theirs)}, which it copies into this group at its next step: the entries cannot be "
                         "checked against the option that step uses (set the option in both, or step once first)"
                     )
-                    cls = type(leaf.optimizer).__qualname__
+                else:
+                    message = None
+                if message is not None:
                     self.problems.append(Problem(ProblemKind.UNSUPPORTED_STATE, leaf.path, cls, message, option))
 
     def _keep_stepped_params(self, node: Node) -> list[tuple[torch.Tensor, Sequence[torch.Tensor]]] | None:
@@ -1011,10 +1024,40 @@ def _readable_groups(optimizer: object) -> list[object]:
     return list(groups) if isinstance(groups, list) else []
 
 
-def _built_under(cls: type) -> frozenset[str]:
-    """The group options a class's schema builds entries under (``built_if``)."""
+class _Option(enum.Enum):
+    BUILT_UNDER = "built under"
+    """A watched option entries are built under (``built_if``), not a counter."""
+
+
+def _watched_options(cls: type, resets_steps: bool) -> dict[str, GroupCounterStart | _Option]:
+    """The group options of ``cls``'s schema that a hybrid's copy of its groups may
+    spoil: those it builds entries under (``built_if``), and, where a reset takes the
+    steps, its ``group_counters`` with what each starts as."""
     schema = _registry.schema_for(cls)
-    return frozenset(option for _, option in schema.built_if) if schema is not None else frozenset()
+    if schema is None:
+        return {}
+    watched: dict[str, GroupCounterStart | _Option] = dict(schema.group_counters) if resets_steps else {}
+    watched.update((option, _Option.BUILT_UNDER) for _, option in schema.built_if)
+    return watched
+
+
+def _copied_counter(name: str, held: object, start: GroupCounterStart, defaults: Mapping[str, object]) -> str | None:
+    """Why a counter a HybridDeviceOptimizer's group holds spoils a reset of its
+    sub-optimizer: it copies the counter over theirs at every step, so a sub-optimizer's
+    set back would count on from the hybrid's. None where a fresh hybrid's group holds
+    it too, as its defaults do (from its constructor's keyword arguments), as what the
+    counter starts as, and it holds that still."""
+    fresh = defaults.get(name, _NOT_HELD)
+    if start is not None and _same_option(fresh, start) and _same_option(held, start):
+        return None
+    return (
+        f"HybridDeviceOptimizer's param group holds its counter {name!r} ({_shown(held)}), which it copies into this "
+        f"group at every step, over the counter a reset sets back (to {start!r}); a fresh one's groups hold it only as "
+        "its defaults do: delete it from the hybrid's param groups, or reset with keys that leave out 'step'"
+    )
+
+
+_NOT_HELD = object()
 
 
 def _same_option(first: object, second: object) -> bool:
