@@ -8,7 +8,7 @@ import random
 import subprocess
 import sys
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 import pytest
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import opttree
 from opttree import testing
-from tests.helpers import Refuse, RefuseCalls, model, stepped_adamw, train
+from tests.helpers import Refuse, RefuseCalls, model, snapshot, stepped_adamw, train, unchanged
 
 HISTORY = ("exp_avg", "exp_avg_sq")
 
@@ -187,6 +187,33 @@ def test_what_prune_cannot_change_in_place_is_refused_with_nothing_changed() -> 
         opttree.prune(optimizer, "0.5")  # type: ignore[arg-type]  # what an untyped config may pass
     with pytest.raises(opttree.PartialResetRefused, match="generator must be a torch.Generator or None, got 0"):
         opttree.prune(optimizer, 0.5, by="random", generator=0)  # type: ignore[arg-type]  # as above
+
+
+@pytest.mark.parametrize("action", ["prune", "scale"])
+def test_history_a_fill_starts_at_zero_is_pruned_and_scaled_and_other_fills_refused(action: str) -> None:
+    """Adagrad's ``sum`` starts at its group's ``initial_accumulator_value`` (a fill): at 0,
+    the default, it starts at zero as moments do, and is pruned or scaled as they are; at
+    0.1 pruning it below its start is refused, changing nothing (torch fills every group's
+    from the constructor's value, whatever a group says)."""
+    change: Callable[[torch.optim.Optimizer], opttree.ResetReport] = (
+        (lambda optimizer: opttree.prune(optimizer, 1.0)) if action == "prune" else (lambda optimizer: opttree.scale(optimizer, 0.0))
+    )
+    net = model()
+    adagrad = torch.optim.Adagrad(net.parameters(), lr=0.1)
+    train(net, adagrad, 0, 2)
+    steps = [float(entry["step"]) for entry in adagrad.state.values()]
+
+    report = change(adagrad)
+
+    assert (report.tensors_zeroed, report.tensors_filled) == (len(steps), 0)
+    assert all(not entry["sum"].any() for entry in adagrad.state.values())
+    assert [float(entry["step"]) for entry in adagrad.state.values()] == steps
+    filled = torch.optim.Adagrad(net.parameters(), lr=0.1, initial_accumulator_value=0.1)
+    train(net, filled, 0, 2)
+    before = snapshot(filled)
+    with pytest.raises(opttree.PartialResetRefused, match=f"Adagrad at <root>: key 'sum': {action} changes history in place, and it is not zero at the start"):
+        change(filled)
+    assert unchanged(filled, before)
 
 
 class FromLearningRate(torch.optim.Optimizer):

@@ -50,7 +50,7 @@ def _plan(
 ) -> tuple[ResetPlan, Asked]:
     """The checked plan of a partial reset of ``keys``, whose history ``what`` changes in
     place: refused, as a reset is, for anything a reset refuses, and for history that is
-    not zero at the start or whose dtype ``what`` cannot change (``dtypes``: its name and test),
+    not zero at the start (a fill of zero is) or whose dtype ``what`` cannot change (``dtypes``: its name and test),
     or that bounds other history, unless ``what`` ``keeps_bounds`` where it changes all of them
     alike (a scale by at most 1, a prune of everything); and what it selects, as the ranks
     of a collective call compare it."""
@@ -72,6 +72,12 @@ def _plan(
             "values (its schema's starts_at_first_step), which a reset deletes instead: leave its filled keys out of keys"
         )
         raise PartialResetRefused(msg)
+    for (list_key, value), tensors in list(state.fills.items()):
+        if value == 0:  # history a fill starts at zero (Adagrad's sum, initial_accumulator_value=0) starts at zero
+            del state.fills[(list_key, value)]
+            state.zero_list(list_key).extend(tensors)
+            state.filled -= len(tensors)
+            state.zeroed += len(tensors)
     changed_otherwise = [
         *(key for _, key in state.drop),
         *(key for (key, _, _), _ in state.fills),
