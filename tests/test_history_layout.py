@@ -154,6 +154,39 @@ def test_elementwise_history_in_an_old_layout_is_reset_and_steps_as_a_fresh_opti
     assert as_fresh(model, conv_optimizer, build)
 
 
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+@pytest.mark.parametrize("relaid", ["order", "gaps"])
+@pytest.mark.parametrize("build", ELEMENTWISE.values(), ids=ELEMENTWISE.keys())
+def test_elementwise_history_of_complex_weights_in_any_layout_is_reset_and_steps_as_a_fresh_optimizers(
+    build: Build, relaid: str, dtype: torch.dtype
+) -> None:
+    """torch's elementwise optimizers step a complex weight's history as its real view,
+    float32 or float64: left in the weight's old memory order, or with gaps between its
+    elements, it is reset in place, and the next steps are bitwise a fresh optimizer's."""
+    weight = torch.nn.Parameter((torch.randn(29, 67, generator=torch.Generator().manual_seed(0)) * 0.3).to(dtype) * (1 + 0.5j))
+    optimizer = build([weight])
+    complex_steps(weight, optimizer, range(3))
+    if relaid == "gaps":
+        optimizer.state[weight] = {k: with_row_gaps(v) if v.shape == weight.shape else v for k, v in optimizer.state[weight].items()}
+    else:
+        weight.data = weight.data.t().contiguous().t()
+    assert any(v.stride() != weight.stride() for v in optimizer.state[weight].values() if v.shape == weight.shape)
+
+    assert opttree.validate(optimizer) == ()
+    opttree.reset(optimizer)
+    twin = torch.nn.Parameter(weight.detach().clone().t().contiguous().t() if relaid == "order" else weight.detach().clone())
+    fresh = build([twin])
+    complex_steps(weight, optimizer, range(3, 9))
+    complex_steps(twin, fresh, range(3, 9))
+    assert torch.equal(torch.view_as_real(weight), torch.view_as_real(twin))
+
+
+def complex_steps(weight: torch.nn.Parameter, optimizer: torch.optim.Optimizer, steps: range) -> None:
+    for k in steps:
+        weight.grad = torch.sin(weight.detach() * 0.7 + k)
+        optimizer.step()
+
+
 def half_precision_steps(weight: torch.nn.Parameter, optimizer: torch.optim.Optimizer, steps: range) -> None:
     for k in steps:
         weight.grad = torch.sin(weight.detach().float() * 0.7 + k).to(weight.dtype)

@@ -357,8 +357,9 @@ def outside_dtypes(found: Extents, allowed: frozenset[torch.dtype]) -> tuple[int
     return len(wrong), wrong[0]
 
 
-_ANY_LAYOUT = frozenset({torch.float32, torch.float64})
-"""The dtypes of parameters whose ``elementwise`` history steps alike in any layout."""
+_ANY_LAYOUT = frozenset({torch.float32, torch.float64, torch.complex64, torch.complex128})
+"""The dtypes of parameters whose ``elementwise`` history steps alike in any layout
+(torch's optimizers step complex ones as their real views, float32 and float64)."""
 
 _NO_VALUE = object()
 """What a group or the defaults hold where they hold no value under a name."""
@@ -1111,7 +1112,8 @@ class LeafInspector:
         tensor swapped in through ``.data``). Zeroed in place it keeps its old layout, and an
         optimizer that draws random numbers ``like`` its history (PSGD's) or multiplies it
         as a matrix steps otherwise than a fresh one. An optimizer whose steps are
-        ``elementwise`` steps each float32 and float64 element alike in any layout (its
+        ``elementwise`` steps each float32 and float64 element (and complex ones, whose
+        real views it steps) alike in any layout (its
         elements apart, which the preflight checks), so only its fused groups are compared,
         whose kernels read history as ``zeros_like`` lays it out, and its parameters of
         other dtypes: torch's CPU loops round bfloat16 and float16 after each operation where
