@@ -163,33 +163,41 @@ def test_elementwise_history_of_complex_weights_in_any_layout_is_reset_and_steps
     """torch's elementwise optimizers step a complex weight's history as its real view,
     float32 or float64: left in the weight's old memory order, or with gaps between its
     elements, it is reset in place, and the next steps are bitwise a fresh optimizer's."""
-    weight = torch.nn.Parameter((torch.randn(29, 67, generator=torch.Generator().manual_seed(0)) * 0.3).to(dtype) * (1 + 0.5j))
-    optimizer = build([weight])
-    complex_steps(weight, optimizer, range(3))
-    if relaid == "gaps":
-        optimizer.state[weight] = {k: with_row_gaps(v) if v.shape == weight.shape else v for k, v in optimizer.state[weight].items()}
-    else:
-        weight.data = weight.data.t().contiguous().t()
+    weight, optimizer = stepped_then_relaid(build, relaid, dtype)
     assert any(v.stride() != weight.stride() for v in optimizer.state[weight].values() if v.shape == weight.shape)
 
     assert opttree.validate(optimizer) == ()
     opttree.reset(optimizer)
-    twin = torch.nn.Parameter(weight.detach().clone().t().contiguous().t() if relaid == "order" else weight.detach().clone())
+    twin = torch.nn.Parameter(laid_out_as_relaid(weight.detach().clone(), relaid))
     fresh = build([twin])
-    complex_steps(weight, optimizer, range(3, 9))
-    complex_steps(twin, fresh, range(3, 9))
+    sine_steps(weight, optimizer, range(3, 9))
+    sine_steps(twin, fresh, range(3, 9))
     assert torch.equal(torch.view_as_real(weight), torch.view_as_real(twin))
 
 
-def complex_steps(weight: torch.nn.Parameter, optimizer: torch.optim.Optimizer, steps: range) -> None:
-    for k in steps:
-        weight.grad = torch.sin(weight.detach() * 0.7 + k)
-        optimizer.step()
+def stepped_then_relaid(build: Build, relaid: str, dtype: torch.dtype) -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
+    """A weight of ``dtype`` (complex ones with an imaginary part) and ``build``'s optimizer
+    over it, three steps in; then its history given gaps between its elements
+    (``relaid="gaps"``), or the weight laid out anew in column-major order (``"order"``)."""
+    values = torch.randn(29, 67, generator=torch.Generator().manual_seed(0)) * 0.3
+    weight = torch.nn.Parameter(values.to(dtype) * (1 + 0.5j) if dtype.is_complex else values.to(dtype))
+    optimizer = build([weight])
+    sine_steps(weight, optimizer, range(3))
+    if relaid == "gaps":
+        optimizer.state[weight] = {k: with_row_gaps(v) if v.shape == weight.shape else v for k, v in optimizer.state[weight].items()}
+    else:
+        weight.data = laid_out_as_relaid(weight.data, relaid)
+    return weight, optimizer
 
 
-def half_precision_steps(weight: torch.nn.Parameter, optimizer: torch.optim.Optimizer, steps: range) -> None:
+def laid_out_as_relaid(tensor: torch.Tensor, relaid: str) -> torch.Tensor:
+    return tensor.t().contiguous().t() if relaid == "order" else tensor
+
+
+def sine_steps(weight: torch.nn.Parameter, optimizer: torch.optim.Optimizer, steps: range) -> None:
+    """Gradients of the weight's sine, worked out in at least float32."""
     for k in steps:
-        weight.grad = torch.sin(weight.detach().float() * 0.7 + k).to(weight.dtype)
+        weight.grad = torch.sin(weight.detach().to(torch.promote_types(weight.dtype, torch.float32)) * 0.7 + k).to(weight.dtype)
         optimizer.step()
 
 
@@ -209,13 +217,7 @@ def test_elementwise_history_of_half_precision_weights_is_laid_out_as_a_fresh_op
     are laid out unlike each other: elementwise steps over such history, zeroed in place,
     moved weights unlike a fresh optimizer's (``param.add_(buf, alpha=-lr)``). Its layout
     is compared as any schema's is, and the reset refused with nothing changed."""
-    weight = torch.nn.Parameter((torch.randn(29, 67, generator=torch.Generator().manual_seed(0)) * 0.3).to(dtype))
-    optimizer = build([weight])
-    half_precision_steps(weight, optimizer, range(3))
-    if relaid == "gaps":
-        optimizer.state[weight] = {k: with_row_gaps(v) if v.shape == weight.shape else v for k, v in optimizer.state[weight].items()}
-    else:
-        weight.data = weight.data.t().contiguous().t()
+    weight, optimizer = stepped_then_relaid(build, relaid, dtype)
     before = snapshot(optimizer)
 
     with pytest.raises(opttree.UnsupportedOptimizerState, match="history laid out with strides"):
@@ -226,10 +228,10 @@ def test_elementwise_history_of_half_precision_weights_is_laid_out_as_a_fresh_op
         if key != "step":
             value.zero_()
     optimizer.state[weight]["step"].zero_()
-    twin = torch.nn.Parameter(weight.detach().clone().t().contiguous().t() if relaid == "order" else weight.detach().clone())
+    twin = torch.nn.Parameter(laid_out_as_relaid(weight.detach().clone(), relaid))
     fresh = build([twin])
-    half_precision_steps(weight, optimizer, range(3, 8))
-    half_precision_steps(twin, fresh, range(3, 8))
+    sine_steps(weight, optimizer, range(3, 8))
+    sine_steps(twin, fresh, range(3, 8))
     assert not torch.equal(weight.view(torch.int16), twin.view(torch.int16))
 
 
