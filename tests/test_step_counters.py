@@ -6,6 +6,7 @@ import enum
 import re
 from collections.abc import Callable
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -692,6 +693,104 @@ def test_a_hybrid_whose_groups_hold_a_counter_it_copies_over_a_reset_one_is_refu
     for sub in stack[0].sub_optimizers:
         opttree.reset(sub)
     assert not fresh_trains_as(stack)
+
+
+class IterationAdam(torch.optim.Optimizer):
+    """An Adam that counts its steps in one number, ``self.iteration``, for all its
+    parameters (as some research optimizers do), and builds each parameter's moments at
+    its first step."""
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: float = 0.01) -> None:
+        super().__init__(params, {"lr": lr})
+        self.iteration = 0
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        self.iteration = self.next_iteration()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                state["exp_avg"].lerp_(p.grad, 0.1)
+                state["exp_avg_sq"].mul_(0.999).addcmul_(p.grad, p.grad, value=0.001)
+                corrected = state["exp_avg_sq"] / (1 - 0.999**self.iteration)
+                p.addcdiv_(state["exp_avg"], corrected.sqrt().add_(1e-8), value=-group["lr"] / (1 - 0.9**self.iteration))
+
+    def next_iteration(self) -> int:
+        return self.iteration + 1
+
+
+class IterationFromFirstStep(IterationAdam):
+    """The same, with no ``iteration`` until its first step makes it."""
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: float = 0.01) -> None:
+        torch.optim.Optimizer.__init__(self, params, {"lr": lr})
+
+    def next_iteration(self) -> int:
+        return int(getattr(self, "iteration", 0)) + 1
+
+
+class IterationLeftOut(IterationAdam):
+    """The same, registered with a schema that leaves its counter out."""
+
+
+_moments = opttree.StateSchema(zero={"exp_avg", "exp_avg_sq"}, rebuilds_missing=True)
+opttree.register_schema(IterationAdam, attrs.evolve(_moments, attribute_counters={"iteration": 0}))
+opttree.register_schema(IterationFromFirstStep, attrs.evolve(_moments, attribute_counters={"iteration": None}))
+opttree.register_schema(IterationLeftOut, _moments)
+
+
+@pytest.mark.parametrize(("cls", "exact"), [(IterationAdam, True), (IterationFromFirstStep, True), (IterationLeftOut, False)])
+def test_counters_a_schema_names_in_attributes_are_set_back_as_a_fresh_optimizer_holds_them(cls: type[IterationAdam], exact: bool) -> None:
+    """A number an optimizer counts its steps in, held in an instance attribute
+    (``attribute_counters``), is set back to what it starts as, or deleted where a fresh
+    optimizer has none until its first step: the reset trains as a fresh optimizer. A
+    schema that leaves it out keeps it, and trained unlike a fresh one (its bias
+    correction no longer that of a first step)."""
+    net = model()
+    optimizer = cls([p for p in net.parameters() if isinstance(p, torch.nn.Parameter)])
+    train(net, optimizer, 0, 3)
+    assert optimizer.iteration == 3
+
+    assert opttree.validate(optimizer) == ()
+    opttree.reset(optimizer)
+
+    assert getattr(optimizer, "iteration", None) == {IterationAdam: 0, IterationFromFirstStep: None, IterationLeftOut: 3}[cls]
+    assert trains_as_fresh(net, optimizer, lambda twin: cls([p for p in twin.parameters() if isinstance(p, torch.nn.Parameter)]), 3, 3) is exact
+
+
+def test_attribute_counters_go_with_the_steps_of_all_the_parameters() -> None:
+    """A reset that keeps steps keeps the counter; ``keys=["step"]`` takes it; one taking
+    the steps of some of the parameters is refused, naming it, since it counts for all;
+    a counter that is no number is refused, changing nothing; a schema may not name one
+    attribute as a counter and in another attribute field."""
+    net = model()
+    params = [p for p in net.parameters() if isinstance(p, torch.nn.Parameter)]
+    optimizer = IterationAdam(params)
+    train(net, optimizer, 0, 3)
+
+    opttree.reset(optimizer, keys=["exp_avg"])
+    assert optimizer.iteration == 3
+    with pytest.raises(opttree.PartialResetRefused, match=r"its iteration takes part in counting the steps of all its 4 parameters and 1 are selected"):
+        opttree.reset(optimizer, params=params[:1], keys=["exp_avg", "step"])
+    assert opttree.reset(optimizer, params=params[:1], keys=["exp_avg"]).tensors_zeroed == 1 and optimizer.iteration == 3
+    opttree.reset(optimizer, keys=["step"])
+    assert optimizer.iteration == 0 and all(entry["exp_avg_sq"].any() for entry in optimizer.state.values())
+
+    train(net, optimizer, 3, 1)
+    optimizer.iteration = torch.tensor(1)  # type: ignore[assignment]
+    before = snapshot(optimizer)
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"key 'iteration': its counter 'iteration' is a Tensor, expected a number"):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before)
+
+    with pytest.raises(opttree.RegistrationError, match=r"attributes \['iteration'\] are named in both cached and attribute_counters"):
+        opttree.StateSchema(cached={"iteration"}, attribute_counters={"iteration": 0})
+    with pytest.raises(opttree.RegistrationError, match="attribute_counters maps 'iteration' to a str"):
+        opttree.StateSchema(attribute_counters={"iteration": "zero"})  # type: ignore[dict-item]
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import operator
 from numbers import Integral, Real
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence, Set as AbstractSet
 from itertools import chain, compress, repeat
 from typing import NamedTuple, TypeVar, cast
 
@@ -431,6 +431,7 @@ class LeafInspector:
                 self.problem(node, ProblemKind.EMPTY_STATE, f"a group says step {step} but none of its parameters has state")
         self.unnamed_attribute_tensors(node, in_groups)
         self.plan_step_attributes(node, in_groups)
+        self.plan_attribute_counters(node, in_groups)
         self.plan_cached(node)
         if self.schema.master_groups is not None:
             self.plan_master_groups(node, self.schema.master_groups)
@@ -475,7 +476,7 @@ class LeafInspector:
         schema = self.schema
         if schema.scale_of is not None or schema.fill or schema.shape_with or self.selection.release or schema.indivisible:
             return False  # scales, fills and settings' shapes are looked up, releases and indivisible states planned, leaf by leaf
-        if schema.step_attributes or schema.master_groups is not None or schema.group_counters:
+        if schema.step_attributes or schema.master_groups is not None or schema.group_counters or schema.attribute_counters:
             return False  # read from each leaf's own attributes and groups
         if schema.dropped_by_group_if and self.selection.tensors is not None:
             return False  # a partial drop checked group by group
@@ -811,17 +812,8 @@ class LeafInspector:
         counters: all of them, since one counts for every parameter; a reset that keeps the
         counters keeps them, as memory it must leave alone."""
         names = self.schema.step_attributes
-        if not names:
-            return
-        chosen = self.selection.tensors
-        taken = len(params) if chosen is None else sum(id(p) in chosen for p in params)
-        zeroes = taken > 0 and self.resets("step")
-        if zeroes and taken < len(params):
-            message = (
-                f"its {', '.join(sorted(names))} takes part in counting the steps of all its {len(params)} parameters "
-                f"and {taken} are selected: select all of them, or leave 'step' out of keys"
-            )
-            self.problem(node, ProblemKind.PARTIAL_GROUP, message, "step")
+        zeroes = self.takes_all_steps(node, names, params)
+        if zeroes is None:
             return
         attributes = dict(instance_attributes(node.optimizer))  # its __dict__'s and its slots'
         owner = (node.path, type(node.optimizer).__qualname__)
@@ -843,6 +835,41 @@ class LeafInspector:
             state.written.extend(checked.owned((*owner, name)))
             state.zeroed += 1
             state.bytes_reset += checked.nbytes
+
+    def takes_all_steps(self, node: LeafNode, names: AbstractSet[str], params: list[torch.Tensor]) -> bool | None:
+        """Whether a reset takes the steps of all the leaf's ``params``, which attributes
+        ``names`` count for together: False where it takes none, None where there are no
+        such attributes or it takes some (refused)."""
+        if not names:
+            return None
+        chosen = self.selection.tensors
+        taken = len(params) if chosen is None else sum(id(p) in chosen for p in params)
+        takes = taken > 0 and self.resets("step")
+        if takes and taken < len(params):
+            message = (
+                f"its {', '.join(sorted(names))} takes part in counting the steps of all its {len(params)} parameters "
+                f"and {taken} are selected: select all of them, or leave 'step' out of keys"
+            )
+            self.problem(node, ProblemKind.PARTIAL_GROUP, message, "step")
+            return None
+        return takes
+
+    def plan_attribute_counters(self, node: LeafNode, params: list[torch.Tensor]) -> None:
+        """Set back the numbers the schema's ``attribute_counters`` name, with the steps, to
+        what they start as in a fresh optimizer, or delete them where it has none."""
+        counters = dict(self.schema.attribute_counters)
+        if not self.takes_all_steps(node, counters.keys(), params):
+            return
+        attributes = dict(instance_attributes(node.optimizer))
+        for name, start in sorted(counters.items()):
+            held = attributes.get(name, _NO_VALUE)
+            if held is not _NO_VALUE and (isinstance(held, torch.Tensor) or real_number(held) is None):
+                message = f"its counter {name!r} is {kind_of(held)}, expected a number (a tensor counter is one of step_attributes): a reset sets it back to {start!r}"
+                self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, name)
+                return
+            if start is not None or held is not _NO_VALUE:
+                self.plan.state.attribute_writes.append((node.optimizer, name, start))
+        self.plan.state.found_keys.add("step")  # what keys=["step"] takes
 
     def plan_cached(self, node: LeafNode) -> None:
         """Set back to None the attributes where the leaf caches what it derives from its

@@ -40,6 +40,8 @@ class StatePlan:
     """Square history by key, also in ``lists``, whose diagonal is set to one once zeroed."""
     number_writes: list[tuple[StateEntry, str, int | float]] = field(factory=list)
     """Numbers a reset sets: step counters held as numbers, in entries or groups, and group counters."""
+    attribute_writes: list[tuple[object, str, int | float | None]] = field(factory=list)
+    """Optimizers, each with an attribute counter a reset sets back (deletes, where None)."""
     step_holders: list[tuple[str, list[StateEntry]]] = field(factory=list)
     """Per state key, the entries whose tensor steps are zeroed, to find one shared."""
     unshared: list[tuple[StateEntry, str]] = field(factory=list)
@@ -93,6 +95,7 @@ class StatePlan:
             self.fill_list(key, value).extend(tensors)
         self.identities.extend(other.identities)
         self.number_writes.extend(other.number_writes)
+        self.attribute_writes.extend(other.attribute_writes)
         self.step_holders.extend(other.step_holders)
         self.unshared.extend(other.unshared)
         self.release.extend(other.release)
@@ -158,6 +161,11 @@ class ResetPlan:
             entry[key] = step
         for entry, key, number in state.number_writes:
             entry[key] = number
+        for holder, name, start in state.attribute_writes:
+            if start is None:
+                delattr(holder, name)
+            else:
+                setattr(holder, name, start)
         for optimizer, held in state.release:
             for param in held:
                 del optimizer.state[param]

@@ -146,17 +146,28 @@ def _shape_tests(value: Mapping[str, BuiltFor] | tuple[tuple[str, BuiltFor], ...
 
 
 GroupCounterStart = int | float | None
-"""What a group counter starts as in a fresh optimizer's group: a number, or None where a
-fresh group holds none (the optimizer makes it at its first step)."""
+"""What a counter starts as in a fresh optimizer (in its group, or as its attribute): a
+number, or None where a fresh one holds none (the optimizer makes it at its first step)."""
+
+_Counters = tuple[tuple[str, GroupCounterStart], ...]
 
 
-def _counters(value: Mapping[str, GroupCounterStart] | tuple[tuple[str, GroupCounterStart], ...]) -> tuple[tuple[str, GroupCounterStart], ...]:
-    pairs = _keyed(value, "group_counters", "what they start as in a fresh group (a number, or None for none)")
+def _counters(value: Mapping[str, GroupCounterStart] | _Counters, where: str, field_name: str) -> _Counters:
+    """A field mapping counters held ``where`` to what they start as, as sorted pairs."""
+    pairs = _keyed(value, field_name, f"what they start as in {where} (a number, or None for none)")
     for key, start in pairs:
         if start is not None and (real_number(start) is None or math.isnan(cast(float, start))):
-            msg = f"group_counters maps {key!r} to {_what(start)}: expected what it starts as in a fresh group, a number, or None where a fresh group has none"
+            msg = f"{field_name} maps {key!r} to {_what(start)}: expected what it starts as in {where}, a number, or None where it has none"
             raise RegistrationError(msg)
     return pairs
+
+
+def _group_counters(value: Mapping[str, GroupCounterStart] | _Counters) -> _Counters:
+    return _counters(value, "a fresh group", "group_counters")
+
+
+def _attribute_counters(value: Mapping[str, GroupCounterStart] | _Counters) -> _Counters:
+    return _counters(value, "a fresh optimizer", "attribute_counters")
 
 
 def _options(value: Mapping[str, str] | tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
@@ -349,6 +360,14 @@ class StateSchema:
     a counter out keeps it, and opttree cannot tell it from a setting a user gave the
     group: name every one.
 
+    ``attribute_counters``: instance attributes holding numbers the optimizer counts in as
+    it steps (an ``int`` ``self.iteration`` that a bias correction reads), each with what
+    it starts as in a fresh optimizer, or None where a fresh one has no such attribute
+    until its first step makes it. Set back, or deleted, with the steps, as
+    ``group_counters`` are; one counts for all the optimizer's parameters, so a reset that
+    takes the steps of only some of them is refused. A counter held in a tensor is a
+    ``step_attributes`` one.
+
     ``cached``: instance attributes where the optimizer caches what it derives from its
     parameters when it first needs it, None until then (LBFGS's ``_numel_cache``, the
     parameters' total size). A reset sets them back to None, as a fresh optimizer holds
@@ -399,7 +418,8 @@ class StateSchema:
     step_attributes: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     known_attributes: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     cached: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
-    group_counters: tuple[tuple[str, GroupCounterStart], ...] = field(converter=_counters, factory=tuple, kw_only=True)
+    group_counters: _Counters = field(converter=_group_counters, factory=tuple, kw_only=True)
+    attribute_counters: _Counters = field(converter=_attribute_counters, factory=tuple, kw_only=True)
     counted_with_step: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
     expressed_in: tuple[tuple[str, frozenset[str]], ...] = field(converter=_bases, factory=tuple, kw_only=True)
     bound_together: frozenset[str] = field(converter=_frozen_keys, factory=frozenset, kw_only=True)
@@ -416,8 +436,13 @@ class StateSchema:
     @functools.cached_property
     def attributes(self) -> frozenset[str]:
         """The instance attributes the schema names: tensors there are accounted for."""
-        named = self.step_attributes | self.known_attributes | self.cached
+        named = self.step_attributes | self.known_attributes | self.cached | self.counter_attribute_names
         return named if self.master_groups is None else named | {self.master_groups}
+
+    @functools.cached_property
+    def counter_attribute_names(self) -> frozenset[str]:
+        """The attributes :attr:`attribute_counters` names."""
+        return frozenset(name for name, _ in self.attribute_counters)
 
     @property
     def filled(self) -> frozenset[str]:
@@ -572,7 +597,13 @@ class StateSchema:
             msg = f"master_groups names an instance attribute, got {kind_of(self.master_groups)}"
             raise RegistrationError(msg)
         groups = frozenset() if self.master_groups is None else frozenset({self.master_groups})
-        attributes = {"step_attributes": self.step_attributes, "known_attributes": self.known_attributes, "cached": self.cached, "master_groups": groups}
+        attributes = {
+            "step_attributes": self.step_attributes,
+            "known_attributes": self.known_attributes,
+            "cached": self.cached,
+            "master_groups": groups,
+            "attribute_counters": self.counter_attribute_names,
+        }
         _named_apart(attributes, "attributes")
         if self.counted_with_step and self.step is StepLocation.NONE:
             msg = "counted_with_step names keys counted with a step; this schema's step is none"
@@ -621,9 +652,10 @@ class StateSchema:
     @property
     def resettable(self) -> frozenset[str]:
         """The keys a partial reset may name: history, and ``step`` where there is one or
-        group counters go with it."""
+        group or attribute counters go with it."""
         keys = self.zero | self.drop | self.filled | self.identity
-        return keys if self.step is StepLocation.NONE and not self.group_counters else keys | {"step"}
+        counted = self.step is not StepLocation.NONE or self.group_counters or self.attribute_counters
+        return keys | {"step"} if counted else keys
 
     def fill_value(self, key: str, group: Mapping[str, object], defaults: Mapping[str, object]) -> float:
         """The value ``key`` starts as in ``group``."""
