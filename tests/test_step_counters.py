@@ -695,6 +695,50 @@ def test_a_hybrid_whose_groups_hold_a_counter_it_copies_over_a_reset_one_is_refu
     assert not fresh_trains_as(stack)
 
 
+def test_a_hybrids_copied_counters_are_read_only_where_the_reset_takes_their_steps_and_reported_whatever_they_hold() -> None:
+    """A hybrid's group holding a counter spoils only a reset of the steps of the
+    sub-optimizer groups it is copied into: a reset of another group's parameters (and
+    steps) is not refused, and they train as a fresh hybrid's. A counter too large to
+    print, or defaults whose own ``get`` raises, are reported, not raised."""
+    from opttree.testing import cuda_on_cpu
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+    from tests.megatron_parts import Hybrid, train_hybrid
+
+    def two_groups(like: list[torch.nn.Parameter] | None = None) -> Hybrid:
+        device = cuda_on_cpu()
+        values = [torch.linspace(-1, 1, n) for n in (4, 3)] if like is None else [weight.detach().clone() for weight in like]
+        params = [torch.nn.Parameter(value) for value in values]
+        device.mark_on_gpu(*params)
+        with device:
+            groups: list[dict[str, object]] = [{"params": params[:1]}, {"params": params[1:]}]
+            hybrid = HybridDeviceOptimizer(groups, offload_fraction=1.0, cpu_optimizer_cls=CountersFromInit, gpu_optimizer_cls=CountersFromInit, lr=0.1)
+        return hybrid, params, device
+
+    stack = two_groups()
+    train_hybrid(stack, 0, 3)
+    stack[0].param_groups[0].update(k=3, weight_sum=0.6)
+    second = stack[1][1]
+    assert opttree.reset(stack[0], params=[second], keys=["step", "z"]).steps == 0  # CountersFromInit counts in its groups alone
+    fresh = two_groups(like=stack[1])
+    train_hybrid(stack, 3, 3)
+    train_hybrid(fresh, 3, 3)
+    assert torch.equal(second, fresh[1][1])
+
+    stack[0].param_groups[0]["k"] = 10**5000
+    problems = opttree.validate(stack[0])
+    assert [p.key for p in problems] == ["k", "weight_sum"] and "holds its counter 'k' (an int beyond a float's range)" in problems[0].message
+
+    class Raising(dict[str, object]):
+        def get(self, key: str, default: object = None) -> object:
+            raise RuntimeError(key)
+
+    stack[0].defaults = Raising(stack[0].defaults)
+    stack[0].param_groups[0]["k"] = 0
+    assert [p.key for p in opttree.validate(stack[0])] == ["k", "weight_sum"]
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="key 'k'"):
+        opttree.reset(stack[0])
+
+
 class IterationAdam(torch.optim.Optimizer):
     """An Adam that counts its steps in one number, ``self.iteration``, for all its
     parameters (as some research optimizers do), and builds each parameter's moments at

@@ -6,6 +6,7 @@ import numbers
 
 import torch
 
+from opttree._fields import kind_of
 from opttree._preflight import unreadable_reason
 
 
@@ -23,3 +24,15 @@ def real_number(value: object) -> float | None:
         return float(value)
     except Exception:  # noqa: BLE001  # an int beyond a float, a meta tensor, a subclass whose own code raises
         return None
+
+
+def shown_value(value: object) -> str:
+    """A setting's or counter's value as a message shows it: None, a bool or a string as
+    itself, a number as the number it holds, anything else as what it is (no ``repr`` of
+    an int of over 4300 digits, which raises)."""
+    if value is None or isinstance(value, (bool, str)):
+        return repr(value)
+    number = real_number(value)
+    if isinstance(value, numbers.Integral):
+        return "an int beyond a float's range" if number is None else repr(int(value))
+    return kind_of(value) if number is None else repr(number)

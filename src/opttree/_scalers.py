@@ -28,7 +28,7 @@ from opttree._dispatch import LazyDispatch, dotted_name
 from opttree._fields import kind_of
 from opttree._held import own_attributes
 from opttree._overrides import foreign_method, own_definition, own_instance_method
-from opttree._numbers import real_number
+from opttree._numbers import real_number, shown_value
 from opttree._preflight import unfillable_reason, writable_ranges
 
 
@@ -83,12 +83,12 @@ def _dynamic(scaler: object, config: object) -> Planned:
     for name, (value, expected, source) in pairs.items():
         if not _same(value, expected):
             return (
-                f"its {name} is {_shown(value)} and {source} {_shown(expected)}: it was not built from the config "
+                f"its {name} is {shown_value(value)} and {source} {shown_value(expected)}: it was not built from the config "
                 "as Megatron's factory builds it, so the scale it started from is not known"
             )
     hysteresis = mine["hysteresis"]
     if isinstance(hysteresis, bool) or not isinstance(hysteresis, numbers.Integral):
-        return f"its hysteresis is {_shown(hysteresis)} ({kind_of(hysteresis)}), where Megatron's factory gives it a whole number"
+        return f"its hysteresis is {shown_value(hysteresis)} ({kind_of(hysteresis)}), where Megatron's factory gives it a whole number"
     constant = theirs.get("loss_scale")
     fixed = None if constant is None else real_number(constant)
     if constant is not None and fixed is None:
@@ -110,14 +110,6 @@ def _same(held: object, configured: object) -> bool:
     if isinstance(held, torch.Tensor) and held.dtype is torch.float32 and math.isfinite(number) and abs(number) <= torch.finfo(torch.float32).max:
         number = struct.unpack("f", struct.pack("f", number))[0]
     return value == number
-
-
-def _shown(value: object) -> str:
-    """A scaler's or config's value as a message shows it: the number it holds, or what it is."""
-    number = real_number(value)
-    if not isinstance(value, bool) and isinstance(value, numbers.Integral):
-        return "an int beyond a float's range" if number is None else repr(int(value))  # str() refuses ints of over 4300 digits
-    return kind_of(value) if number is None else repr(number)
 
 
 _SCALERS: LazyDispatch[Callable[[object, object], Planned]] = LazyDispatch()

@@ -33,6 +33,7 @@ from opttree._runs import alike_runs, sibling_groups
 from opttree._selection import EVERYTHING, STEP_UNITS, Selection, inner_params_of, tree_leaves, tree_params
 from opttree._visitor import TraverserVisitor
 from opttree._fields import is_a, kind_of
+from opttree._numbers import shown_value
 
 _OPTIMIZER = operator.attrgetter("optimizer")
 
@@ -515,7 +516,7 @@ class ValidateVisitor(TraverserVisitor):
             for param in group["params"]
             if id(param) in inner_of
         }
-        defaults = getattr(node.optimizer, "defaults", None)
+        defaults = own_attributes(node.optimizer).get("defaults")
         for leaf in leaves:
             if malformed(leaf.optimizer) is None:  # else its own visit reports its containers
                 self._check_copied_options(leaf, group_of, watched[type(leaf.optimizer)], defaults if isinstance(defaults, dict) else {})
@@ -528,19 +529,21 @@ class ValidateVisitor(TraverserVisitor):
         option entries are built under or what a counter starts as. A key the hybrid's
         group lacks is not copied."""
         cls = type(leaf.optimizer).__qualname__
+        chosen = self._selection.tensors
         for sub_group in leaf.optimizer.param_groups:
             params = sub_group.get("params") if isinstance(sub_group, dict) else None
             hybrid_group = group_of.get(id(params[0])) if isinstance(params, list) and params else None
+            taken = chosen is None or (isinstance(params, list) and any(id(param) in chosen for param in params))
             for option, start in sorted(options.items()):
                 if hybrid_group is None or option not in hybrid_group:
                     continue
                 ours, theirs = sub_group.get(option), hybrid_group[option]
                 if not isinstance(start, _Option):
-                    message = _copied_counter(option, theirs, start, defaults)
+                    message = _copied_counter(option, theirs, start, defaults) if taken else None  # a group's steps the reset leaves
                 elif not _same_option(ours, theirs):
                     message = (
-                        f"its group option {option!r} is {_shown(ours)} where HybridDeviceOptimizer's param group holds "
-                        f"{_shown(theirs)}, which it copies into this group at its next step: the entries cannot be "
+                        f"its group option {option!r} is {shown_value(ours)} where HybridDeviceOptimizer's param group holds "
+                        f"{shown_value(theirs)}, which it copies into this group at its next step: the entries cannot be "
                         "checked against the option that step uses (set the option in both, or step once first)"
                     )
                 else:
@@ -1047,11 +1050,11 @@ def _copied_counter(name: str, held: object, start: GroupCounterStart, defaults:
     set back would count on from the hybrid's. None where a fresh hybrid's group holds
     it too, as its defaults do (from its constructor's keyword arguments), as what the
     counter starts as, and it holds that still."""
-    fresh = defaults.get(name, _NOT_HELD)
+    fresh = dict.get(defaults, name, _NOT_HELD) if isinstance(defaults, dict) else _NOT_HELD  # not a subclass's own get
     if start is not None and _same_option(fresh, start) and _same_option(held, start):
         return None
     return (
-        f"HybridDeviceOptimizer's param group holds its counter {name!r} ({_shown(held)}), which it copies into this "
+        f"HybridDeviceOptimizer's param group holds its counter {name!r} ({shown_value(held)}), which it copies into this "
         f"group at every step, over the counter a reset sets back (to {start!r}); a fresh one's groups hold it only as "
         "its defaults do: delete it from the hybrid's param groups, or reset with keys that leave out 'step'"
     )
@@ -1069,8 +1072,3 @@ def _same_option(first: object, second: object) -> bool:
         return bool(first == second)
     except Exception:  # noqa: BLE001  # a value's own __eq__ or __bool__ may raise anything
         return False
-
-
-def _shown(value: object) -> str:
-    """A group option's value as a message names it: a bool, None or number as itself."""
-    return repr(value) if value is None or isinstance(value, (bool, int, float, str)) else kind_of(value)
