@@ -297,7 +297,7 @@ def _check_capturable(node: Node, inner: Node, saved: list[dict[object, object]]
     live = _groups(inner)
     for index, group in enumerate(saved[: len(live)]):
         flag = group.get("capturable")
-        if not isinstance(flag, (bool, int, float)) or not flag:  # a number torch's step reads as a flag too; other kinds are refused apart
+        if not (flag if isinstance(flag, bool) else real_number(flag)):  # a number torch's step reads as a flag too (a 0-d tensor); other kinds are refused apart
             continue
         with plain_reads():
             devices = {param.device.type for param in live[index]["params"] if isinstance(param, torch.Tensor)}
