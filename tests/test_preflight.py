@@ -316,6 +316,27 @@ def test_history_sharing_memory_with_a_parameter_is_refused() -> None:
     assert [p.kind for p in opttree.validate(optimizer)] == [opttree.ProblemKind.ALIASED_STATE]
 
 
+def test_history_sharing_memory_with_a_frozen_weight_of_the_model_given_is_refused() -> None:
+    """A frozen weight no optimizer steps is the model's, not the optimizer's: with
+    ``model=``, history sharing its memory is refused by reset, prune and validate, and
+    the weight is left as it was."""
+    net = model()
+    frozen, trained = (param for name, param in net.named_parameters() if name in ("0.weight", "2.weight"))
+    frozen.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=0.1)
+    train(net, optimizer, 0, 2)
+    optimizer.state[trained]["exp_avg"] = frozen.detach().view(-1)[: trained.numel()].view_as(trained)
+    weight, before = frozen.detach().clone(), snapshot(optimizer)
+
+    message = r"key 'exp_avg': shares memory with a parameter of Sequential at model=: zeroing it would change that too"
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=message):
+        opttree.reset(optimizer, model=net)
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=message):
+        opttree.prune(optimizer, 0.5, keys=["exp_avg"], model=net)
+    assert torch.equal(frozen, weight) and unchanged(optimizer, before)
+    assert [(p.kind, p.key) for p in opttree.validate(optimizer, model=net)] == [(opttree.ProblemKind.ALIASED_STATE, "exp_avg")]
+
+
 @pytest.mark.parametrize("pooled", [False, True], ids=["one leaf", "a chain of leaves pooled"])
 def test_history_sharing_memory_with_a_gradient_is_refused(pooled: bool) -> None:
     """A reset between backward and ``optimizer.step()`` (gradient accumulation) leaves the

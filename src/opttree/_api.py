@@ -20,7 +20,7 @@ from opttree._nodes import Node
 from opttree._problems import Problem
 from opttree._report import ResetReport
 from opttree._reset import ResetVisitor
-from opttree._selection import select
+from opttree._selection import EVERYTHING, Selection, model_weights, select
 from opttree._trees import lenient_tree, tree
 from opttree._validate import ValidateVisitor
 from opttree._fields import kind_of
@@ -43,7 +43,7 @@ def validate(
     problems.
     """
     root, refused = lenient_tree(optimizer)
-    visitor = ValidateVisitor()
+    visitor = ValidateVisitor._selecting(_kept_model(model))
     visitor._check_built(root)
     masters = check_masters(root, model).problems if model is not None else ()
     problems = tuple(dict.fromkeys((*refused, *visitor.problems, *masters)))  # a wrapper both checks read fails once
@@ -102,6 +102,15 @@ def reset(
         operator.itemgetter(1),
     )
     return planned._carry_out_passed()
+
+
+def _kept_model(model: torch.nn.Module | None) -> Selection:
+    """Everything, keeping the model's weights where they can be read (where they cannot,
+    the masters check reports it)."""
+    try:
+        return EVERYTHING if model is None else evolve(EVERYTHING, model=model_weights(model))
+    except OptTreeError:
+        return EVERYTHING
 
 
 def _planned_reset(

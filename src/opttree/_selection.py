@@ -17,7 +17,7 @@ from itertools import chain
 from typing import TypeVar, cast
 
 import torch
-from attrs import frozen
+from attrs import field, frozen
 
 from opttree._adapter import is_pair, mapping_attribute, sequence_attribute, yielded_text
 from opttree._containers import malformed
@@ -53,6 +53,11 @@ class Selection:
     lists the same parameters (a DistributedOptimizer every one of its grad buffers'), so
     what is decided by these counts is decided alike on every rank, where this rank's own
     shards would differ from another's."""
+
+    model: tuple[str, tuple[torch.Tensor, ...]] | None = field(default=None, eq=False)  # tensors compare by value
+    """The class of ``model=`` and its parameters, frozen ones too: memory a reset leaves
+    alone, whichever optimizer steps it (history sharing a frozen weight's memory would
+    zero a weight no leaf holds)."""
 
     def covered(self, wrapper: object) -> tuple[int, int] | None:
         """How many of ``wrapper``'s parameters are selected, of how many, on every rank
@@ -378,6 +383,12 @@ def _listed(values: Iterable[_Item], what: str) -> list[_Item]:
         raise OptTreeError(msg) from error
 
 
+def model_weights(model: torch.nn.Module) -> tuple[str, tuple[torch.Tensor, ...]]:
+    """``model``'s class and parameters, for :attr:`Selection.model`; an error saying why
+    where they cannot be read."""
+    return type(model).__qualname__, tuple(param for _, param in model_parameters(model))
+
+
 def resolve_params(params: ParamsArg, model: torch.nn.Module | None) -> list[torch.Tensor]:
     """The parameters ``params`` names: an iterable of them, or a predicate on the names
     ``model`` gives them."""
@@ -432,15 +443,14 @@ def select(root: Node, params: ParamsArg | None, keys: Iterable[str] | None, mod
     names ``"step"``: resetting some parameters' moments keeps their step (as ReLoRA and
     SPAM do), and Megatron checkpoints one step per optimizer.
     """
-    if model is not None:
-        check_model(model)
+    weights = None if model is None else model_weights(model)
     key_set = None if keys is None else key_names(keys)
     if key_set == frozenset():
         raise PartialResetRefused("keys names no state key: the reset would change nothing")
     steps = "step" in key_set if key_set is not None else params is None
     history = None if key_set is None else key_set - {"step"}
     if params is None:
-        return Selection(None, history, steps) if key_set is not None else EVERYTHING
+        return Selection(None, history, steps, model=weights) if key_set is not None or weights is not None else EVERYTHING
     chosen = list({id(param): param for param in resolve_params(params, model)}.values())  # a tied weight named twice is one
     if not chosen:
         what = "the params predicate accepts none of the model's parameters" if callable(params) else "params is empty"
@@ -472,4 +482,6 @@ def select(root: Node, params: ParamsArg | None, keys: Iterable[str] | None, mod
             f"{root.path} ({len(missing)} of {len(chosen)} selected parameters unmapped{why})"
         )
         raise UnmappedParameter(msg)
-    return Selection(frozenset(visitor.selected), history, steps, elsewhere=tuple(visitor.elsewhere), coverage=tuple(visitor.coverage))
+    return Selection(
+        frozenset(visitor.selected), history, steps, elsewhere=tuple(visitor.elsewhere), coverage=tuple(visitor.coverage), model=weights
+    )

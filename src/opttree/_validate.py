@@ -168,6 +168,7 @@ class ValidateVisitor(TraverserVisitor):
                 self._megatron_above = [type(root.under[1]).__qualname__]
             self._contained.append(root.optimizer)
             root.accept(self)
+            self._keep_model_weights(root)
             self._check_mirrors()
             self._check_loss_scales(root)
             self._check_keys(root)
@@ -274,6 +275,13 @@ class ValidateVisitor(TraverserVisitor):
             )
             message = f"holds {kind_of(first)} in {where} that the tree does not contain ({len(hidden)} such): a reset would keep its state; {advice}"
             self.problems.append(Problem(ProblemKind.HIDDEN_OPTIMIZER, node.path, type(node.optimizer).__qualname__, message))
+
+    def _keep_model_weights(self, root: Node) -> None:
+        """The parameters of ``model=`` are memory a reset leaves alone, frozen ones too."""
+        if self._selection.model is not None:
+            cls, weights = self._selection.model
+            inspector = LeafInspector(_NO_STATE, self._plan, self.problems, self._selection)
+            inspector.plan_kept(root, ("model=", cls), weights, None, self._plan.state)
 
     def _check_memory(self) -> None:
         """Step tensors held for several parameters are counted once, with a warning;
