@@ -301,6 +301,56 @@ def test_a_step_counter_that_cannot_be_written_is_refused() -> None:
     assert unchanged(optimizer, before)
 
 
+class Accumulating(torch.optim.Optimizer):
+    """Keeps a zeroed ``buf`` and an ``acc`` that starts at 0.5 (a fill), an identity
+    ``basis`` and a ``seen`` scale that starts at 1, built at each parameter's first step."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state.update(buf=torch.zeros_like(p), acc=torch.full((4,), 0.5), basis=torch.eye(2))
+                state["buf"].add_(p.grad)
+                p.sub_(state["buf"], alpha=group["lr"])
+
+
+opttree.register_schema(Accumulating, opttree.StateSchema(zero={"buf"}, fill={"acc": 0.5}, identity={"basis"}, rebuilds_missing=True))
+
+
+UNFILLABLE = [getattr(torch, name) for name in ("bcomplex32", "bits8") if hasattr(torch, name)]
+
+
+@pytest.mark.parametrize("key", ["acc", "basis"])
+@pytest.mark.parametrize("dtype", UNFILLABLE, ids=str)
+def test_history_of_a_dtype_torch_cannot_fill_is_refused_before_any_write(dtype: torch.dtype, key: str) -> None:
+    """A fill or an identity's diagonal is written after all the history is zeroed: a
+    dtype torch implements no ``fill_`` for (bcomplex32 on the CPU, bits8, uint4) was
+    zeroed with the rest, then raised inside torch; it is refused, naming the key, with
+    nothing changed (compared as bytes: torch compares neither dtype)."""
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(N_PARAMS)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer = Accumulating(params)
+    optimizer.step()
+    shape = (4,) if key == "acc" else (2, 2)
+    last_entry(optimizer)[key] = torch.zeros(*shape[:-1], shape[-1] * torch.empty(0, dtype=dtype).element_size(), dtype=torch.uint8).view(dtype)
+    before = byte_snapshot(optimizer)
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=rf"Accumulating at <root>: key '{key}': .*torch cannot fill {str(dtype).removeprefix('torch.')} tensors on cpu"):
+        opttree.reset(optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(byte_snapshot(optimizer), before, strict=True))
+    assert [(p.kind, p.key) for p in opttree.validate(optimizer)] == [(opttree.ProblemKind.UNSUPPORTED_STATE, key)]
+
+
+def byte_snapshot(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v.view(torch.uint8).clone() for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+
+
 # Aliasing: history that shares memory with something a reset must keep, or with other history.
 
 

@@ -1324,7 +1324,7 @@ class LeafInspector:
                 return
             tensor = cast(torch.Tensor, entry[key])
             with plain_reads():
-                fault = unfillable_reason(value, tensor.dtype)
+                fault = unfillable_reason(value, tensor.dtype, tensor.device)
             if fault is not None:
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"its starting value cannot be written: {fault}", key)
                 return
@@ -1337,9 +1337,13 @@ class LeafInspector:
         """History that starts as ``torch.eye``: zeroed with the rest, then its diagonal set."""
         with plain_reads():
             wrong = next((t for t in tensors if t.dim() != 2 or t.shape[0] != t.shape[1]), None)
+            fault = next(filter(None, (unfillable_reason(1.0, t.dtype, t.device) for t in tensors)), None)
         if wrong is not None:
             message = f"starts as an identity matrix, but one is of shape {tuple(wrong.shape)}, not square"
             self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
+            return
+        if fault is not None:
+            self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"starts as an identity matrix, whose diagonal cannot be written: {fault}", key)
             return
         into.zero_list((key, *placement)).extend(tensors)
         into.identities.extend((key, tensor) for tensor in tensors)
@@ -1499,6 +1503,11 @@ class LeafInspector:
         checked = writable_ranges(scales)
         if isinstance(checked, tuple):
             self.unwritable(node, f"{key} scale", checked, len(scales))
+            return
+        with plain_reads():
+            fault = next(filter(None, (unfillable_reason(1.0, scale.dtype, scale.device) for scale in scales)), None)
+        if fault is not None:
+            self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"its scale cannot be set back to 1: {fault}", key)
             return
         into.scales.extend(scales)
         if scales:

@@ -16,6 +16,7 @@ writes or must keep.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import operator
 from collections.abc import Callable, Iterator, Sequence
@@ -183,20 +184,42 @@ def unreadable_reason(tensor: torch.Tensor) -> str | None:
         return f"a tensor whose memory cannot be read ({type(error).__name__}: {error})"
 
 
-def unfillable_reason(value: float, dtype: torch.dtype) -> str | None:
-    """Why a tensor of ``dtype`` cannot hold ``value``, or None. For a finite value beyond
-    the dtype's range (an fp16 ``step_size`` filled with an lr of 1e5) ``fill_`` either
-    raises, half-way through a reset, or writes inf where a fresh optimizer would refuse."""
-    if dtype.is_floating_point or dtype.is_complex:
-        largest = torch.finfo(dtype).max
-        if math.isfinite(value) and abs(value) > largest:
-            return f"{value:g} is beyond {torch_name(dtype)}'s largest value, {largest:g}"
-        return None
-    if dtype is torch.bool:
-        return None
-    info = torch.iinfo(dtype)
+def unfillable_reason(value: float, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why a tensor of ``dtype`` on ``device`` cannot hold ``value``, or None. For a finite
+    value beyond the dtype's range (an fp16 ``step_size`` filled with an lr of 1e5)
+    ``fill_`` either raises, half-way through a reset, or writes inf where a fresh
+    optimizer would refuse; for some dtypes (bcomplex32 on the CPU) torch implements no
+    ``fill_`` at all."""
+    unfilled = _unfillable_dtype(dtype, device.type)
+    if unfilled is not None:
+        return unfilled
+    try:
+        if dtype.is_floating_point or dtype.is_complex:
+            largest = torch.finfo(dtype).max
+            if math.isfinite(value) and abs(value) > largest:
+                return f"{value:g} is beyond {torch_name(dtype)}'s largest value, {largest:g}"
+            return None
+        if dtype is torch.bool:
+            return None
+        info = torch.iinfo(dtype)
+    except (TypeError, RuntimeError):  # a dtype torch gives no range for (bits8)
+        return f"torch gives no range for {torch_name(dtype)}, so whether it holds {value:g} is not known"
     if not math.isfinite(value) or not info.min <= value <= info.max:
         return f"{value:g} is outside {torch_name(dtype)}'s range"
+    return None
+
+
+@functools.cache
+def _unfillable_dtype(dtype: torch.dtype, device_type: str) -> str | None:
+    """Why torch's ``fill_`` cannot write ``dtype`` tensors on ``device_type``, or None:
+    asked of torch once, by filling a few elements there with one (a dtype's ``finfo``
+    does not tell; one element, or zero, takes paths of their own that bcomplex32's pass)."""
+    try:
+        with plain_torch(), torch.inference_mode(False), torch.no_grad():
+            torch.empty(64, dtype=dtype, device=device_type).fill_(1)
+    except Exception as error:  # noqa: BLE001  # NotImplementedError on the CPU; a device's own errors
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        return f"torch cannot fill {torch_name(dtype)} tensors on {device_type} ({reason})"
     return None
 
 

@@ -69,7 +69,7 @@ def _dynamic(scaler: object, config: object) -> Planned:
     initial = real_number(theirs.get("initial_loss_scale"))  # None for an int beyond a float too
     if initial is None or not 0 < initial < math.inf:
         return "the wrapper's config has no positive, finite initial_loss_scale to start from"
-    fault = unfillable_reason(initial, scale.dtype)
+    fault = unfillable_reason(initial, scale.dtype, scale.device)
     if fault is not None:
         return f"its scale tensor cannot hold the initial_loss_scale: {fault}"
     config, factory = "the wrapper's config says", "Megatron's factory builds it with"
