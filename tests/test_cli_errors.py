@@ -58,6 +58,12 @@ def exiting() -> object:
     sys.exit(0)
 
 
+def closing_stdout() -> object:
+    """A factory that closes ``sys.stdout`` (a script tidying up before it returns)."""
+    sys.stdout.close()
+    return stepped_adamw(1)
+
+
 class Unprintable(Exception):
     def __str__(self) -> str:
         raise RuntimeError("no message either")
@@ -146,3 +152,13 @@ def test_a_factory_that_exits_fails_the_command_in_a_shell() -> None:
     finished = run("validate", "tests.test_cli_errors:exiting")
     assert finished.returncode == 1 and finished.stdout == ""
     assert finished.stderr.strip() == "tests.test_cli_errors:exiting() raised SystemExit(0) before returning an optimizer"
+
+
+def test_a_factory_that_closes_stdout_fails_in_one_line_where_there_is_something_to_print() -> None:
+    """Where stdout cannot take what the command prints, it fails in one line on stderr
+    (describe printed a traceback); a validation with nothing to report prints nothing
+    and passes."""
+    finished = run("describe", "tests.test_cli_errors:closing_stdout")
+    assert (finished.returncode, finished.stdout) == (1, "") and "Traceback" not in finished.stderr
+    assert finished.stderr.strip() == "opttree describe: cannot write to stdout: I/O operation on closed file."
+    assert run("validate", "tests.test_cli_errors:closing_stdout").returncode == 0

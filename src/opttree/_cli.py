@@ -162,13 +162,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         payload: dict[str, object] = {"problems": [p.to_dict() for p in problems]}
         if args.json and describing:
             payload = {"tree": lenient_tree(optimizer)[0].accept(JsonVisitor()), **payload}
-    if args.json:
-        json.dump(payload, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        if describing:
-            print(describe(optimizer))
-        for problem in problems:
-            print(problem)
+    lines = [json.dumps(payload, indent=2)] if args.json else [*([describe(optimizer)] if describing else []), *map(str, problems)]
+    try:
+        if lines:  # a validation with nothing to say writes nothing, to a closed stdout too
+            sys.stdout.write("".join(line + "\n" for line in lines))
+            sys.stdout.flush()
+    except (OSError, ValueError) as error:  # a factory that closed sys.stdout, a closed pipe
+        raise SystemExit(f"opttree {args.command}: cannot write to stdout: {error}") from error
     errors = any(p.severity is Severity.ERROR for p in problems)
     return 1 if errors and not describing else 0
