@@ -466,6 +466,45 @@ def test_a_distributed_optimizers_default_format_is_refused_naming_one_that_load
     opttree.load_state_dict(stack.optimizer, state)
 
 
+@needs_dp_reshardable
+def test_a_loading_state_dict_of_a_fresh_distributed_optimizer_is_refused_saying_how_to_build_its_state(tmp_path: Path) -> None:
+    """Megatron's side: its loading ``sharded_state_dict`` of a fresh stack's
+    ``DistributedOptimizer`` reads its ``state_dict``, which asserts a step its torch Adam
+    does not hold yet (with TE's or apex's, Megatron's ``init_state_fn`` builds it): a bare
+    ``AssertionError``. opttree refuses before Megatron runs, saying how to build the
+    state; once built, the same call loads the checkpoint."""
+    stack = testing.build("dist_bf16")
+    stack.train(0, K)
+    with stack.device:
+        dist_checkpointing.save(opttree.sharded_state_dict(stack.optimizer, model_state(stack), metadata=DP_RESHARDABLE), str(tmp_path))
+    loaded = fresh_like(stack)
+    with loaded.device:
+        with pytest.raises(AssertionError):
+            loaded.optimizer.sharded_state_dict(model_state(loaded), is_loading=True, metadata=DP_RESHARDABLE)
+        with pytest.raises(opttree.UnsupportedCheckpoint, match=r"its AdamW holds no step on this rank \(a fresh stack: no parameter stepped\).*_init_optimizer_states_with_dummy_values"):
+            opttree.sharded_state_dict(loaded.optimizer, model_state(loaded), is_loading=True, metadata=DP_RESHARDABLE)
+        getattr(loaded.optimizer, "chained_optimizers")[0]._init_optimizer_states_with_dummy_values()
+        state = dist_checkpointing.load(opttree.sharded_state_dict(loaded.optimizer, model_state(loaded), is_loading=True, metadata=DP_RESHARDABLE), str(tmp_path))
+    opttree.load_state_dict(loaded.optimizer, state)
+
+
+@pytest.mark.parametrize("name", ["frozen_fp16", "frozen_dist_bf16"])
+def test_a_chain_holding_a_stub_is_refused_before_megatrons_save_and_load_raise(name: str) -> None:
+    """Megatron's side: its stub for frozen layers holds no optimizer, and its own
+    ``state_dict`` and ``sharded_state_dict`` read it and raise ``AttributeError``.
+    opttree's refuses, saving and loading, before Megatron's runs, naming the stub."""
+    stack = testing.build(name)
+    stack.train(0, K)
+    with stack.device:
+        with pytest.raises(AttributeError):
+            stack.optimizer.state_dict()
+        with pytest.raises(AttributeError):
+            stack.optimizer.sharded_state_dict(model_state(stack), metadata=DP_RESHARDABLE)
+        for is_loading in (False, True):
+            with pytest.raises(opttree.UnsupportedCheckpoint, match=r"at chained\[0\]: key 'optimizer': is a Megatron stub holding no optimizer"):
+                opttree.sharded_state_dict(stack.optimizer, model_state(stack), is_loading=is_loading, metadata=DP_RESHARDABLE)
+
+
 def test_only_a_distributed_optimizers_failing_default_format_is_advised_on() -> None:
     """An error of Megatron's own sharded_state_dict of another cause (a model state dict
     that maps none of the parameters), under a DistributedOptimizer in its default format

@@ -27,7 +27,7 @@ from opttree._adapter import instance_attribute, mapping_attribute, sequence_att
 from opttree._dispatch import LazyDispatch
 from opttree._fields import article, kind_of
 from opttree._inspect import STEP_DTYPES, fresh_step_dtype, is_on, scalar_dtype, step_number
-from opttree._nodes import LeafNode, Node, tree_nodes
+from opttree._nodes import LeafNode, Node, WrapperNode, tree_nodes
 from opttree._numbers import real_number
 from opttree._preflight import Extents, overlap, plain_reads, ranges, torch_name, unreadable_reason, unwritable_reason
 from opttree._problems import Problem, ProblemKind
@@ -899,6 +899,50 @@ def _mimo(node: Node, state: object, loading: Load | None) -> StateDicts:
             yield from walk(member, part, loading)
 
 
+def check_loading(root: Node) -> None:
+    """What makes Megatron's own loading ``sharded_state_dict`` raise a bare
+    ``AssertionError``, found before it runs: a ``DistributedOptimizer`` whose inner torch
+    optimizer holds no step on this rank (a fresh stack, none stepped). Megatron's reads its
+    ``state_dict``, which asserts one step among the entries; with TE's or apex's Adam its
+    ``init_state_fn`` builds the state first, and without them (on a CPU or an NPU) nothing
+    does."""
+    for node in tree_nodes(root):
+        _refuse_stub(node)
+        inner = _stepless_inner(node)
+        if inner is not None and not _holds_a_step(inner):
+            message = (
+                f"its {type(inner.optimizer).__qualname__} holds no step on this rank (a fresh stack: no parameter "
+                "stepped), and Megatron's own loading sharded_state_dict reads its state_dict, which asserts one (Megatron "
+                "builds none without TE or apex): build its state first, as Megatron does for Megatron-FSDP, by one step with "
+                "zero gradients (the DistributedOptimizer's _init_optimizer_states_with_dummy_values(), which moves weights "
+                "by weight decay: load the model's weights after it)"
+            )
+            raise layout_error(node, STEP_KEY, message)
+
+
+def _refuse_stub(node: Node) -> None:
+    """A Megatron stub (the wrapper its factory builds, holding no optimizer, for frozen
+    layers of a chain) cannot be checkpointed by Megatron: its own ``sharded_state_dict``
+    and ``state_dict`` read the stub's optimizer, None, and raise ``AttributeError``."""
+    if isinstance(node, WrapperNode) and node.is_stub:
+        message = (
+            "is a Megatron stub holding no optimizer (built for frozen layers), and Megatron's own sharded_state_dict "
+            "and state_dict read its optimizer's state and raise AttributeError: Megatron cannot checkpoint a chain "
+            "holding one (a stack whose dense layers are frozen), with opttree or without"
+        )
+        raise layout_error(node, "optimizer", message)
+
+
+def _stepless_inner(node: Node) -> LeafNode | None:
+    """The inner torch optimizer of a ``DistributedOptimizer`` (or a wrapper of its layout)
+    that counts steps per parameter, whose ``state_dict`` Megatron asserts a step in."""
+    return _inner_counting_per_parameter(node) if _LAYOUTS.lookup(type(node.optimizer)) is _steps_in_groups else None
+
+
+def _holds_a_step(inner: LeafNode) -> bool:
+    return any(isinstance(entry, Mapping) and "step" in entry for entry in inner.optimizer.state.values())
+
+
 def check_saving(root: Node, metadata: Mapping[str, object] | None) -> None:
     """What makes Megatron's own ``sharded_state_dict`` raise, or save what no load takes,
     found before it runs (some of its formats gather over the data-parallel group, where a
@@ -913,13 +957,14 @@ def check_saving(root: Node, metadata: Mapping[str, object] | None) -> None:
     checkpoint and raises."""
     sharding = (metadata or {}).get("distrib_optim_sharding_type")
     for node in tree_nodes(root):
+        _refuse_stub(node)
         if _LAYOUTS.lookup(type(node.optimizer)) in (_torch_format, _float16):
             _check_history_built(node)
             continue
-        inner = _inner_counting_per_parameter(node) if _LAYOUTS.lookup(type(node.optimizer)) is _steps_in_groups else None
+        inner = _stepless_inner(node)
         if inner is None:
             continue
-        if not any(isinstance(entry, Mapping) and "step" in entry for entry in inner.optimizer.state.values()):
+        if not _holds_a_step(inner):
             message = (
                 f"its {type(inner.optimizer).__qualname__} holds no step on this rank (no parameter, or none stepped), "
                 "and Megatron's own state_dict asserts one: it cannot be checkpointed until it holds state"

@@ -51,7 +51,7 @@ from opttree import _registry
 from opttree._distributed import agreed
 from opttree._trees import tree
 from opttree._containers import malformed
-from opttree._checkpoint_layouts import STEP_KEY, Load, check_history_apart, check_saving, format_advice, layout_error, walk
+from opttree._checkpoint_layouts import STEP_KEY, Load, check_history_apart, check_loading, check_saving, format_advice, layout_error, walk
 from opttree._inspect import fresh_step_dtype
 from opttree._nodes import LeafNode, Node, tree_nodes
 from opttree._problems import Problem, ProblemKind
@@ -155,7 +155,9 @@ def _checked_saving(
         raise layout_error(root, "metadata", f"cannot be read: {type(error).__name__}: {error}") from error
     if not isinstance(cast(object, is_loading), bool):
         raise layout_error(root, "is_loading", f"is {kind_of(is_loading)}, where Megatron takes True or False")
-    if not is_loading:
+    if is_loading:
+        check_loading(root)
+    else:
         check_saving(root, as_dict)
     return root, as_dict
 
