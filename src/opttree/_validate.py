@@ -505,7 +505,7 @@ class ValidateVisitor(TraverserVisitor):
         ``amsgrad``) that differs there is not the one the next step uses, and the entries
         are checked against the sub-optimizer's own: refused. So is a counter a reset sets
         back (its schema's ``group_counters``) that the hybrid's group holds, but as its
-        defaults hold what the counter starts as (see :meth:`_check_copied_counter`).
+        defaults hold what the counter starts as (see :func:`_copied_counter`).
         Options no entry depends on (``lr``, which a scheduler moves in the hybrid's groups
         between steps) may differ."""
         groups = getattr(node.optimizer, "param_groups", None)
@@ -515,7 +515,7 @@ class ValidateVisitor(TraverserVisitor):
         copied = {key for group in groups if isinstance(group, dict) for key in group}
         watched = {cls: _watched_options(cls, self._selection.resets("step")) for cls in {type(leaf.optimizer) for leaf in leaves}}
         if all(copied.isdisjoint(options) for options in watched.values()):
-            return  # as a hybrid's groups usually are: none names an option its sub-optimizers build entries under
+            return  # as a hybrid's groups usually are: none names an option its sub-optimizers build entries under, nor a counter
         inner_of = {id(outer): inner[0] for outer, inner in pairs if inner}
         group_of = {
             id(inner_of[id(param)]): group
