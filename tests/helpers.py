@@ -167,3 +167,26 @@ def outside_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, str], lis
     attributes = {name: repr(value) for name, value in vars(optimizer).items() if name not in OPTIMIZER_BOOKKEEPING}
     groups = [{key: repr(value) for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
     return attributes, groups
+
+
+class HomeMade(torch.optim.Optimizer):
+    """A home-made optimizer of the tests: each parameter's entry built at its first step
+    (:meth:`build`), then updated with the parameter (:meth:`update`)."""
+
+    def __init__(self, params: object, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})  # type: ignore[arg-type]
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    self.build(state, p)
+                self.update(state, p, group["lr"])
+
+    def build(self, state: dict[str, torch.Tensor], p: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def update(self, state: dict[str, torch.Tensor], p: torch.Tensor, lr: float) -> None:
+        raise NotImplementedError

@@ -15,35 +15,33 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Callable
+from typing import cast
 
 import pytest
 import torch
 
 import opttree
 from opttree import testing
-from tests.helpers import refused_in_place, snapshot, unchanged
+from tests.helpers import HomeMade, refused_in_place, snapshot, unchanged
 
 Shape = tuple[int, ...]
 
 
-class Scaled(torch.optim.Optimizer):
+class Scaled(HomeMade):
     """A home-made adaptive optimizer: its second moment ``v`` is per element, or per row
     where the instance's ``rows`` is set, as AdaptiveMuon's is by its ``moment2_method``."""
 
     def __init__(self, params: object, lr: float = 1e-2, *, rows: bool = False) -> None:
-        super().__init__(params, {"lr": lr})  # type: ignore[arg-type]
+        super().__init__(params, lr)
         self.rows = rows
 
-    @torch.no_grad()
-    def step(self, closure: None = None) -> None:  # type: ignore[override]
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if not state:
-                    state["v"] = torch.zeros_like(p[..., :1] if self.rows else p)
-                grad = p.grad
-                state["v"].mul_(0.9).add_(grad.square().mean(-1, keepdim=True) if self.rows else grad.square(), alpha=0.1)
-                p.sub_(grad / (state["v"].sqrt() + 1e-8), alpha=group["lr"])
+    def build(self, state: dict[str, torch.Tensor], p: torch.Tensor) -> None:
+        state["v"] = torch.zeros_like(p[..., :1] if self.rows else p)
+
+    def update(self, state: dict[str, torch.Tensor], p: torch.Tensor, lr: float) -> None:
+        grad = cast(torch.Tensor, p.grad)
+        state["v"].mul_(0.9).add_(grad.square().mean(-1, keepdim=True) if self.rows else grad.square(), alpha=0.1)
+        p.sub_(grad / (state["v"].sqrt() + 1e-8), alpha=lr)
 
 
 def _second_moment(optimizer: torch.optim.Optimizer, shape: Shape) -> Shape:

@@ -9,6 +9,7 @@ import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -17,7 +18,7 @@ import torch
 
 import opttree
 from opttree import testing
-from tests.helpers import model, snapshot, stepped_adamw, train, unchanged
+from tests.helpers import HomeMade, model, snapshot, stepped_adamw, train, unchanged
 from tests.megatron_parts import chained, config, fp32
 
 N_PARAMS = 10  # 30 state tensors: the bad one is the last
@@ -301,22 +302,16 @@ def test_a_step_counter_that_cannot_be_written_is_refused() -> None:
     assert unchanged(optimizer, before)
 
 
-class Accumulating(torch.optim.Optimizer):
-    """Keeps a zeroed ``buf`` and an ``acc`` that starts at 0.5 (a fill), an identity
-    ``basis`` and a ``seen`` scale that starts at 1, built at each parameter's first step."""
+class Accumulating(HomeMade):
+    """Keeps a zeroed ``buf``, an ``acc`` that starts at 0.5 (a fill) and an identity
+    ``basis``, built at each parameter's first step."""
 
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        super().__init__(params, {"lr": 0.1})
+    def build(self, state: dict[str, torch.Tensor], p: torch.Tensor) -> None:
+        state.update(buf=torch.zeros_like(p), acc=torch.full((4,), 0.5), basis=torch.eye(2))
 
-    @torch.no_grad()
-    def step(self, closure: None = None) -> None:  # type: ignore[override]
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if not state:
-                    state.update(buf=torch.zeros_like(p), acc=torch.full((4,), 0.5), basis=torch.eye(2))
-                state["buf"].add_(p.grad)
-                p.sub_(state["buf"], alpha=group["lr"])
+    def update(self, state: dict[str, torch.Tensor], p: torch.Tensor, lr: float) -> None:
+        state["buf"].add_(cast(torch.Tensor, p.grad))
+        p.sub_(state["buf"], alpha=lr)
 
 
 opttree.register_schema(Accumulating, opttree.StateSchema(zero={"buf"}, fill={"acc": 0.5}, identity={"basis"}, rebuilds_missing=True))

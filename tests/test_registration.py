@@ -19,7 +19,7 @@ from torch.utils._contextlib import _DecoratorContextManager
 
 import opttree
 from tests.copying import CopyingWrapper
-from tests.helpers import clone_model, model, snapshot, train, trains_as_fresh, unchanged, weights_equal
+from tests.helpers import HomeMade, clone_model, model, snapshot, train, trains_as_fresh, unchanged, weights_equal
 
 
 class Lion(torch.optim.Optimizer):
@@ -476,25 +476,20 @@ def test_a_registered_function_that_fails_is_reported_at_its_key(schema: opttree
     assert torch.equal(optimizer.state[param]["sum"], before)
 
 
-class Eigenbasis(torch.optim.Optimizer):
+class Eigenbasis(HomeMade):
     """A home-made SOAP-like optimizer: a rotation ``Q`` per parameter that starts as the
     identity (of the parameter's first dimension), and a moment, both created on the first
     step; the rotation is then changed in place."""
 
-    def __init__(self, params: object, lr: float = 1e-2) -> None:
-        super().__init__(params, {"lr": lr})  # type: ignore[arg-type]
+    def build(self, state: dict[str, torch.Tensor], p: torch.Tensor) -> None:
+        state["Q"] = torch.eye(p.shape[0])
+        state["exp_avg"] = torch.zeros_like(p)
 
-    @torch.no_grad()
-    def step(self, closure: None = None) -> None:  # type: ignore[override]
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if not state:
-                    state["Q"] = torch.eye(p.shape[0])
-                    state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg"].lerp_(p.grad, 0.1)
-                state["Q"].mul_(0.9).add_(torch.outer(p.grad[:, 0], p.grad[:, 0]), alpha=0.1)
-                p.sub_(state["Q"] @ state["exp_avg"], alpha=group["lr"])
+    def update(self, state: dict[str, torch.Tensor], p: torch.Tensor, lr: float) -> None:
+        grad = cast(torch.Tensor, p.grad)
+        state["exp_avg"].lerp_(grad, 0.1)
+        state["Q"].mul_(0.9).add_(torch.outer(grad[:, 0], grad[:, 0]), alpha=0.1)
+        p.sub_(state["Q"] @ state["exp_avg"], alpha=lr)
 
 
 opttree.register_schema(Eigenbasis, opttree.StateSchema(zero={"exp_avg"}, identity={"Q"}))
