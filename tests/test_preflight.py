@@ -363,8 +363,8 @@ def test_history_sharing_memory_with_a_parameter_is_refused() -> None:
 
 def test_history_sharing_memory_with_a_frozen_weight_of_the_model_given_is_refused() -> None:
     """A frozen weight no optimizer steps is the model's, not the optimizer's: with
-    ``model=``, history sharing its memory is refused by reset, prune and validate, and
-    the weight is left as it was."""
+    ``model=``, history sharing its memory (or a buffer's) is refused by reset, prune and
+    validate, and the weight is left as it was."""
     net = model()
     frozen, trained = (param for name, param in net.named_parameters() if name in ("0.weight", "2.weight"))
     frozen.requires_grad_(False)
@@ -380,6 +380,12 @@ def test_history_sharing_memory_with_a_frozen_weight_of_the_model_given_is_refus
         opttree.prune(optimizer, 0.5, keys=["exp_avg"], model=net)
     assert torch.equal(frozen, weight) and unchanged(optimizer, before)
     assert [(p.kind, p.key) for p in opttree.validate(optimizer, model=net)] == [(opttree.ProblemKind.ALIASED_STATE, "exp_avg")]
+
+    net.register_buffer("running", torch.ones(trained.shape))  # a module's buffer: kept too
+    optimizer.state[trained]["exp_avg"] = net.get_buffer("running")
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=message):
+        opttree.reset(optimizer, model=net)
+    assert bool(net.get_buffer("running").all())
 
 
 @pytest.mark.parametrize("pooled", [False, True], ids=["one leaf", "a chain of leaves pooled"])

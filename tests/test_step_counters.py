@@ -837,6 +837,73 @@ def test_attribute_counters_go_with_the_steps_of_all_the_parameters() -> None:
         opttree.StateSchema(attribute_counters={"iteration": "zero"})  # type: ignore[dict-item]
 
 
+class IterationProperty(IterationFromFirstStep):
+    """Counts in ``_iteration`` behind a property ``iteration``, which reads 0 without it."""
+
+    @property
+    def iteration(self) -> int:
+        return int(getattr(self, "_iteration", 0))
+
+    @iteration.setter
+    def iteration(self, value: int) -> None:
+        self._iteration = value
+
+
+class IterationGuarded(IterationAdam):
+    """Sets its attributes through a ``__setattr__`` of its own, which refuses a counter set back."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "iteration" and isinstance(value, int) and value < getattr(self, "iteration", 0):
+            raise RuntimeError("iteration goes forward only")
+        super().__setattr__(name, value)
+
+
+class StepNamed(IterationAdam):
+    """Registered with a counter named as its own method."""
+
+
+opttree.register_schema(IterationProperty, attrs.evolve(_moments, attribute_counters={"iteration": None}))
+opttree.register_schema(IterationGuarded, attrs.evolve(_moments, attribute_counters={"iteration": 0}))
+opttree.register_schema(StepNamed, attrs.evolve(_moments, attribute_counters={"step": 0}))
+
+
+@pytest.mark.parametrize(
+    ("cls", "said"),
+    [
+        (IterationProperty, "IterationProperty declares 'iteration' (a property)"),
+        (IterationGuarded, "IterationGuarded sets attributes by code of its own"),
+        (StepNamed, "StepNamed declares 'step' (a function)"),
+    ],
+)
+def test_an_attribute_counter_the_class_declares_or_writes_by_its_own_code_is_refused(cls: type[IterationAdam], said: str) -> None:
+    """opttree sets a counter back in the instance's own attributes: one behind a
+    property was kept (the reset trained unlike a fresh optimizer, validate silent), and
+    one whose write the class refuses, or a name the class gives a method, broke the reset
+    or the optimizer after the history was zeroed. Refused, with nothing changed."""
+    net = model()
+    optimizer = cls([p for p in net.parameters() if isinstance(p, torch.nn.Parameter)])
+    train(net, optimizer, 0, 3)
+    before = snapshot(optimizer)
+
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=re.escape(said) + ": opttree sets a counter back in the instance's own attributes only"):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before) and optimizer.iteration == 3
+    with pytest.raises(opttree.RegistrationError, match=r"attribute_counters names \[''\], which are no attribute names"):
+        opttree.StateSchema(attribute_counters={"": 0})
+
+
+def test_a_full_reset_sets_back_the_attribute_counter_of_an_optimizer_without_parameters() -> None:
+    """A rank may hold no parameter of such a leaf: its counter counted on all the same,
+    and a full reset sets it back (it kept it, as it took no parameter's steps)."""
+    optimizer = IterationAdam([{"params": []}])  # type: ignore[list-item]  # an empty group, which torch's Optimizer takes
+    for _ in range(3):
+        optimizer.step()
+
+    opttree.reset(optimizer)
+
+    assert optimizer.iteration == 0
+
+
 @pytest.mark.parametrize(
     ("counters", "message"),
     [({"step": None}, "'step'"), ({"params": None}, "'params'"), ({"k": "zero"}, "group_counters maps 'k' to a str"), ({"k": True}, "group_counters maps 'k' to a bool")],

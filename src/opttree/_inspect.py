@@ -10,6 +10,7 @@ error changes nothing.
 from __future__ import annotations
 
 import operator
+from types import MemberDescriptorType
 from numbers import Integral, Real
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence, Set as AbstractSet
@@ -18,6 +19,7 @@ from typing import NamedTuple, TypeVar, cast
 
 import torch
 
+from opttree._dispatch import class_mro, class_namespace, static_attribute
 from opttree._errors import OptTreeError
 from opttree._held import instance_attributes, own_attributes, unknown_attribute_tensors
 from opttree._nodes import LeafNode, Node
@@ -363,6 +365,15 @@ _ANY_LAYOUT = frozenset({torch.float32, torch.float64, torch.complex64, torch.co
 
 _NO_VALUE = object()
 """What a group or the defaults hold where they hold no value under a name."""
+
+
+def own_setattr(cls: type) -> str | None:
+    """The name of the class that gives ``cls`` a ``__setattr__`` or ``__delattr__`` of its
+    own (whose writes opttree cannot vouch for), or None where it has object's."""
+    for name in ("__setattr__", "__delattr__"):
+        if static_attribute(cls, name) is not object.__dict__[name]:
+            return next((klass.__qualname__ for klass in class_mro(cls) if name in class_namespace(klass)), cls.__qualname__)
+    return None
 
 
 class LeafInspector:
@@ -844,7 +855,7 @@ class LeafInspector:
             return None
         chosen = self.selection.tensors
         taken = len(params) if chosen is None else sum(id(p) in chosen for p in params)
-        takes = taken > 0 and self.resets("step")
+        takes = self.resets("step") and (chosen is None or taken > 0)  # a full reset takes them over no parameters too
         if takes and taken < len(params):
             message = (
                 f"its {', '.join(sorted(names))} takes part in counting the steps of all its {len(params)} parameters "
@@ -861,8 +872,15 @@ class LeafInspector:
         if not self.takes_all_steps(node, counters.keys(), params):
             return
         attributes = dict(instance_attributes(node.optimizer))
+        cls = type(node.optimizer)
         for name, start in sorted(counters.items()):
             held = attributes.get(name, _NO_VALUE)
+            declared = static_attribute(cls, name)
+            if (declared is not None and not isinstance(declared, MemberDescriptorType)) or own_setattr(cls) is not None:
+                what = f"{cls.__qualname__} declares {name!r} ({kind_of(declared)})" if declared is not None else f"{own_setattr(cls)} sets attributes by code of its own"
+                message = f"{what}: opttree sets a counter back in the instance's own attributes only, and cannot tell that writing it succeeds"
+                self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, name)
+                return
             if held is not _NO_VALUE and (isinstance(held, torch.Tensor) or real_number(held) is None):
                 message = f"its counter {name!r} is {kind_of(held)}, expected a number (a tensor counter is one of step_attributes): a reset sets it back to {start!r}"
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, name)

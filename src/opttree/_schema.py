@@ -605,6 +605,10 @@ class StateSchema:
             "attribute_counters": self.counter_attribute_names,
         }
         _named_apart(attributes, "attributes")
+        odd = sorted(name for name in self.counter_attribute_names if not name.isidentifier())
+        if odd:
+            msg = f"attribute_counters names {odd}, which are no attribute names"
+            raise RegistrationError(msg)
         if self.counted_with_step and self.step is StepLocation.NONE:
             msg = "counted_with_step names keys counted with a step; this schema's step is none"
             raise RegistrationError(msg)

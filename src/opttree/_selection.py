@@ -55,9 +55,9 @@ class Selection:
     shards would differ from another's."""
 
     model: tuple[str, tuple[torch.Tensor, ...]] | None = field(default=None, eq=False)  # tensors compare by value
-    """The class of ``model=`` and its parameters, frozen ones too: memory a reset leaves
-    alone, whichever optimizer steps it (history sharing a frozen weight's memory would
-    zero a weight no leaf holds)."""
+    """The class of ``model=`` and its parameters, frozen ones too, and buffers: memory a
+    reset leaves alone, whichever optimizer steps it (history sharing a frozen weight's
+    memory would zero a weight no leaf holds)."""
 
     def covered(self, wrapper: object) -> tuple[int, int] | None:
         """How many of ``wrapper``'s parameters are selected, of how many, on every rank
@@ -384,9 +384,15 @@ def _listed(values: Iterable[_Item], what: str) -> list[_Item]:
 
 
 def model_weights(model: torch.nn.Module) -> tuple[str, tuple[torch.Tensor, ...]]:
-    """``model``'s class and parameters, for :attr:`Selection.model`; an error saying why
-    where they cannot be read."""
-    return type(model).__qualname__, tuple(param for _, param in model_parameters(model))
+    """``model``'s class, and its parameters and buffers, for :attr:`Selection.model`; an
+    error saying why where they cannot be read."""
+    params = tuple(param for _, param in model_parameters(model))
+    try:
+        buffers = [buffer for buffer in torch.nn.Module.buffers(model) if isinstance(cast(object, buffer), torch.Tensor)]  # Megatron's DDP shadows buffers
+    except Exception as error:  # noqa: BLE001  # a module's own code may raise anything
+        msg = f"the buffers of model= cannot be read: buffers() raised {type(error).__name__}: {error}"
+        raise OptTreeError(msg) from error
+    return type(model).__qualname__, (*params, *buffers)
 
 
 def resolve_params(params: ParamsArg, model: torch.nn.Module | None) -> list[torch.Tensor]:
