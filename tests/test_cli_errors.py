@@ -5,6 +5,7 @@ one line for a factory that gives no optimizer, and never a traceback."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -162,3 +163,16 @@ def test_a_factory_that_closes_stdout_fails_in_one_line_where_there_is_something
     assert (finished.returncode, finished.stdout) == (1, "") and "Traceback" not in finished.stderr
     assert finished.stderr.strip() == "opttree describe: cannot write to stdout: I/O operation on closed file."
     assert run("validate", "tests.test_cli_errors:closing_stdout").returncode == 0
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]], ids=["text", "json"])
+def test_a_command_started_with_stdout_closed_fails_in_one_line(json_flag: list[str]) -> None:
+    """With file descriptor 1 closed at launch (``>&-``), Python sets ``sys.stdout`` to
+    None: the command fails in one line on stderr, as for a stdout closed later (it printed
+    a traceback)."""
+    finished = subprocess.run(
+        [sys.executable, "-m", "opttree", "describe", "tests.test_cli_errors:adamw", *json_flag],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False, timeout=180, preexec_fn=lambda: os.close(1),
+    )
+    assert finished.returncode == 1 and "Traceback" not in finished.stderr
+    assert finished.stderr.strip().splitlines()[-1] == "opttree describe: cannot write to stdout: it is closed"

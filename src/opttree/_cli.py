@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from typing import TextIO, cast
 
 from opttree._api import describe, validate
 from opttree._trees import lenient_tree
@@ -115,11 +116,25 @@ def refuse_non_optimizer(spec: str, problems: Sequence[Problem]) -> None:
             raise SystemExit(msg)
 
 
+def _stdout_or_none() -> TextIO | None:
+    """``sys.stdout``, which Python sets to None where file descriptor 1 is closed at launch
+    (``>&-``), as a factory may."""
+    return cast("TextIO | None", sys.stdout)
+
+
+def _stdout() -> TextIO:
+    out = _stdout_or_none()
+    if out is None:
+        raise OSError("it is closed")
+    return out
+
+
 @contextlib.contextmanager
 def stdout_to_stderr() -> Iterator[None]:
     """Send to stderr what is written to stdout meanwhile, through ``sys.stdout`` and below
     it (a subprocess, ``os.write(1, ...)``, C code) where stdout is a file descriptor."""
-    sys.stdout.flush()
+    if _stdout_or_none() is not None:
+        sys.stdout.flush()
     try:
         saved = os.dup(1)
     except OSError:  # no file descriptor 1: what Python prints is all there is to send
@@ -165,8 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines = [json.dumps(payload, indent=2)] if args.json else [*([describe(optimizer)] if describing else []), *map(str, problems)]
     try:
         if lines:  # a validation with nothing to say writes nothing, to a closed stdout too
-            sys.stdout.write("".join(line + "\n" for line in lines))
-            sys.stdout.flush()
+            out = _stdout()
+            out.write("".join(line + "\n" for line in lines))
+            out.flush()
     except (OSError, ValueError) as error:  # a factory that closed sys.stdout, a closed pipe
         raise SystemExit(f"opttree {args.command}: cannot write to stdout: {error}") from error
     errors = any(p.severity is Severity.ERROR for p in problems)
