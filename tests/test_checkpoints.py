@@ -467,13 +467,14 @@ def test_a_distributed_optimizers_default_format_is_refused_naming_one_that_load
 
 
 @needs_dp_reshardable
-def test_a_loading_state_dict_of_a_fresh_distributed_optimizer_is_refused_saying_how_to_build_its_state(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "inner"), [("dist_bf16", "AdamW"), ("offload_0.75", "HybridDeviceOptimizer")])
+def test_a_loading_state_dict_of_a_fresh_distributed_optimizer_is_refused_saying_how_to_build_its_state(name: str, inner: str, tmp_path: Path) -> None:
     """Megatron's side: its loading ``sharded_state_dict`` of a fresh stack's
     ``DistributedOptimizer`` reads its ``state_dict``, which asserts a step its torch Adam
-    does not hold yet (with TE's or apex's, Megatron's ``init_state_fn`` builds it): a bare
-    ``AssertionError``. opttree refuses before Megatron runs, saying how to build the
-    state; once built, the same call loads the checkpoint."""
-    stack = testing.build("dist_bf16")
+    does not hold yet (with TE's or apex's, Megatron's ``init_state_fn`` builds it), nor a
+    HybridDeviceOptimizer's: a bare ``AssertionError``. opttree refuses before Megatron
+    runs, saying how to build the state; once built, the same call loads the checkpoint."""
+    stack = testing.build(name)
     stack.train(0, K)
     with stack.device:
         dist_checkpointing.save(opttree.sharded_state_dict(stack.optimizer, model_state(stack), metadata=DP_RESHARDABLE), str(tmp_path))
@@ -481,11 +482,11 @@ def test_a_loading_state_dict_of_a_fresh_distributed_optimizer_is_refused_saying
     with loaded.device:
         with pytest.raises(AssertionError):
             loaded.optimizer.sharded_state_dict(model_state(loaded), is_loading=True, metadata=DP_RESHARDABLE)
-        with pytest.raises(opttree.UnsupportedCheckpoint, match=r"its AdamW holds no step on this rank \(a fresh stack: no parameter stepped\).*_init_optimizer_states_with_dummy_values"):
+        with pytest.raises(opttree.UnsupportedCheckpoint, match=rf"its {inner} holds no step on this rank \(a fresh stack: no parameter stepped\).*_init_optimizer_states_with_dummy_values"):
             opttree.sharded_state_dict(loaded.optimizer, model_state(loaded), is_loading=True, metadata=DP_RESHARDABLE)
         getattr(loaded.optimizer, "chained_optimizers")[0]._init_optimizer_states_with_dummy_values()
         state = dist_checkpointing.load(opttree.sharded_state_dict(loaded.optimizer, model_state(loaded), is_loading=True, metadata=DP_RESHARDABLE), str(tmp_path))
-    opttree.load_state_dict(loaded.optimizer, state)
+        opttree.load_state_dict(loaded.optimizer, state)
 
 
 @pytest.mark.parametrize("name", ["frozen_fp16", "frozen_dist_bf16"])

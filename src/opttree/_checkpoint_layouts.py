@@ -27,7 +27,7 @@ from opttree._adapter import instance_attribute, mapping_attribute, sequence_att
 from opttree._dispatch import LazyDispatch
 from opttree._fields import article, kind_of
 from opttree._inspect import STEP_DTYPES, fresh_step_dtype, is_on, scalar_dtype, step_number
-from opttree._nodes import LeafNode, Node, WrapperNode, tree_nodes
+from opttree._nodes import HybridNode, LeafNode, Node, WrapperNode, tree_nodes
 from opttree._numbers import real_number
 from opttree._preflight import Extents, overlap, plain_reads, ranges, torch_name, unreadable_reason, unwritable_reason
 from opttree._problems import Problem, ProblemKind
@@ -908,7 +908,7 @@ def check_loading(root: Node) -> None:
     does."""
     for node in tree_nodes(root):
         _refuse_stub(node)
-        inner = _stepless_inner(node)
+        inner = _asserted_inner(node)
         if inner is not None and not _holds_a_step(inner):
             message = (
                 f"its {type(inner.optimizer).__qualname__} holds no step on this rank (a fresh stack: no parameter "
@@ -933,14 +933,26 @@ def _refuse_stub(node: Node) -> None:
         raise layout_error(node, "optimizer", message)
 
 
-def _stepless_inner(node: Node) -> LeafNode | None:
-    """The inner torch optimizer of a ``DistributedOptimizer`` (or a wrapper of its layout)
-    that counts steps per parameter, whose ``state_dict`` Megatron asserts a step in."""
-    return _inner_counting_per_parameter(node) if _LAYOUTS.lookup(type(node.optimizer)) is _steps_in_groups else None
+def _asserted_inner(node: Node) -> Node | None:
+    """The inner optimizer of a ``DistributedOptimizer`` (or a wrapper of its layout), in
+    whose ``state`` Megatron's ``state_dict`` asserts a step: a torch optimizer counting
+    steps per parameter, or a ``HybridDeviceOptimizer`` (whose state mirrors its
+    sub-optimizers') where Megatron found neither TE nor apex (with them it passes over
+    sub-optimizers without state)."""
+    if _LAYOUTS.lookup(type(node.optimizer)) is not _steps_in_groups or not node.children:
+        return None
+    inner = node.children[0]
+    if isinstance(inner, LeafNode):
+        return inner if _counts_per_parameter(inner) else None
+    module = sys.modules.get("megatron.core.optimizer.distrib_optimizer")
+    return inner if isinstance(inner, HybridNode) and getattr(module, "HAVE_APEX_OR_TE", True) is False else None
 
 
-def _holds_a_step(inner: LeafNode) -> bool:
-    return any(isinstance(entry, Mapping) and "step" in entry for entry in inner.optimizer.state.values())
+def _holds_a_step(inner: Node) -> bool:
+    """Whether the inner optimizer's own ``state`` holds a step in an entry, as Megatron's
+    ``DistributedOptimizer.state_dict`` asserts."""
+    state = getattr(inner.optimizer, "state", None)
+    return isinstance(state, Mapping) and any(isinstance(entry, Mapping) and "step" in entry for entry in state.values())
 
 
 def check_saving(root: Node, metadata: Mapping[str, object] | None) -> None:
@@ -961,15 +973,16 @@ def check_saving(root: Node, metadata: Mapping[str, object] | None) -> None:
         if _LAYOUTS.lookup(type(node.optimizer)) in (_torch_format, _float16):
             _check_history_built(node)
             continue
-        inner = _stepless_inner(node)
-        if inner is None:
-            continue
-        if not _holds_a_step(inner):
+        stepped = _asserted_inner(node)
+        if stepped is not None and not _holds_a_step(stepped):
             message = (
-                f"its {type(inner.optimizer).__qualname__} holds no step on this rank (no parameter, or none stepped), "
+                f"its {type(stepped.optimizer).__qualname__} holds no step on this rank (no parameter, or none stepped), "
                 "and Megatron's own state_dict asserts one: it cannot be checkpointed until it holds state"
             )
             raise layout_error(node, STEP_KEY, message)
+        inner = _inner_counting_per_parameter(node) if stepped is not None else None
+        if inner is None:
+            continue
         if not isinstance(sharding, str | None) or (sharding is not None and sharding not in SHARDING_TYPES):
             message = f"{sharding!r} is not one of {', '.join(sorted(SHARDING_TYPES))}"
             raise layout_error(node, "distrib_optim_sharding_type", message)
