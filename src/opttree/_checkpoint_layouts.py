@@ -980,7 +980,7 @@ def check_saving(root: Node, metadata: Mapping[str, object] | None) -> None:
                 "and Megatron's own state_dict asserts one: it cannot be checkpointed until it holds state"
             )
             raise layout_error(node, STEP_KEY, message)
-        inner = _inner_counting_per_parameter(node) if stepped is not None else None
+        inner = stepped if isinstance(stepped, LeafNode) else None  # the torch optimizer counting per parameter
         if inner is None:
             continue
         if not isinstance(sharding, str | None) or (sharding is not None and sharding not in SHARDING_TYPES):
