@@ -9,11 +9,12 @@ import dataclasses
 import functools
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import pytest
 import torch
+from megatron.core.optimizer import ChainedOptimizer, Float16OptimizerWithFloat16Params, MegatronOptimizer
 
 import opttree
 from opttree import testing
@@ -312,3 +313,63 @@ def test_a_registered_wrapper_keeping_the_models_parameters_and_gradients_is_not
     assert [(p.key, p.path) for p in problems] == [("params", "<root>")] and "holds 4 tensor(s) in its attribute 'params'" in problems[0].message
     with pytest.raises(opttree.UnsupportedOptimizerState, match="hold it, not a list of its frozen weights"):
         opttree.reset(averaged)
+
+
+class EmaChain(ChainedOptimizer):
+    """A chain keeping an average of its members' weights, moved after every step: state
+    of its own, which a fresh chain starts anew."""
+
+    ema: list[torch.Tensor]
+
+    def step(self) -> Any:
+        stepped = super().step()
+        with torch.no_grad():
+            for average, weight in zip(self.ema, chain_weights(self), strict=True):
+                average.lerp_(weight, 0.1)
+        return stepped
+
+
+class LoggingFloat16(Float16OptimizerWithFloat16Params):
+    """A mixed-precision wrapper with a method of its own that keeps nothing."""
+
+    def logged_scale(self) -> float:
+        return float(self.get_loss_scale())
+
+
+def chain_weights(chain: ChainedOptimizer) -> list[torch.Tensor]:
+    return [p for member in chain.chained_optimizers for p in cast(MegatronOptimizer, member).get_parameters()]
+
+
+opttree.register_wrapper(EmaChain, children=lambda chain: [(f"chained[{i}]", m) for i, m in enumerate(chain.chained_optimizers)])
+opttree.register_wrapper(LoggingFloat16, children=lambda wrapper: [("optimizer", wrapper.optimizer)])
+
+
+def test_tensors_a_registered_subclass_of_a_megatron_wrapper_holds_of_its_own_are_refused() -> None:
+    """A user's subclass of a Megatron wrapper, registered as its own method requires, was
+    not searched for tensors (Megatron's own are read by their kinds): the average a chain
+    subclass keeps was kept through a reset in silence. Its attributes that Megatron's code
+    never names are its own, refused as any registered wrapper's; Megatron's own tensors
+    (the fp16 wrapper's overflow flag and unit scale, its groups of model weights) are not."""
+    stack = testing.build("fp16")
+    stack.train(0, 3)
+    chain = stack.optimizer
+    chain.__class__ = EmaChain
+    assert isinstance(chain, EmaChain)
+    chain.ema = [weight.detach().clone() for weight in chain_weights(chain)]
+    leaf = cast(Float16OptimizerWithFloat16Params, chain.chained_optimizers[0]).optimizer
+    assert leaf is not None
+    before = snapshot(leaf)
+
+    problems = opttree.validate(chain)
+
+    assert [(p.kind, p.path, p.key) for p in problems] == [(opttree.ProblemKind.UNSUPPORTED_STATE, "<root>", "ema")]
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"EmaChain at <root>: key 'ema': holds 4 tensor\(s\)"):
+        opttree.reset(chain)
+    assert unchanged(leaf, before)
+
+    logged = testing.build("fp16")
+    logged.train(0, 3)
+    cast(ChainedOptimizer, logged.optimizer).chained_optimizers[0].__class__ = LoggingFloat16
+    assert opttree.validate(logged.optimizer) == ()
+    opttree.reset(logged.optimizer)
+    assert trains_as_fresh_stack(logged, testing.build("fp16"), 3, 3)

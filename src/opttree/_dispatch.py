@@ -46,8 +46,13 @@ def is_megatron_class(cls: type) -> bool:
     try:
         return _MEGATRON_CLASSES[cls]
     except KeyError:
-        found = _MEGATRON_CLASSES[cls] = any(str(getattr(base, "__module__", "")).partition(".")[0] == "megatron" for base in cls.__mro__)
+        found = _MEGATRON_CLASSES[cls] = bool(megatron_bases(cls))
         return found
+
+
+def megatron_bases(cls: type) -> list[type]:
+    """The classes of ``cls``'s MRO that are Megatron's own (by their module), itself included."""
+    return [base for base in cls.__mro__ if str(getattr(base, "__module__", "")).partition(".")[0] == "megatron"]
 
 
 class_namespace = cast(Callable[[type], Mapping[str, object]], type.__dict__["__dict__"].__get__)

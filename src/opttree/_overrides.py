@@ -299,6 +299,28 @@ def _functions_of(value: object) -> tuple[object, ...]:
     return (value, static_attribute(type(value), "__get__"))
 
 
+def names_in_code(classes: list[type]) -> frozenset[str]:
+    """Every name the code of the methods ``classes`` define (through torch's wrappers, and
+    the functions nested in them) reads or writes as an attribute or a global: more than,
+    but at least, the names of the attributes that code sets on an instance."""
+    names: set[str] = set()
+    for klass in classes:
+        for value in class_namespace(klass).values():
+            for function in _functions_of(value):
+                found = _code_of(function)
+                code = getattr(found[0], "__code__", None) if found is not None else None
+                if isinstance(code, types.CodeType):
+                    _add_names(code, names)
+    return frozenset(names)
+
+
+def _add_names(code: types.CodeType, names: set[str]) -> None:
+    names.update(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):  # a nested function, comprehension or lambda
+            _add_names(constant, names)
+
+
 _STDLIB = os.path.join(sysconfig.get_paths()["stdlib"], "")
 
 

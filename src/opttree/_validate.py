@@ -13,7 +13,7 @@ import torch
 from opttree._eager import eager
 from opttree import _registry
 from opttree._containers import PLAIN_STATES, malformed, own_writes, tensors_held
-from opttree._dispatch import dotted_name, is_megatron_class
+from opttree._dispatch import dotted_name, is_megatron_class, megatron_bases
 from opttree._errors import OptTreeError
 from opttree._shards import detached_shards
 from opttree._held import Held, held_by_leaf, held_optimizers, only_bookkeeping, own_attributes, unknown_attribute_tensors
@@ -34,6 +34,7 @@ from opttree._selection import EVERYTHING, STEP_UNITS, Selection, inner_params_o
 from opttree._visitor import TraverserVisitor
 from opttree._fields import is_a, kind_of
 from opttree._numbers import shown_value
+from opttree._overrides import names_in_code
 
 _OPTIMIZER = operator.attrgetter("optimizer")
 
@@ -400,12 +401,15 @@ class ValidateVisitor(TraverserVisitor):
         whatever they hold, where a fresh wrapper starts anew (a Lookahead reset so trained
         unlike a fresh one). Refused, as a leaf's are: an ``nn.Parameter`` no optimizer
         steps too, which may be a frozen weight or an EMA model's copy. Megatron's wrappers'
-        own tensors are read by their kinds."""
+        own tensors are read by their kinds: of a user's subclass of one (registered, as its
+        methods of its own require), only attributes Megatron's code never names are its own
+        (an EMA a ChainedOptimizer subclass keeps was kept in silence)."""
         cls = type(node.optimizer)
-        if not isinstance(node, WrapperNode) or is_megatron_class(cls) or not _registry.registered_wrapper(cls):
+        if not isinstance(node, WrapperNode) or not _registry.registered_wrapper(cls):
             return
+        megatrons = megatron_bases(cls)
         try:
-            unknown = unknown_attribute_tensors(node.optimizer, lambda: _known_below(node))
+            unknown = unknown_attribute_tensors(node.optimizer, lambda: _known_below(node), names_in_code(megatrons) if megatrons else frozenset())
         except OptTreeError:
             return  # an inner_params function failed: the master checks report it
         for name, held in unknown:
