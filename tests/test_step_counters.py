@@ -630,8 +630,9 @@ def test_group_counters_go_with_the_steps() -> None:
     train(net, optimizer, 3, 1)
     with pytest.raises(opttree.PartialResetRefused, match=r"param group 0 counts 'k' and 'weight_sum' for its 4 parameters and 1 are selected"):
         opttree.reset(optimizer, params=[first], keys=["z", "step"])
-    opttree.reset(optimizer, keys=["step"])
+    report = opttree.reset(optimizer, keys=["step"])
     assert "k" not in optimizer.param_groups[0] and "z" in optimizer.state[first]
+    assert report.steps == 2  # k and weight_sum, counted as the counters they are
 
     train(net, optimizer, 4, 1)
     optimizer.param_groups[0]["k"] = torch.tensor(1)
@@ -718,7 +719,7 @@ def test_a_hybrids_copied_counters_are_read_only_where_the_reset_takes_their_ste
     train_hybrid(stack, 0, 3)
     stack[0].param_groups[0].update(k=3, weight_sum=0.6)
     second = stack[1][1]
-    assert opttree.reset(stack[0], params=[second], keys=["step", "z"]).steps == 0  # CountersFromInit counts in its groups alone
+    assert opttree.reset(stack[0], params=[second], keys=["step", "z"]).steps == 2  # the second group's k and weight_sum: CountersFromInit counts in its groups alone
     fresh = two_groups(like=stack[1])
     train_hybrid(stack, 3, 3)
     train_hybrid(fresh, 3, 3)
@@ -821,8 +822,9 @@ def test_attribute_counters_go_with_the_steps_of_all_the_parameters() -> None:
     with pytest.raises(opttree.PartialResetRefused, match=r"its iteration takes part in counting the steps of all its 4 parameters and 1 are selected"):
         opttree.reset(optimizer, params=params[:1], keys=["exp_avg", "step"])
     assert opttree.reset(optimizer, params=params[:1], keys=["exp_avg"]).tensors_zeroed == 1 and optimizer.iteration == 3
-    opttree.reset(optimizer, keys=["step"])
+    report = opttree.reset(optimizer, keys=["step"])
     assert optimizer.iteration == 0 and all(entry["exp_avg_sq"].any() for entry in optimizer.state.values())
+    assert report.steps == 1  # the counter, though the optimizer keeps no per-parameter step
 
     train(net, optimizer, 3, 1)
     optimizer.iteration = torch.tensor(1)  # type: ignore[assignment]

@@ -769,6 +769,7 @@ class LeafInspector:
                 self.plan.state.drop.append((group, name))
             else:
                 continue
+            self.plan.state.steps += 1
             self.plan.state.found_keys.add("step")  # what keys=["step"] takes
 
     def plan_group_step(
@@ -887,6 +888,7 @@ class LeafInspector:
                 return
             if start is not None or held is not _NO_VALUE:
                 self.plan.state.attribute_writes.append((node.optimizer, name, start))
+                self.plan.state.steps += 1
         self.plan.state.found_keys.add("step")  # what keys=["step"] takes
 
     def plan_cached(self, node: LeafNode) -> None:

@@ -26,8 +26,8 @@ class ResetReport:
 
     ``leaves`` counts the leaf optimizers the reset covered: every one, or, for a partial
     reset by parameters, those holding a selected parameter;
-    ``steps`` counts step counters set to zero (per-parameter tensors and per-group
-    values); ``tensors_zeroed``, ``tensors_filled`` (set to a starting value other than
+    ``steps`` counts step counters set back to their start (per-parameter tensors,
+    per-group values, and the counters a schema names in groups and instance attributes); ``tensors_zeroed``, ``tensors_filled`` (set to a starting value other than
     zero, such as Adagrad's ``initial_accumulator_value``) and ``tensors_dropped`` count
     history tensors only; ``tensors_kept`` and ``bytes_kept`` count the state tensors left
     as they were (a master copy, or what a partial reset leaves) and their memory, each
