@@ -66,6 +66,8 @@ _IS_LEAF = cast(Callable[[torch.Tensor], bool], torch._C.TensorBase.__dict__["is
 
 GRADIENTS = ".grad"
 """The key under which the gradients of a leaf's parameters are kept memory."""
+BUFFERS = "buffers()"
+"""The key under which the buffers of ``model=`` are kept memory."""
 GROUP_OPTIONS = "param_groups"
 """The key under which the tensors a param group holds as options are kept memory."""
 _OPTIMIZER = operator.attrgetter("optimizer")

@@ -54,7 +54,7 @@ class Selection:
     what is decided by these counts is decided alike on every rank, where this rank's own
     shards would differ from another's."""
 
-    model: tuple[str, tuple[torch.Tensor, ...]] | None = field(default=None, eq=False)  # tensors compare by value
+    model: tuple[str, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = field(default=None, eq=False)  # tensors compare by value
     """The class of ``model=`` and its parameters, frozen ones too, and buffers: memory a
     reset leaves alone, whichever optimizer steps it (history sharing a frozen weight's
     memory would zero a weight no leaf holds)."""
@@ -383,8 +383,8 @@ def _listed(values: Iterable[_Item], what: str) -> list[_Item]:
         raise OptTreeError(msg) from error
 
 
-def model_weights(model: torch.nn.Module) -> tuple[str, tuple[torch.Tensor, ...]]:
-    """``model``'s class, and its parameters and buffers, for :attr:`Selection.model`; an
+def model_weights(model: torch.nn.Module) -> tuple[str, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """``model``'s class, its parameters and its buffers, for :attr:`Selection.model`; an
     error saying why where they cannot be read."""
     params = tuple(param for _, param in model_parameters(model))
     try:
@@ -392,7 +392,7 @@ def model_weights(model: torch.nn.Module) -> tuple[str, tuple[torch.Tensor, ...]
     except Exception as error:  # noqa: BLE001  # a module's own code may raise anything
         msg = f"the buffers of model= cannot be read: buffers() raised {type(error).__name__}: {error}"
         raise OptTreeError(msg) from error
-    return type(model).__qualname__, (*params, *buffers)
+    return type(model).__qualname__, params, tuple(buffers)
 
 
 def resolve_params(params: ParamsArg, model: torch.nn.Module | None) -> list[torch.Tensor]:

@@ -20,7 +20,7 @@ from opttree._held import Held, held_by_leaf, held_optimizers, only_bookkeeping,
 from opttree._hooks import surely_known_hooks, unknown_global_step_hook, unknown_step_hook
 from opttree._identity import identity_key, identity_keys
 from opttree._adapter import TreeBuilder
-from opttree._inspect import GRADIENTS, LeafInspector, held_gradients, key_label, step_numbers
+from opttree._inspect import BUFFERS, GRADIENTS, LeafInspector, held_gradients, key_label, step_numbers
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode, tree_nodes
 from opttree._paths import ROOT
 from opttree._plan import ResetPlan, StateEntry
@@ -41,7 +41,7 @@ _OPTIMIZER = operator.attrgetter("optimizer")
 
 def _owner_text(owner: Owner) -> str:
     path, cls, key = owner
-    what = "a parameter" if key is None else "a parameter's gradient" if key == GRADIENTS else repr(key)
+    what = "a parameter" if key is None else "a parameter's gradient" if key == GRADIENTS else "a buffer" if key == BUFFERS else repr(key)
     return f"{what} of {cls} at {path}"
 
 
@@ -278,11 +278,13 @@ class ValidateVisitor(TraverserVisitor):
             self.problems.append(Problem(ProblemKind.HIDDEN_OPTIMIZER, node.path, type(node.optimizer).__qualname__, message))
 
     def _keep_model_weights(self, root: Node) -> None:
-        """The parameters of ``model=`` are memory a reset leaves alone, frozen ones too."""
+        """The parameters of ``model=``, frozen ones too, and its buffers are memory a reset
+        leaves alone."""
         if self._selection.model is not None:
-            cls, weights = self._selection.model
+            cls, weights, buffers = self._selection.model
             inspector = LeafInspector(_NO_STATE, self._plan, self.problems, self._selection)
             inspector.plan_kept(root, ("model=", cls), weights, None, self._plan.state)
+            inspector.plan_kept(root, ("model=", cls), buffers, BUFFERS, self._plan.state)
 
     def _check_memory(self) -> None:
         """Step tensors held for several parameters are counted once, with a warning;
