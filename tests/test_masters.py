@@ -467,19 +467,22 @@ class _HistoryAsMaster(torch.optim.Adam):
 def _history_as_master(optimizer: torch.optim.Optimizer, param: torch.Tensor, entry: Mapping[str, object]) -> torch.Tensor | None:
     master = entry["exp_avg"] if getattr(optimizer, "names_history", True) else param.grad
     assert isinstance(master, torch.Tensor)
-    return master.view(-1).view_as(param)
+    return master.view(-1).view_as(param) if getattr(optimizer, "as_view", True) else master
 
 
 opttree.register_schema(_HistoryAsMaster, opttree.StateSchema(zero={"exp_avg", "exp_avg_sq"}, step=opttree.StepLocation.PER_PARAMETER, master_of=_history_as_master))
 
 
+@pytest.mark.parametrize("as_view", [True, False], ids=["a view of it", "itself"])
 @pytest.mark.parametrize("names_history", [True, False], ids=["exp_avg", "grad"])
-def test_a_sync_never_writes_the_weights_into_optimizer_state_or_gradients(names_history: bool) -> None:
+def test_a_sync_never_writes_the_weights_into_optimizer_state_or_gradients(names_history: bool, as_view: bool) -> None:
     """A copy that is also history (or a gradient) was written with the weights by
-    ``sync_masters``, where ``validate`` called it aliased and ``reset`` refused it."""
+    ``sync_masters``, where ``validate`` called it aliased and ``reset`` refused it: a
+    view of it, and then the tensor itself (state a sync writes as a copy was passed over
+    as kept memory, which only a key the schema keeps, a master copy, may be)."""
     net = torch.nn.Linear(3, 2, bias=False)
     optimizer = _HistoryAsMaster(net.parameters())
-    vars(optimizer)["names_history"] = names_history
+    vars(optimizer).update(names_history=names_history, as_view=as_view)
     torch.autograd.backward(net(torch.randn(4, 3)).sum())
     optimizer.step()
     state = {key: value.clone() for key, value in optimizer.state[net.weight].items()}
@@ -491,6 +494,37 @@ def test_a_sync_never_writes_the_weights_into_optimizer_state_or_gradients(names
         opttree.sync_masters(optimizer, model=net)
     assert all(torch.equal(value, state[key]) for key, value in optimizer.state[net.weight].items())
     assert torch.equal(grad, grad_before)
+
+
+class HistoryAsCopies(CopyingWrapper):
+    """Its registration names its optimizer's ``exp_avg`` as the copies it steps: a wrong one."""
+
+
+def _history_copies(wrapper: HistoryAsCopies, path: str) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    state = wrapper.optimizer.state
+    return [(param, [state[copy]["exp_avg"]]) for param, copy in zip(wrapper.params, wrapper.copies, strict=True) if copy in state]
+
+
+opttree.register_wrapper(HistoryAsCopies, children=lambda wrapper: [("optimizer", wrapper.optimizer)], inner_params=_history_copies)
+
+
+def test_copies_a_registered_wrapper_names_are_written_by_neither_a_sync_nor_a_reset() -> None:
+    """Where a wrapper's ``inner_params`` names its optimizer's history as the copies of
+    its parameters, a sync wrote the weights into that history, and a reset zeroed what
+    the wrapper calls its master copies. Both refused, with nothing changed."""
+    net = torch.nn.Linear(3, 2)
+    wrapper = HistoryAsCopies(list(net.parameters()))
+    for copy in wrapper.copies:
+        copy.grad = torch.ones_like(copy)
+    wrapper.optimizer.step()
+    before = [(key, value.clone()) for entry in wrapper.optimizer.state.values() for key, value in entry.items()]
+
+    with pytest.raises(opttree.StaleMaster, match="its copy of weight shares memory with the optimizer state of AdamW at optimizer: exp_avg"):
+        opttree.sync_masters(wrapper, model=net)
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="AdamW at optimizer: key 'exp_avg': shares memory with a parameter of HistoryAsCopies at <root>"):
+        opttree.reset(wrapper)
+    after = [(key, value) for entry in wrapper.optimizer.state.values() for key, value in entry.items()]
+    assert len(after) == len(before) and all(k == j and torch.equal(a, b) for (k, a), (j, b) in zip(after, before, strict=True))
 
 
 @pytest.mark.parametrize(("name", "copies"), [("bf16", "fp32_from_float16_groups"), ("dist_bf16", "shard_fp32_from_float16_groups")])

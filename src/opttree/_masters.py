@@ -415,8 +415,8 @@ def _unwritable(root: Node, check: MasterCheck, writes: list[_Pair]) -> list[Pro
             if id(pair.copy) not in writing:
                 kept.extend(ranges([pair.copy]).owned((pair.path, pair.cls, pair.name)))
         try:
-            for leaf, key, tensors in _state_and_gradients(root):
-                held = [tensor for tensor in tensors if id(tensor) not in writing]
+            for leaf, key, tensors, copies in _state_and_gradients(root):
+                held = [tensor for tensor in tensors if not copies or id(tensor) not in writing]
                 kept.extend(ranges(held).owned((leaf.path, _STATE, f"{type(leaf.optimizer).__qualname__} at {leaf.path}: {key}")))
         except Exception as error:  # noqa: BLE001  # a state entry's own items() may raise anything
             message = f"the optimizers' state cannot be read ({type(error).__name__}: {error}) to tell that no copy shares its memory"
@@ -433,15 +433,19 @@ def _unwritable(root: Node, check: MasterCheck, writes: list[_Pair]) -> list[Pro
 _STATE = "<state>"
 
 
-def _state_and_gradients(root: Node) -> Iterator[tuple[LeafNode, str, list[torch.Tensor]]]:
+def _state_and_gradients(root: Node) -> Iterator[tuple[LeafNode, str, list[torch.Tensor], bool]]:
     """Each leaf's state tensors by key, and its parameters' gradients (``grad``, and
     Megatron's ``main_grad``): memory a sync must leave alone, as a copy that is also
-    history (a registered ``master_of`` naming a view of ``exp_avg``) would write the
-    weights into it. A leaf whose state cannot be read raises, and the sync is refused:
-    nothing could tell that no copy shares its memory."""
+    history (a registered ``master_of`` naming ``exp_avg``, or a view of it) would write
+    the weights into it; with whether the key is one its schema keeps, where a master
+    copy a sync writes may lie (TE's ``master_param``): none of history or gradients. A
+    leaf whose state cannot be read raises, and the sync is refused: nothing could tell
+    that no copy shares its memory."""
     for node in tree_nodes(root):
         if not isinstance(node, LeafNode):
             continue
+        schema = schema_for(type(node.optimizer))
+        kept = schema.keep if schema is not None else frozenset()
         reason = malformed(node.optimizer)
         state = node.optimizer.state if reason is None else {}
         reason = reason or malformed_state(state)
@@ -452,9 +456,9 @@ def _state_and_gradients(root: Node) -> Iterator[tuple[LeafNode, str, list[torch
             for key, value in entry.items():
                 by_key.setdefault(key_label(key), []).append(value)
         for key, values in by_key.items():
-            yield node, key, tensors_held(values)
+            yield node, key, tensors_held(values), key in kept
         params = [p for group in node.optimizer.param_groups for p in group["params"]]
-        yield node, "gradients", held_gradients(params)
+        yield node, "gradients", held_gradients(params), False
 
 
 def _holds(pair: _Pair) -> bool:

@@ -569,8 +569,9 @@ class ValidateVisitor(TraverserVisitor):
         """The parameters a wrapper steps through copies or shards (a mixed-precision
         wrapper's fp16/bf16 model weights, the parameters a DistributedOptimizer shards),
         with those copies, as its inner-params function pairs them. The parameters are
-        kept: history sharing their memory would zero model weights no leaf holds. None,
-        with a problem, where the wrapper's pairs cannot be read."""
+        kept: history sharing their memory would zero model weights no leaf holds; so are
+        copies that are no leaf's parameters (a registration naming history as the copies
+        had them zeroed). None, with a problem, where the wrapper's pairs cannot be read."""
         inner_params = inner_params_of(node)
         if inner_params is None:
             return []
@@ -582,6 +583,8 @@ class ValidateVisitor(TraverserVisitor):
             return None
         inspector = LeafInspector(_NO_STATE, self._plan, self.problems, self._selection)
         params = [param for param, _ in pairs if isinstance(param, torch.Tensor)]  # anything else: see check_masters
+        stepped = set(map(object.__hash__, tree_params(node)))  # kept by their leaves, which name them
+        params += [copy for _, copies in pairs for copy in copies if isinstance(copy, torch.Tensor) and object.__hash__(copy) not in stepped]
         inspector.plan_kept(node, (node.path, cls), params, None, self._plan.state)
         grads = held_gradients(params)
         if grads:
