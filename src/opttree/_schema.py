@@ -211,6 +211,8 @@ class StateSchema:
     ``zero``: history tensors the optimizer creates as zeros; reset zeroes them in place.
     ``drop``: history the optimizer creates lazily from the first gradient (torch SGD's
     ``momentum_buffer`` is a copy of it); reset deletes the key, as a fresh optimizer has none.
+    The optimizer must build it again where an entry lacks it: a key built only with a new
+    entry (``if not state``) is missing at the next step from an entry that keeps its step.
     ``keep``: state that is not history (master weights); reset leaves it untouched.
     ``fill``: history the optimizer creates filled with another value (Adagrad's ``sum``
     starts at ``initial_accumulator_value``, NAdam's ``mu_product`` at 1); reset fills it
