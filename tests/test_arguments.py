@@ -13,7 +13,7 @@ import torch
 
 import opttree
 from tests.copying import CopyingWrapper
-from tests.helpers import snapshot, stepped_adamw, unchanged
+from tests.helpers import snapshot, stepped_adamw, stepped_pair, unchanged
 
 
 class UnreadableModel(torch.nn.Module):
@@ -55,12 +55,12 @@ class NotATensorModel(torch.nn.Module):
             lambda o: opttree.reset(o, params=lambda name: True, model=UnreadableModel()),
             "named_parameters\\(\\) raised RuntimeError: named_parameters refused",
         ),
-        (lambda o: opttree.reset(o, params=[]), "params is empty: the reset would change nothing"),
+        (lambda o: opttree.reset(o, params=[]), "params is empty: nothing would change"),
         (
             lambda o: opttree.reset(o, params=lambda name: name == "typo", model=torch.nn.ParameterList(o.param_groups[0]["params"])),
-            "the params predicate accepts none of the model's parameters: the reset would change nothing",
+            "the params predicate accepts none of the model's parameters: nothing would change",
         ),
-        (lambda o: opttree.reset(o, keys=[]), "keys names no state key: the reset would change nothing"),
+        (lambda o: opttree.reset(o, keys=[]), "keys names no state key: nothing would change"),
         (
             lambda o: opttree.reset(o, params=lambda name: True, model=NotATensorModel()),
             r"named_parameters\(\) gave a pair of a str and a float, expected \(name, tensor\) pairs",
@@ -96,6 +96,19 @@ def test_a_reset_refuses_arguments_of_the_wrong_kind(call: Callable[[torch.optim
         call(optimizer)
 
     assert unchanged(optimizer, before)
+
+
+def test_a_params_predicate_answers_with_a_bool() -> None:
+    """An answer other than a bool was read by its truth: a predicate returning "no" for
+    every name selected every parameter, and the reset zeroed them all. Refused, naming
+    the answer, with nothing changed."""
+    optimizer, _, _ = stepped_pair()
+    net = torch.nn.ParameterList(optimizer.param_groups[0]["params"])
+    before = snapshot(optimizer)
+    with pytest.raises(opttree.OptTreeError, match=r"the params predicate returned a str for the parameter '0', expected a bool \(True selects it\)"):
+        opttree.reset(optimizer, params=lambda name: "no", model=net)  # type: ignore[arg-type,return-value]
+    assert unchanged(optimizer, before)
+    assert opttree.reset(optimizer, params=lambda name: name == "0", model=net, keys=["exp_avg"]).tensors_zeroed == 1
 
 
 def test_a_failing_params_predicate_is_named() -> None:

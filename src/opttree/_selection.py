@@ -363,11 +363,17 @@ def model_parameters(model: torch.nn.Module, *, every_name: bool = False) -> lis
 
 
 def _accepted(predicate: Callable[[str], bool], name: str) -> bool:
+    """The predicate's answer for ``name``: a bool, not read by truth (a string it returned
+    selected every parameter, "no" as "yes"; a ``re.search`` match is ``bool(...)`` away)."""
     try:
-        return bool(predicate(name))
+        answer: object = predicate(name)
     except Exception as error:
         msg = f"the params predicate raised {type(error).__name__} for the parameter {name!r}: {error}"
         raise OptTreeError(msg) from error
+    if not isinstance(answer, bool):
+        msg = f"the params predicate returned {kind_of(answer)} for the parameter {name!r}, expected a bool (True selects it)"
+        raise OptTreeError(msg)
+    return answer
 
 
 _Item = TypeVar("_Item")
@@ -452,7 +458,7 @@ def select(root: Node, params: ParamsArg | None, keys: Iterable[str] | None, mod
     weights = None if model is None else model_weights(model)
     key_set = None if keys is None else key_names(keys)
     if key_set == frozenset():
-        raise PartialResetRefused("keys names no state key: the reset would change nothing")
+        raise PartialResetRefused("keys names no state key: nothing would change")
     steps = "step" in key_set if key_set is not None else params is None
     history = None if key_set is None else key_set - {"step"}
     if params is None:
@@ -460,7 +466,7 @@ def select(root: Node, params: ParamsArg | None, keys: Iterable[str] | None, mod
     chosen = list({id(param): param for param in resolve_params(params, model)}.values())  # a tied weight named twice is one
     if not chosen:
         what = "the params predicate accepts none of the model's parameters" if callable(params) else "params is empty"
-        raise PartialResetRefused(f"{what}: the reset would change nothing")
+        raise PartialResetRefused(f"{what}: nothing would change")
     visitor = SelectVisitor(chosen)
     root.accept(visitor)
     missing = [i for i in range(len(chosen)) if i not in visitor.reached]
