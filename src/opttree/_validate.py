@@ -234,7 +234,7 @@ class ValidateVisitor(TraverserVisitor):
         elif found and named.isdisjoint(found) and not selection.elsewhere:
             message = (
                 f"no optimizer {holding} holds {sorted(named)} in its state (it holds {', '.join(sorted(map(str, found)))}): "
-                "the reset would change nothing; an optimizer builds some keys only with some options (Adam's "
+                "nothing would change; an optimizer builds some keys only with some options (Adam's "
                 "max_exp_avg_sq with amsgrad=True)"
             )
             self.problems.append(Problem(ProblemKind.UNKNOWN_KEY, root.path, type(root.optimizer).__qualname__, message))
