@@ -348,8 +348,10 @@ def test_tensors_a_registered_subclass_of_a_megatron_wrapper_holds_of_its_own_ar
     """A user's subclass of a Megatron wrapper, registered as its own method requires, was
     not searched for tensors (Megatron's own are read by their kinds): the average a chain
     subclass keeps was kept through a reset in silence. Its attributes that Megatron's code
-    never names are its own, refused as any registered wrapper's; Megatron's own tensors
-    (the fp16 wrapper's overflow flag and unit scale, its groups of model weights) are not."""
+    never sets on an instance are its own (not those it only reads, or sets on other
+    objects: an average kept as ``data`` passed as Megatron's), refused as any registered
+    wrapper's; Megatron's own tensors (the fp16 wrapper's overflow flag and unit scale, its
+    groups of model weights) are not."""
     stack = testing.build("fp16")
     stack.train(0, 3)
     chain = stack.optimizer
@@ -366,6 +368,8 @@ def test_tensors_a_registered_subclass_of_a_megatron_wrapper_holds_of_its_own_ar
     with pytest.raises(opttree.UnsupportedOptimizerState, match=r"EmaChain at <root>: key 'ema': holds 4 tensor\(s\)"):
         opttree.reset(chain)
     assert unchanged(leaf, before)
+    vars(chain)["data"] = vars(chain).pop("ema")  # a name Megatron's code sets on other objects (param.data) only
+    assert [(p.kind, p.key) for p in opttree.validate(chain)] == [(opttree.ProblemKind.UNSUPPORTED_STATE, "data")]
 
     logged = testing.build("fp16")
     logged.train(0, 3)

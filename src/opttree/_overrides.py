@@ -16,6 +16,7 @@ torch sets as ``step`` on a subclass, ``_use_grad_for_differentiable``, ``LRSche
 from __future__ import annotations
 
 import abc
+import dis
 import functools
 import os
 import sys
@@ -299,26 +300,44 @@ def _functions_of(value: object) -> tuple[object, ...]:
     return (value, static_attribute(type(value), "__get__"))
 
 
-def names_in_code(classes: list[type]) -> frozenset[str]:
-    """Every name the code of the methods ``classes`` define (through torch's wrappers, and
-    the functions nested in them) reads or writes as an attribute or a global: more than,
-    but at least, the names of the attributes that code sets on an instance."""
-    names: set[str] = set()
-    for klass in classes:
-        for value in class_namespace(klass).values():
-            for function in _functions_of(value):
-                found = _code_of(function)
-                code = getattr(found[0], "__code__", None) if found is not None else None
-                if isinstance(code, types.CodeType):
-                    _add_names(code, names)
-    return frozenset(names)
+_STORES = frozenset({"STORE_ATTR", "DELETE_ATTR"})
+_LOADS = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_DEREF", "LOAD_FAST_LOAD_FAST"})
+
+_stored_names: dict[tuple[type, ...], frozenset[str]] = {}
 
 
-def _add_names(code: types.CodeType, names: set[str]) -> None:
-    names.update(code.co_names)
+def stored_attribute_names(classes: tuple[type, ...]) -> frozenset[str]:
+    """The attribute names the code of the methods ``classes`` define (through torch's
+    wrappers, and the functions nested in them) sets or deletes on the instance, as
+    ``self.name = ...``: not those it only reads, nor those it sets on other objects
+    (``param.data = ...``), which a subclass may keep state in. Kept per tuple of classes:
+    reading code takes milliseconds, and the classes asked about are a library's own."""
+    found = _stored_names.get(classes)
+    if found is None:
+        names: set[str] = set()
+        for klass in classes:
+            for value in class_namespace(klass).values():
+                for function in _functions_of(value):
+                    runs = _code_of(function)
+                    code = getattr(runs[0], "__code__", None) if runs is not None else None
+                    if isinstance(code, types.CodeType) and code.co_argcount:
+                        _add_stored(code, code.co_varnames[0], names)
+        found = _stored_names[classes] = frozenset(names)
+    return found
+
+
+def _add_stored(code: types.CodeType, instance: str, names: set[str]) -> None:
+    """The names ``code`` stores on ``instance`` (its method's first argument), and the
+    code nested in it, which reaches the instance through a closure cell of that name: the
+    store's object is the value loaded just before it."""
+    loaded: object = None
+    for op in dis.get_instructions(code):
+        if op.opname in _STORES and (loaded == instance or (isinstance(loaded, tuple) and loaded[-1:] == (instance,))):
+            names.add(str(op.argval))
+        loaded = op.argval if op.opname in _LOADS else None
     for constant in code.co_consts:
         if isinstance(constant, types.CodeType):  # a nested function, comprehension or lambda
-            _add_names(constant, names)
+            _add_stored(constant, instance, names)
 
 
 _STDLIB = os.path.join(sysconfig.get_paths()["stdlib"], "")

@@ -34,7 +34,7 @@ from opttree._selection import EVERYTHING, STEP_UNITS, Selection, inner_params_o
 from opttree._visitor import TraverserVisitor
 from opttree._fields import is_a, kind_of
 from opttree._numbers import shown_value
-from opttree._overrides import names_in_code
+from opttree._overrides import stored_attribute_names
 
 _OPTIMIZER = operator.attrgetter("optimizer")
 
@@ -404,14 +404,14 @@ class ValidateVisitor(TraverserVisitor):
         unlike a fresh one). Refused, as a leaf's are: an ``nn.Parameter`` no optimizer
         steps too, which may be a frozen weight or an EMA model's copy. Megatron's wrappers'
         own tensors are read by their kinds: of a user's subclass of one (registered, as its
-        methods of its own require), only attributes Megatron's code never names are its own
+        methods of its own require), only attributes Megatron's code never sets are its own
         (an EMA a ChainedOptimizer subclass keeps was kept in silence)."""
         cls = type(node.optimizer)
         if not isinstance(node, WrapperNode) or not _registry.registered_wrapper(cls):
             return
         megatrons = megatron_bases(cls)
         try:
-            unknown = unknown_attribute_tensors(node.optimizer, lambda: _known_below(node), names_in_code(megatrons) if megatrons else frozenset())
+            unknown = unknown_attribute_tensors(node.optimizer, lambda: _known_below(node), stored_attribute_names(tuple(megatrons)))
         except OptTreeError:
             return  # an inner_params function failed: the master checks report it
         for name, held in unknown:
