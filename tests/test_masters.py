@@ -575,3 +575,53 @@ def test_a_leaf_with_malformed_state_is_named_as_such_by_the_master_check(corrup
     assert [(p.kind, p.message) for p in problems] == [(opttree.ProblemKind.MALFORMED_STATE, reason)]
     with pytest.raises(opttree.UnsupportedOptimizerState, match=f"Adam at <root>: {reason}"):
         opttree.sync_masters(optimizer, model=net)
+
+
+class FlatMasterAdam(torch.optim.Optimizer):
+    """Steps bf16 weights through an fp32 master it keeps flat in state, under ``master``,
+    beside a flat first moment."""
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for param in group["params"]:
+                assert param.grad is not None
+                entry = self.state[param]
+                if not entry:
+                    entry["exp_avg"] = torch.zeros(param.numel())
+                    entry["master"] = param.detach().float().reshape(-1).clone()
+                entry["exp_avg"].mul_(0.9).add_(param.grad.float().reshape(-1), alpha=0.1)
+                entry["master"].add_(entry["exp_avg"], alpha=-group["lr"])
+                param.copy_(entry["master"].view_as(param))
+
+
+def _flat_master(optimizer: torch.optim.Optimizer, param: torch.Tensor, entry: Mapping[str, object]) -> torch.Tensor | None:
+    master = entry.get("master")
+    return master.view_as(param) if isinstance(master, torch.Tensor) else None
+
+
+opttree.register_schema(FlatMasterAdam, opttree.StateSchema(zero={"exp_avg"}, keep={"master"}, rebuilds_missing=True, master_of=_flat_master))
+
+
+def test_a_master_kept_in_state_is_synced_through_the_view_master_of_names() -> None:
+    """A kept master copy a schema's ``master_of`` names as a view (of a flat one) is the
+    copy a sync writes, not state it must leave alone: such a sync was refused as sharing
+    memory with the optimizer's state, where the same master shaped as its parameter synced."""
+    net = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    optimizer = FlatMasterAdam(list(net.parameters()))
+    torch.autograd.backward(net(torch.randn(2, 4, dtype=torch.bfloat16)).float().pow(2).sum())
+    optimizer.step()
+    with torch.no_grad():
+        for param in net.parameters():
+            param.add_(0.25)  # as a load of other weights leaves them
+    moments = [entry["exp_avg"].clone() for entry in optimizer.state.values()]
+
+    report = opttree.sync_masters(optimizer, model=net)
+
+    assert (report.copies, report.stale) == (2, 2)
+    assert all(torch.equal(entry["master"].view_as(param), param.float()) for param, entry in optimizer.state.items())
+    assert all(map(torch.equal, (entry["exp_avg"] for entry in optimizer.state.values()), moments))
+    assert opttree.validate(optimizer, model=net) == ()

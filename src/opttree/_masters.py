@@ -415,8 +415,9 @@ def _unwritable(root: Node, check: MasterCheck, writes: list[_Pair]) -> list[Pro
             if id(pair.copy) not in writing:
                 kept.extend(ranges([pair.copy]).owned((pair.path, pair.cls, pair.name)))
         try:
+            spans = set(zip(written.starts, written.ends))
             for leaf, key, tensors, copies in _state_and_gradients(root):
-                held = [tensor for tensor in tensors if not copies or id(tensor) not in writing]
+                held = [tensor for tensor in tensors if not copies or not _written_whole(tensor, spans)]
                 kept.extend(ranges(held).owned((leaf.path, _STATE, f"{type(leaf.optimizer).__qualname__} at {leaf.path}: {key}")))
         except Exception as error:  # noqa: BLE001  # a state entry's own items() may raise anything
             message = f"the optimizers' state cannot be read ({type(error).__name__}: {error}) to tell that no copy shares its memory"
@@ -431,6 +432,13 @@ def _unwritable(root: Node, check: MasterCheck, writes: list[_Pair]) -> list[Pro
 
 
 _STATE = "<state>"
+
+
+def _written_whole(tensor: torch.Tensor, spans: set[tuple[int, int]]) -> bool:
+    """Whether a sync writes all of ``tensor``'s memory, and only it, as one copy: a master
+    copy kept in state, or what a schema's ``master_of`` names of it (a view of a flat one)."""
+    found = ranges([tensor])
+    return not found.unseen and bool(found.starts) and all(span in spans for span in zip(found.starts, found.ends))
 
 
 def _state_and_gradients(root: Node) -> Iterator[tuple[LeafNode, str, list[torch.Tensor], bool]]:
