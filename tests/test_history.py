@@ -782,3 +782,32 @@ def test_a_partial_reset_of_some_of_the_history_bound_together_is_refused() -> N
     param.grad = torch.ones(16)
     optimizer.step()
     assert bool(param.isnan().any())
+
+
+class _OwnDtype(torch.Tensor):
+    """A tensor subclass whose own ``dtype`` property raises: torch's reader is not it."""
+
+    @property
+    def dtype(self) -> torch.dtype:  # type: ignore[override]
+        raise ValueError("a subclass's own dtype ran")
+
+
+@pytest.mark.parametrize("action", ["prune", "scale"])
+def test_history_of_a_subclass_with_attributes_of_its_own_is_changed_as_torch_reads_it(action: str) -> None:
+    """A reset reads history through torch's own readers; prune and scale read a
+    subclass's own ``dtype`` and raised its ValueError from inside. They change it as
+    plain memory, as a plain tensor of its values would be changed."""
+    optimizer = stepped_adamw(2, 8)
+    first = next(iter(optimizer.state.values()))
+    twin = torch.linspace(-1, 1, 8)  # magnitudes in four pairs: half of them at or below the median
+    first["exp_avg"] = twin.clone().as_subclass(_OwnDtype)
+
+    if action == "prune":
+        opttree.prune(optimizer, 0.5, keys=["exp_avg"])
+        threshold = twin.abs().sort().values[3]
+        expected = twin.masked_fill(twin.abs() <= threshold, 0)
+    else:
+        opttree.scale(optimizer, 0.5, keys=["exp_avg"])
+        expected = twin.mul(0.5)
+
+    assert torch.equal(first["exp_avg"].as_subclass(torch.Tensor), expected)

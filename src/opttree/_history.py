@@ -102,7 +102,7 @@ def _plan(
     kind, accepts = dtypes
     for (key, _, _), tensors in state.lists.items():
         with plain_torch():
-            wrong = next((tensor for tensor in tensors if not accepts(tensor.dtype)), None)
+            wrong = next((tensor for tensor in map(_plain, tensors) if not accepts(tensor.dtype)), None)
         if wrong is not None:
             path, cls, _ = _holder(wrong, plan)
             raise _unchangeable(path, cls, key, f"{what} changes {kind} history, and this holds {wrong.dtype} tensors: leave it out of keys")
@@ -156,7 +156,13 @@ def _described(value: object) -> str:
 
 
 def _tensors(plan: ResetPlan) -> list[torch.Tensor]:
-    return [t for tensors in plan.state.lists.values() for t in tensors]
+    return [_plain(t) for tensors in plan.state.lists.values() for t in tensors]
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """A history tensor as a plain one over its memory: a subclass's own attributes (a
+    ``dtype`` property whose code raises) are not read as it is checked and changed."""
+    return tensor if type(tensor) is torch.Tensor else tensor.as_subclass(torch.Tensor)
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
