@@ -44,6 +44,7 @@ from opttree._preflight import (
     Extents,
     bytes_once,
     identities,
+    plain_dispatch,
     plain_reads,
     ranges,
     torch_name,
@@ -128,6 +129,11 @@ class _ParamLayouts(NamedTuple):
             list(compress(self.dtypes, present)),
             list(compress(self.contiguous, present)),
         )
+
+
+def _dispatches_itself(cls: type) -> bool:
+    """Whether a tensor class dispatches by code of its own (a DTensor, a float8 tensor)."""
+    return not plain_dispatch(cls) and getattr(cls, "__torch_dispatch__", None) is not getattr(torch.Tensor, "__torch_dispatch__", None)
 
 
 def _layouts(params: list[torch.Tensor]) -> _ParamLayouts:
@@ -1098,6 +1104,22 @@ class LeafInspector:
         )
         self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
 
+    def plain_under_wrappers(self, node: LeafNode, key: str, params: list[torch.Tensor]) -> bool:
+        """Plain history (the only kind a reset writes) of parameters of a tensor class with
+        its own dispatch (a DTensor), which the optimizer builds as their class: a plain
+        checkpoint loaded into a sharded stack leaves it so, and the next step fails on it
+        as it did before. A problem, and True, where there is such a parameter."""
+        wrapped = [param for param in params if _dispatches_itself(type(param))]
+        if not wrapped:
+            return False
+        what = type(wrapped[0]).__qualname__
+        message = (
+            f"history of {len(wrapped)} {what} parameter(s) is a plain tensor, where the optimizer builds it as a {what} "
+            "(zeros_like): not a state a fresh optimizer holds; reset with release=True, which deletes the entries"
+        )
+        self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, key)
+        return True
+
     def unlike_params(
         self,
         node: LeafNode,
@@ -1118,6 +1140,8 @@ class LeafInspector:
         all ``entries``."""
         if count != len(entries):
             layouts = layouts.having([key in entry for entry in entries])
+        if not all(map(plain_dispatch, set(map(type, layouts.params)))) and self.plain_under_wrappers(node, key, layouts.params):
+            return
         param_shapes, param_dtypes = layouts.shapes, layouts.dtypes
         dtypes = checked.dtypes
         schema = self.schema
@@ -1490,7 +1514,11 @@ class LeafInspector:
 
     def unwritable(self, node: LeafNode, key: str, found: tuple[int, str], count: int) -> None:
         bad, reason = found
-        self.problem(node, ProblemKind.UNWRITABLE_STATE, f"cannot be zeroed in place: {_which(bad, count, 'tensors cannot')} {reason}", key)
+        message = (
+            f"cannot be zeroed in place: {_which(bad, count, 'tensors cannot')} {reason}; a reset with release=True, which "
+            "deletes the entries for the optimizer to build anew, writes none (a DTensor's FSDP2 state)"
+        )
+        self.problem(node, ProblemKind.UNWRITABLE_STATE, message, key)
 
     def plan_scales(
         self,
