@@ -91,3 +91,21 @@ def test_plain_history_of_dtensor_parameters_is_refused(mesh: DeviceMesh) -> Non
         opttree.reset(optimizer)
     opttree.reset(optimizer, release=True)
     assert trains_as_fresh(net, optimizer, mesh, 0)
+
+
+def test_describe_counts_the_bytes_this_rank_holds_of_dtensor_history(mesh: DeviceMesh) -> None:
+    """A DTensor's ``nbytes`` is its global size: ``describe`` counted a shard of 256 KiB
+    as 512 KiB on each of two ranks, where ``release`` reported 256 KiB. It counts the local
+    shard, here a half of a global shape this rank is told of (one rank stands for two)."""
+    net = sharded_linear(mesh)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.1)
+    train(net, optimizer, mesh, 0, 1)
+    for entry in optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            local = torch.zeros(256, 64)
+            entry[key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size((512, 64)), stride=(64, 1))
+            assert entry[key].nbytes == 2 * local.nbytes
+
+    text = opttree.describe(optimizer)
+
+    assert "state=256.0 KiB [float32@cpu 256.0 KiB]" in text, text  # 4 shards of 64 KiB; steps are plain 0-d tensors of 4 B each, too few to show

@@ -24,7 +24,7 @@ from opttree._errors import OptTreeError
 from opttree._fields import kind_of
 from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
 from opttree._inspect import step_numbers
-from opttree._preflight import plain_reads, plain_torch, ranges, torch_name
+from opttree._preflight import plain_dispatch, plain_reads, plain_torch, ranges, torch_name
 from opttree._report import format_bytes
 from opttree._scalers import scaler_text
 from opttree._runs import alike_runs, sibling_groups
@@ -56,7 +56,7 @@ def _bytes_by_placement(tensors: list[torch.Tensor]) -> dict[tuple[torch.dtype, 
     where all share one placement, as they usually do. Tensors without a byte size
     (sparse ones) count their dense size."""
     placements = set(map(_PLACEMENT, tensors))
-    if len(placements) == 1:
+    if len(placements) == 1 and all(map(plain_dispatch, set(map(type, tensors)))):
         with contextlib.suppress(RuntimeError):
             return {placements.pop(): sum(map(_NBYTES, tensors))}
     totals: defaultdict[tuple[torch.dtype, torch.device], int] = defaultdict(int)
@@ -67,7 +67,10 @@ def _bytes_by_placement(tensors: list[torch.Tensor]) -> dict[tuple[torch.dtype, 
 
 def nbytes(tensor: torch.Tensor) -> int:
     """A tensor's bytes; a sparse one, which has no byte size, counts its indices and
-    values, as a reset's report does."""
+    values, and a wrapper subclass the tensors it wraps (a DTensor's ``nbytes`` is its
+    global size, the local shard what this rank holds), as a reset's report does."""
+    if not plain_dispatch(type(tensor)):
+        return ranges([tensor]).nbytes
     try:
         return tensor.nbytes
     except RuntimeError:
