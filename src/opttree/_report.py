@@ -27,9 +27,11 @@ class ResetReport:
     ``leaves`` counts the leaf optimizers the reset covered: every one, or, for a partial
     reset by parameters, those holding a selected parameter;
     ``steps`` counts step counters set back to their start (per-parameter tensors,
-    per-group values, and the counters a schema names in groups and instance attributes); ``tensors_zeroed``, ``tensors_filled`` (set to a starting value other than
-    zero, such as Adagrad's ``initial_accumulator_value``) and ``tensors_dropped`` count
-    history tensors only; ``tensors_kept`` and ``bytes_kept`` count the state tensors left
+    per-group values, and the counters a schema names in groups and instance attributes);
+    ``tensors_zeroed``, ``tensors_filled`` (set to a starting value other than zero, such
+    as Adagrad's ``initial_accumulator_value``) and ``tensors_dropped`` count history
+    tensors, and ``tensors_zeroed`` the tensors a schema's ``step_attributes`` name (TE's
+    overflow flag) too; ``tensors_kept`` and ``bytes_kept`` count the state tensors left
     as they were (a master copy, or what a partial reset leaves) and their memory, each
     tensor and each byte once however many entries or leaves hold it;
     ``loss_scales_reset`` and ``loss_scales_kept`` count fp16 loss scalers put back to
