@@ -20,10 +20,10 @@ import torch
 from attrs import field, frozen
 
 from opttree._adapter import is_pair, mapping_attribute, sequence_attribute, yielded_text
-from opttree._containers import malformed
+from opttree._containers import malformed, pooled
 from opttree._dispatch import LazyDispatch
 from opttree._errors import MalformedWrapper, OptTreeError, PartialResetRefused, UnmappedParameter
-from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode
+from opttree._nodes import ChainedNode, HybridNode, LeafNode, Node, WrapperNode, tree_nodes
 from opttree._preflight import _REQUIRES_GRAD
 from opttree._problems import Problem, ProblemKind
 from opttree._schema import StepLocation
@@ -206,22 +206,14 @@ for _dotted, _locations in {
     STEP_UNITS.register_lazy(_dotted, frozenset(_locations))
 
 
-class _Leaves(TraverserVisitor):
-    def __init__(self, counts: Callable[[torch.optim.Optimizer], bool]) -> None:
-        self.leaves: list[torch.optim.Optimizer] = []
-        self.counts = counts
-
-    def visit_leaf(self, node: LeafNode) -> None:
-        if node.shared_with is None and malformed(node.optimizer) is None and self.counts(node.optimizer):
-            self.leaves.append(node.optimizer)
-
-
 def tree_leaves(node: Node, counts: Callable[[torch.optim.Optimizer], bool] = lambda _: True) -> list[torch.optim.Optimizer]:
     """The optimizers of the leaves under ``node`` that ``counts`` accepts, once each, with
-    containers that can be read (see :func:`~opttree._containers.malformed`)."""
-    found = _Leaves(counts)
-    node.accept(found)
-    return found.leaves
+    containers that can be read (see :func:`~opttree._containers.malformed`): checked for
+    all of them at once where they are plain, as a validation's pooled pass does, and one
+    by one otherwise (a wrapper's thousands of sub-optimizers are checked at C speed)."""
+    leaves = [child.optimizer for child in tree_nodes(node) if isinstance(child, LeafNode) and child.shared_with is None]
+    readable = leaves if pooled(leaves) is not None else [leaf for leaf in leaves if malformed(leaf) is None]
+    return [leaf for leaf in readable if counts(leaf)]
 
 
 def tree_params(node: Node, counts: Callable[[torch.optim.Optimizer], bool] = lambda _: True) -> list[torch.Tensor]:
