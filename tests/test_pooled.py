@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import opttree
 from opttree._plan import ResetPlan
 from opttree._problems import Problem
+from opttree._selection import tree_leaves
 from opttree._validate import ValidateVisitor
 from tests.helpers import snapshot, unchanged
 from tests.megatron_parts import Hybrid, chained, hybrid, train_hybrid
@@ -278,3 +279,19 @@ def test_a_partial_reset_of_a_pooled_run_over_a_reordered_state_resets_the_selec
     opttree.reset(chained(members), params=[first])  # type: ignore[arg-type]  # Megatron chains raw optimizers too
 
     assert not reordered[first]["exp_avg"].any() and reordered[second]["exp_avg"].any()
+
+
+def test_leaves_read_under_a_wrapper_are_those_with_readable_containers_checked_at_once_or_one_by_one() -> None:
+    """The leaves a check reads under a wrapper (the copies a HybridDeviceOptimizer steps,
+    kept by their leaves) are found for all sub-optimizers at once where their containers
+    are plain, and one by one otherwise: a malformed one among them is left to its own
+    visit, which reports it, whichever way the others were read."""
+    optimizer, _, _ = trained_hybrid()
+    subs: list[torch.optim.Optimizer] = optimizer.cpu_optimizers
+    root = opttree.tree(optimizer)
+    assert [id(leaf) for leaf in tree_leaves(root)] == list(map(id, subs))
+
+    subs[17].state = []  # type: ignore[assignment]  # a malformed state among plain ones
+
+    assert [id(leaf) for leaf in tree_leaves(root)] == [id(sub) for i, sub in enumerate(subs) if i != 17]
+    assert (opttree.ProblemKind.MALFORMED_STATE, "sub_optimizers[17]") in [(p.kind, p.path) for p in opttree.validate(optimizer)]
