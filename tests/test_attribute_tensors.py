@@ -240,7 +240,7 @@ def test_tensors_a_registered_wrapper_holds_beside_its_optimizers_are_refused() 
     problems = opttree.validate(wrapper)
 
     assert [(p.kind, p.path, p.key) for p in problems] == [(opttree.ProblemKind.UNSUPPORTED_STATE, "<root>", "slow")]
-    assert "holds 4 tensor(s) in its attribute 'slow'" in problems[0].message
+    assert "holds 4 tensor(s) in its attribute 'slow' (the first at slow[0])" in problems[0].message
     with pytest.raises(opttree.UnsupportedOptimizerState, match=r"Lookahead at <root>: key 'slow': .*reset its optimizers directly"):
         opttree.reset(wrapper)
     assert unchanged(wrapper.inner, inner) and all(map(torch.equal, wrapper.slow, slow))

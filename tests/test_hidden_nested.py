@@ -1,6 +1,6 @@
 """The hidden-optimizer safety net looks through nested containers: an optimizer that a
-real Megatron wrapper keeps in a dict of lists, a list of lists, a dataclass or a set, up
-to four containers deep, is reported and refused, with nothing changed; a container that
+real Megatron wrapper keeps in a dict of lists, a list of lists, a dataclass, a set or
+another collection (a ``UserDict``), up to four containers deep, is reported and refused, with nothing changed; a container that
 holds itself, or whose own code raises, neither hangs nor raises."""
 
 from __future__ import annotations
@@ -89,6 +89,12 @@ def holding(hidden: torch.optim.Optimizer, layout: str) -> object:
         return functools.partial(print, hidden)
     if layout == "weak reference":
         return weakref.ref(hidden)
+    if layout == "UserList":
+        return collections.UserList([hidden])
+    if layout == "UserDict":
+        return collections.UserDict(ema=hidden)
+    if layout == "ChainMap":
+        return collections.ChainMap({"ema": hidden})
     return Touchy([hidden])
 
 
@@ -116,6 +122,9 @@ def wrapper_holding(aux: object) -> tuple[FP32Optimizer, torch.optim.AdamW]:
         ("bound method", "aux[0].__self__"),
         ("partial", "aux.args[0]"),
         ("weak reference", "aux()"),
+        ("UserList", "aux.data[0]"),
+        ("UserDict", "aux.data['ema']"),
+        ("ChainMap", "aux.maps[0]['ema']"),
     ],
 )
 def test_an_optimizer_nested_in_a_wrappers_attribute_is_reported_and_refused(layout: str, label: str) -> None:

@@ -8,15 +8,16 @@ Every optimizer object reachable from a wrapper's instance attributes, or a leaf
 than torch's bookkeeping, through at most :data:`DEPTH` nested holders (lists, tuples,
 deques, dict keys and values, sets, frozensets, dataclass fields and ``SimpleNamespace``
 attributes, the object a bound method is bound to, a ``functools.partial``'s function and
-arguments, a weak reference's referent, in any mix: ``aux['ema'][0]``) must therefore be
-a node of the tree.
+arguments, a weak reference's referent, the instance attributes and slots of any other
+collection, where ``UserList``, ``UserDict`` and ``ChainMap`` keep their members, in any
+mix: ``aux['ema'][0]``) must therefore be a node of the tree.
 
 The search never runs a holder's own code: the members of a list, tuple, deque, dict or
 set (of a subclass too) are read through the built-in class's own methods, so an
 overridden ``__iter__`` is neither called nor able to hide them, and a method's, partial's
 or weak reference's through the built-in descriptors; only a dataclass field is read with
-``getattr``, and one whose property raises is passed over. Other objects' attributes are
-not looked into. Tensors and modules are not
+``getattr``, and one whose property raises is passed over. Other objects' attributes
+(but a collection's) are not looked into. Tensors and modules are not
 looked into. A container is looked into once (again only where more depth is left), so
 one that holds itself ends the search. Containers are screened level by level by the
 classes they hold, at C speed, so a list of ten thousand optimizers, or a dict of ten
@@ -30,7 +31,7 @@ import dataclasses
 import functools
 import types
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence, Set as AbstractSet
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence, Set as AbstractSet
 from itertools import chain, compress, islice
 from typing import cast
 
@@ -62,7 +63,13 @@ def _is_record(cls: type) -> bool:
 def _is_container(cls: type) -> bool:
     if issubclass(cls, (torch.Tensor, torch.nn.Module)):
         return False
-    return issubclass(cls, _HOLDERS) or _is_record(cls)
+    return issubclass(cls, _HOLDERS) or _is_record(cls) or _is_other_collection(cls)
+
+
+def _is_other_collection(cls: type) -> bool:
+    """A collection of a class that keeps its members in attributes of its own
+    (``collections.UserList.data``, ``ChainMap.maps``), not text."""
+    return issubclass(cls, Collection) and not issubclass(cls, (str, bytes, bytearray))
 
 
 def key_text(key: object) -> str:
@@ -161,11 +168,18 @@ _FAST_READERS: tuple[tuple[type, _Reader], ...] = (
 
 
 def _labelled(cls: type) -> _Members:
-    return next((members for base, members in _LABELLED if issubclass(cls, base)), _record_members)
+    return next((members for base, members in _LABELLED if issubclass(cls, base)), _record_members if _is_record(cls) else _attribute_members)
 
 
 def _record_members(record: object, label: str) -> list[tuple[str, object]]:
     return [(f"{label}.{name}", item) for name, item in _fields(record)]
+
+
+def _attribute_members(collection: object, label: str) -> list[tuple[str, object]]:
+    """What another collection holds: its instance attributes and slots, read through
+    Python's own descriptors, where such a class keeps its members (a ``UserDict``'s
+    ``data``, a ``ChainMap``'s ``maps``), whatever its own ``__iter__`` shows."""
+    return [(f"{label}.{name}", item) for name, item in [*own_attributes(collection).items(), *_slot_attributes(collection)]]
 
 
 def _reader(cls: type) -> _Reader:
@@ -213,10 +227,14 @@ def _is_tensor(cls: type) -> bool:
     return issubclass(cls, torch.Tensor)
 
 
-def held_tensors(items: list[tuple[str, object]]) -> list[tuple[str, list[torch.Tensor]]]:
+def held_tensors(items: list[tuple[str, object]]) -> list[tuple[str, torch.Tensor]]:
     """The tensors among ``items`` (attribute names and values), looked for as optimizers
-    are, through the same holders and as deep, by path."""
-    return [(label, cast(list[torch.Tensor], found)) for label, found, _ in _Search(_is_tensor).search(items, DEPTH)]
+    are, through the same holders and as deep, each with its path (``slow[1]``)."""
+    return [
+        (f"{label}[{index}]" if in_sequence else label, cast(torch.Tensor, tensor))
+        for label, found, in_sequence in _Search(_is_tensor).search(items, DEPTH)
+        for index, tensor in enumerate(found)
+    ]
 
 
 def unknown_attribute_tensors(
@@ -233,7 +251,7 @@ def unknown_attribute_tensors(
     identities = known()
     unknown: list[tuple[str, str]] = []
     for name, found in held:
-        labels = [label for label, tensors in found for tensor in tensors if object.__hash__(tensor) not in identities]
+        labels = [label for label, tensor in found if object.__hash__(tensor) not in identities]
         if labels:
             unknown.append((name, f"holds {len(labels)} tensor(s) in its attribute {name!r} (the first at {labels[0]})"))
     return unknown
