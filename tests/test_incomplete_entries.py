@@ -7,6 +7,7 @@ each missing key on its own (ObliqueAdam) is reset, and trains as a fresh one.""
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 from collections.abc import Callable
 from typing import cast
@@ -286,6 +287,77 @@ def test_an_option_a_hybrid_copies_into_its_sub_optimizers_is_checked_as_the_nex
         opttree.reset(stack.optimizer)
     after = [v for leaf in stack.leaves() for entry in leaf.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+@functools.cache
+def noted_hybrid() -> type[torch.optim.Optimizer]:
+    """A ``HybridDeviceOptimizer`` subclass with a method of its own, registered as a
+    wrapper of the user's, as the README tells: its step is HybridDeviceOptimizer's."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    class NotedHybrid(HybridDeviceOptimizer):
+        def note(self) -> str:
+            return "noted"
+
+    opttree.register_wrapper(NotedHybrid, children=lambda hybrid: [(f"sub_optimizers[{i}]", sub) for i, sub in enumerate(hybrid.sub_optimizers)])
+    return NotedHybrid
+
+
+def offloaded_hybrid(stack: object) -> torch.optim.Optimizer:
+    """The HybridDeviceOptimizer of an ``offload_*`` recipe, under its chain and wrapper."""
+    return cast(torch.optim.Optimizer, stack.optimizer.chained_optimizers[0].optimizer)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("variant", ["params in tuples", "a registered subclass"])
+def test_an_option_a_hybrid_copies_is_checked_in_tuples_and_in_a_registered_subclass(variant: str) -> None:
+    """The options a HybridDeviceOptimizer copies into its sub-optimizers are checked
+    where its groups hold their parameters in tuples (torch's own step takes them), and
+    where it is a subclass registered as a wrapper of the user's, whose step copies them
+    just the same: both reset "done", and the next step raised ``KeyError: 'max_exp_avg_sq'``."""
+    from opttree import testing
+
+    stack = testing.build("offload_0.75")
+    stack.train(0, 2)
+    hybrid = offloaded_hybrid(stack)
+    if variant == "params in tuples":
+        for group in hybrid.param_groups:
+            group["params"] = tuple(group["params"])
+    else:
+        hybrid.__class__ = noted_hybrid()
+    for group in hybrid.param_groups:
+        group["amsgrad"] = True
+    before = [snapshot(leaf) for leaf in stack.leaves()]
+
+    problems = opttree.validate(stack.optimizer)
+
+    assert problems and all((p.kind, p.key) == (opttree.ProblemKind.UNSUPPORTED_STATE, "amsgrad") for p in problems)
+    with pytest.raises(opttree.UnsupportedOptimizerState, match=r"key 'amsgrad': its group option 'amsgrad' is False"):
+        opttree.reset(stack.optimizer)
+    assert all(unchanged(leaf, snap) for leaf, snap in zip(stack.leaves(), before, strict=True))
+
+
+def test_a_registered_hybrid_subclass_s_group_steps_are_deleted_as_a_fresh_one_has_none() -> None:
+    """A Megatron load gives a HybridDeviceOptimizer's groups the step it saved, which
+    its step copies into its sub-optimizers' groups: a reset of a registered subclass
+    kept it there and called itself done."""
+    from opttree import testing
+
+    stack = testing.build("offload_0.75")
+    stack.train(0, 2)
+    hybrid = offloaded_hybrid(stack)
+    hybrid.__class__ = noted_hybrid()
+    for group in hybrid.param_groups:
+        group["step"] = 2  # as DistributedOptimizer.load_state_dict passes them
+
+    report = opttree.reset(stack.optimizer)
+
+    assert [group.get("step") for group in hybrid.param_groups] == [None] * len(hybrid.param_groups)
+    assert report.steps >= len(hybrid.param_groups)
+    fresh = testing.build("offload_0.75")
+    fresh.copy_weights_from(stack)
+    stack.train(2, 2)
+    fresh.train(2, 2)
+    assert all(torch.equal(a, b) for a, b in zip(stack.main_params(), fresh.main_params(), strict=True))
 
 
 @pytest.mark.parametrize("value", [np.array([True, False]), torch.tensor([True, True]), torch.tensor(True, device="meta")], ids=["ndarray", "tensor", "meta"])

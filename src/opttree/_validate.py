@@ -13,7 +13,7 @@ import torch
 from opttree._eager import eager
 from opttree import _registry
 from opttree._containers import PLAIN_STATES, malformed, own_writes, tensors_held
-from opttree._dispatch import dotted_name, is_megatron_class, megatron_bases
+from opttree._dispatch import LazyDispatch, dotted_name, is_megatron_class, megatron_bases
 from opttree._errors import OptTreeError
 from opttree._shards import detached_shards
 from opttree._held import Held, held_by_leaf, held_optimizers, only_bookkeeping, own_attributes, unknown_attribute_tensors
@@ -37,6 +37,12 @@ from opttree._numbers import shown_value
 from opttree._overrides import stored_attribute_names
 
 _OPTIMIZER = operator.attrgetter("optimizer")
+
+COPIES_GROUPS: LazyDispatch[bool] = LazyDispatch()
+"""Wrappers whose step copies their own param groups' options into their inner
+optimizers' groups first: ``HybridDeviceOptimizer``, and its subclasses, which a user
+registers as wrappers of their own where they add methods."""
+COPIES_GROUPS.register_lazy("megatron.core.optimizer.cpu_offloading.hybrid_optimizer.HybridDeviceOptimizer", True)
 
 
 def _owner_text(owner: Owner) -> str:
@@ -494,16 +500,24 @@ class ValidateVisitor(TraverserVisitor):
             return
         self._check_own_code(node)
         self._check_release(node)
-        pairs = self._keep_stepped_params(node)
-        if self._selection.resets("step") and pairs is not None:
-            inspector = LeafInspector(_NO_STATE, self._plan, self.problems, self._selection)
-            copies = {} if self._selection.tensors is None else {id(param): inner[0] for param, inner in pairs if inner}
-            inspector.plan_copied_group_steps(node, node.optimizer, copies)
-        if pairs is not None:
-            self._check_synced_options(node, pairs)
+        self._check_copied_groups(node, node.optimizer, self._keep_stepped_params(node))
         self.visit_children(node)
 
-    def _check_synced_options(self, node: HybridNode, pairs: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]]) -> None:
+    def _check_copied_groups(self, node: Node, optimizer: torch.optim.Optimizer, pairs: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]] | None) -> None:
+        """Plan the steps a wrapper's own param groups count and check the options it
+        copies into its inner optimizers' groups before each step, as
+        ``HybridDeviceOptimizer`` does: of a subclass too, registered as a wrapper of
+        the user's (its step is HybridDeviceOptimizer's, or calls it). ``pairs`` are its
+        parameters and their copies (None where they cannot be read: reported)."""
+        if pairs is None:
+            return
+        if self._selection.resets("step"):
+            inspector = LeafInspector(_NO_STATE, self._plan, self.problems, self._selection)
+            copies = {} if self._selection.tensors is None else {id(param): inner[0] for param, inner in pairs if inner}
+            inspector.plan_copied_group_steps(node, optimizer, copies)
+        self._check_synced_options(node, optimizer, pairs)
+
+    def _check_synced_options(self, node: Node, optimizer: torch.optim.Optimizer, pairs: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]]) -> None:
         """``HybridDeviceOptimizer.step`` first copies its own param groups' options into
         its sub-optimizers' groups (``_sync_hdo_param_groups_to_sub_optimizers``, each
         sub-optimizer group from the group of its first parameter). An option a
@@ -514,8 +528,8 @@ class ValidateVisitor(TraverserVisitor):
         defaults hold what the counter starts as (see :func:`_copied_counter`).
         Options no entry depends on (``lr``, which a scheduler moves in the hybrid's groups
         between steps) may differ."""
-        groups = getattr(node.optimizer, "param_groups", None)
-        if not isinstance(groups, list):
+        groups = getattr(optimizer, "param_groups", None)
+        if not isinstance(groups, (list, tuple)):
             return  # the hybrid's own groups are checked with its steps
         leaves = [child for child in node.children if isinstance(child, LeafNode)]
         copied = {key for group in groups if isinstance(group, dict) for key in group}
@@ -526,11 +540,11 @@ class ValidateVisitor(TraverserVisitor):
         group_of = {
             id(inner_of[id(param)]): group
             for group in groups
-            if isinstance(group, dict) and isinstance(group.get("params"), list)
+            if isinstance(group, dict) and isinstance(group.get("params"), (list, tuple))
             for param in group["params"]
             if id(param) in inner_of
         }
-        defaults = own_attributes(node.optimizer).get("defaults")
+        defaults = own_attributes(optimizer).get("defaults")
         for leaf in leaves:
             if malformed(leaf.optimizer) is None:  # else its own visit reports its containers
                 self._check_copied_options(leaf, group_of, watched[type(leaf.optimizer)], defaults if isinstance(defaults, dict) else {})
@@ -546,8 +560,8 @@ class ValidateVisitor(TraverserVisitor):
         chosen = self._selection.tensors
         for sub_group in leaf.optimizer.param_groups:
             params = sub_group.get("params") if isinstance(sub_group, dict) else None
-            hybrid_group = group_of.get(id(params[0])) if isinstance(params, list) and params else None
-            taken = chosen is None or (isinstance(params, list) and any(id(param) in chosen for param in params))
+            hybrid_group = group_of.get(id(params[0])) if isinstance(params, (list, tuple)) and params else None
+            taken = chosen is None or (isinstance(params, (list, tuple)) and any(id(param) in chosen for param in params))
             for option, start in sorted(options.items()):
                 if hybrid_group is None or option not in hybrid_group:
                     continue
@@ -611,7 +625,9 @@ class ValidateVisitor(TraverserVisitor):
         self._check_step_unit(node)
         self._check_release(node)
         self._check_loss_scale(node, self._selection.tensors, self._selection)
-        self._keep_stepped_params(node)
+        pairs = self._keep_stepped_params(node)
+        if COPIES_GROUPS.lookup(type(node.optimizer)) and isinstance(node.optimizer, torch.optim.Optimizer):
+            self._check_copied_groups(node, node.optimizer, pairs)
         # Megatron's _scale_one, an FP32Optimizer's _scale: kept memory
         self._keep_own_tensors(node, [(name, value) for name, value in own_attributes(node.optimizer).items() if is_a(value, torch.Tensor)])
         self.visit_children(node)
