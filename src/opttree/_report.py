@@ -27,13 +27,15 @@ class ResetReport:
     ``leaves`` counts the leaf optimizers the reset covered: every one, or, for a partial
     reset by parameters, those holding a selected parameter;
     ``steps`` counts step counters set back to their start (per-parameter tensors,
-    per-group values, and the counters a schema names in groups and instance attributes);
+    per-group values, and the counters a schema names in groups and instance attributes;
+    a step tensor several parameters share, as Megatron's load leaves one, once);
     ``tensors_zeroed``, ``tensors_filled`` (set to a starting value other than zero, such
     as Adagrad's ``initial_accumulator_value``) and ``tensors_dropped`` count history
     tensors, and ``tensors_zeroed`` the tensors a schema's ``step_attributes`` name (TE's
     overflow flag) too; ``tensors_kept`` and ``bytes_kept`` count the state tensors left
-    as they were (a master copy, or what a partial reset leaves) and their memory, each
-    tensor and each byte once however many entries or leaves hold it;
+    as they were of the parameters the reset takes (a master copy, or the keys a reset
+    by ``keys`` leaves; not the state of parameters a reset by ``params`` leaves out) and
+    their memory, each tensor and each byte once however many entries or leaves hold it;
     ``loss_scales_reset`` and ``loss_scales_kept`` count fp16 loss scalers put back to
     their initial scale or kept as they were; ``entries_released`` counts the state entries
     ``release=True`` deleted, and ``bytes_released`` the bytes of their tensors (freed
@@ -56,7 +58,8 @@ class ResetReport:
     bytes_released: int = field(default=0, validator=of(int))
     action: Literal["reset", "prune", "scale"] = field(default="reset", validator=one_of(("reset", "prune", "scale")))
     """What changed the history: a reset zeroes it, ``prune`` and ``scale`` change it in
-    place, and ``tensors_zeroed`` then counts the tensors they changed."""
+    place, and ``tensors_zeroed`` then counts the history tensors they wrote, whether or
+    not a value changed (a scale by 1, a prune of all-zero history)."""
 
     def __str__(self) -> str:
         kept = (
