@@ -190,9 +190,11 @@ def test_a_key_no_optimizer_has_is_refused() -> None:
     train(net, optimizer, 0, 1)
     before = snapshot(optimizer)
 
-    with pytest.raises(opttree.PartialResetRefused, match=r"no optimizer in the tree has history \['momentum'\]"):
+    with pytest.raises(opttree.PartialResetRefused, match=r"no optimizer in the tree has history \['momentum'\]") as caught:
         opttree.reset(optimizer, keys=["momentum"])
     assert unchanged(optimizer, before)
+    # the keys it offers are those held, which a reset takes; amsgrad's is built only with amsgrad=True
+    assert "(resettable there: exp_avg, exp_avg_sq, step; max_exp_avg_sq only where options build them)" in str(caught.value)
 
 
 @pytest.mark.parametrize(

@@ -234,8 +234,9 @@ class ValidateVisitor(TraverserVisitor):
         holding = "in the tree" if selection.tensors is None else "holding the selected parameters"
         found = self._plan.state.found_keys
         if unknown:
-            known = ", ".join(sorted(resettable)) or "none"
-            message = f"no optimizer {holding} has history {unknown} (resettable there: {known})"
+            held = sorted(resettable.intersection(found))  # what the advice names is there to reset
+            unbuilt = f"; {', '.join(sorted(resettable - set(held)))} only where options build them" if held and len(held) < len(resettable) else ""
+            message = f"no optimizer {holding} has history {unknown} (resettable there: {', '.join(held or sorted(resettable)) or 'none'}{unbuilt})"
             self.problems.append(Problem(ProblemKind.UNKNOWN_KEY, root.path, type(root.optimizer).__qualname__, message))
         elif found and named.isdisjoint(found) and not selection.elsewhere:
             message = (
