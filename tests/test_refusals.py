@@ -103,12 +103,22 @@ def test_silently_empty_state_is_a_warning_and_reset_still_runs() -> None:
 
 
 def test_state_for_a_tensor_in_no_group_is_reported() -> None:
+    """Such state (a parameter replaced, as a merge does) keeps torch's state_dict() from
+    saving, before a reset as after one in place: the warning says so, and release=True
+    deletes it, as a fresh optimizer holds none."""
     optimizer = trained()
-    optimizer.state[torch.zeros(2)] = {"exp_avg": torch.ones(2)}
+    stray = torch.zeros(2)
+    optimizer.state[stray] = {"exp_avg": torch.ones(2)}
 
     problems = opttree.validate(optimizer)
 
     assert [p.kind for p in problems] == [opttree.ProblemKind.ORPHAN_STATE]
+    assert "torch's state_dict() cannot save it" in problems[0].message and "release=True deletes it" in problems[0].message
+    with pytest.raises(KeyError):
+        optimizer.state_dict()
+    opttree.reset(optimizer, release=True)
+    assert stray not in optimizer.state
+    assert optimizer.state_dict()["state"] == {}
 
 
 def test_a_step_counter_where_the_schema_has_none_is_refused() -> None:

@@ -77,6 +77,28 @@ def test_a_step_counter_placed_in_a_group_of_a_plain_adamw_is_reset(counter: obj
     assert opttree.validate(optimizer) == ()
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", ["TE FusedAdam", "AdamW"])
+def test_a_group_step_tensor_that_cannot_count_on_is_refused(dtype: torch.dtype, kind: str) -> None:
+    """A group step tensor is zeroed in place: one of a narrow dtype stayed so, and TE's
+    FusedAdam, counting in it, wrapped to 0 at step 256 (uint8: weights NaN) or stopped
+    counting (bfloat16: weights unlike a fresh optimizer's), where a fresh one counts in
+    an int. Refused with nothing changed, as a narrow per-parameter step is."""
+    net = model()
+    optimizer = TEFusedAdam(net.parameters(), lr=1e-3) if kind == "TE FusedAdam" else torch.optim.AdamW(net.parameters())
+    train(net, optimizer, 0, 3)
+    optimizer.param_groups[0]["step"] = torch.tensor(3, dtype=dtype)
+    before = snapshot(optimizer)
+
+    problems = opttree.validate(optimizer)
+
+    assert [(p.kind, p.key) for p in problems] == [(opttree.ProblemKind.UNSUPPORTED_STATE, "step")]
+    assert re.search(rf"param group 0's step counter is an? {str(dtype).removeprefix('torch.')} tensor", problems[0].message)
+    with pytest.raises(opttree.UnsupportedOptimizerState, match="counts steps exactly only so far"):
+        opttree.reset(optimizer)
+    assert unchanged(optimizer, before) and int(optimizer.param_groups[0]["step"]) == 3
+
+
 def test_a_group_step_on_a_schema_without_steps_is_reset_too() -> None:
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)

@@ -305,6 +305,13 @@ foreach and fused steps raise for any other (an int64 step tensor, which the sin
 step takes); a bfloat16 one stops counting at 256."""
 
 
+GROUP_STEP_DTYPES = STEP_DTYPES | {torch.int32, torch.int64}
+"""What a param group's step tensor may count in: no optimizer builds one (TE's and apex's
+``FusedAdam`` count in a Python int), and one a subclass or a load left there is zeroed in
+place, so it must count exactly as far as training goes, as a fresh one's int does (a
+float32 one to 2**24 steps; an int16 one wraps at 32,768)."""
+
+
 def _group_step(group: StateEntry) -> tuple[object, bool]:
     """A param group's ``step`` (None where it holds none), and whether it holds the key,
     read of a dict as the reset's ``del`` finds it, not by a subclass's own ``get`` or
@@ -795,6 +802,15 @@ class LeafInspector:
             if odd is not None:
                 self.problem(node, ProblemKind.UNSUPPORTED_STATE, f"param group {index}'s step counter is {odd[1]}{_ONE_COUNT}", "step")
                 return
+            narrow = outside_dtypes(checked, GROUP_STEP_DTYPES)
+            if narrow is not None:
+                message = (
+                    f"param group {index}'s step counter is {article(torch_name(narrow[1]))} tensor, which counts steps exactly "
+                    "only so far (a uint8 one wraps to 0 at 256, a bfloat16 one stops at 256): zeroed in place it would stay so, "
+                    "where a fresh optimizer counts on; make it an int, or a float32, float64, int32 or int64 tensor"
+                )
+                self.problem(node, ProblemKind.UNSUPPORTED_STATE, message, "step")
+                return
             state.zero_list(("group step", step.dtype, step.device)).append(step)
             state.step_ranges.extend(checked.owned((node.path, type(node.optimizer).__qualname__, "step")))
             state.step_holders.append(("step", [group]))
@@ -924,7 +940,12 @@ class LeafInspector:
             grouped = set(map(id, in_groups))
             orphans = sum(id(param) not in grouped for param in held)
             if orphans:
-                self.problem(node, ProblemKind.ORPHAN_STATE, f"holds state for {orphans} tensor(s) in no param group")
+                message = (
+                    f"holds state for {orphans} tensor(s) in no param group (a parameter replaced, as a merge does), which its "
+                    "step never reads: a reset zeroes it with the rest, but torch's state_dict() cannot save it (a KeyError, "
+                    "before a reset as after); release=True deletes it, as a fresh optimizer holds none"
+                )
+                self.problem(node, ProblemKind.ORPHAN_STATE, message)
         owner = (node.path, type(node.optimizer).__qualname__)
         self.plan_entries(node, owner, held, list(state.values()), in_groups, node.optimizer.param_groups, into)
         self.plan_params(node, owner, in_groups, node.optimizer.param_groups, into)
