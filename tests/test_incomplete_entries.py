@@ -6,6 +6,7 @@ each missing key on its own (ObliqueAdam) is reset, and trains as a fresh one.""
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import importlib.util
@@ -308,10 +309,11 @@ def offloaded_hybrid(stack: object) -> torch.optim.Optimizer:
     return cast(torch.optim.Optimizer, stack.optimizer.chained_optimizers[0].optimizer)  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("variant", ["params in tuples", "a registered subclass"])
+@pytest.mark.parametrize("variant", ["params in tuples", "groups as UserDicts", "a registered subclass"])
 def test_an_option_a_hybrid_copies_is_checked_in_tuples_and_in_a_registered_subclass(variant: str) -> None:
     """The options a HybridDeviceOptimizer copies into its sub-optimizers are checked
-    where its groups hold their parameters in tuples (torch's own step takes them), and
+    where its groups hold their parameters in tuples (torch's own step takes them) or are
+    mappings other than dicts, and
     where it is a subclass registered as a wrapper of the user's, whose step copies them
     just the same: both reset "done", and the next step raised ``KeyError: 'max_exp_avg_sq'``."""
     from opttree import testing
@@ -322,6 +324,9 @@ def test_an_option_a_hybrid_copies_is_checked_in_tuples_and_in_a_registered_subc
     if variant == "params in tuples":
         for group in hybrid.param_groups:
             group["params"] = tuple(group["params"])
+    elif variant == "groups as UserDicts":
+        hybrid.param_groups[:] = [collections.UserDict(group) for group in hybrid.param_groups]
+        stack.train(2, 1)  # Megatron steps with them
     else:
         hybrid.__class__ = noted_hybrid()
     for group in hybrid.param_groups:

@@ -533,7 +533,7 @@ class ValidateVisitor(TraverserVisitor):
         if not isinstance(groups, (list, tuple)):
             return  # the hybrid's own groups are checked with its steps
         leaves = [child for child in node.children if isinstance(child, LeafNode)]
-        copied = {key for group in groups if isinstance(group, dict) for key in group}
+        copied = {key for group in groups if isinstance(group, Mapping) for key in group}
         watched = {cls: _watched_options(cls, self._selection.resets("step")) for cls in {type(leaf.optimizer) for leaf in leaves}}
         if all(copied.isdisjoint(options) for options in watched.values()):
             return  # as a hybrid's groups usually are: none names an option its sub-optimizers build entries under, nor a counter
@@ -541,7 +541,7 @@ class ValidateVisitor(TraverserVisitor):
         group_of = {
             id(inner_of[id(param)]): group
             for group in groups
-            if isinstance(group, dict) and isinstance(group.get("params"), (list, tuple))
+            if isinstance(group, Mapping) and isinstance(group.get("params"), (list, tuple))
             for param in group["params"]
             if id(param) in inner_of
         }
@@ -560,7 +560,7 @@ class ValidateVisitor(TraverserVisitor):
         cls = type(leaf.optimizer).__qualname__
         chosen = self._selection.tensors
         for sub_group in leaf.optimizer.param_groups:
-            params = sub_group.get("params") if isinstance(sub_group, dict) else None
+            params = sub_group.get("params") if isinstance(sub_group, Mapping) else None
             hybrid_group = group_of.get(id(params[0])) if isinstance(params, (list, tuple)) and params else None
             taken = chosen is None or (isinstance(params, (list, tuple)) and any(id(param) in chosen for param in params))
             for option, start in sorted(options.items()):
