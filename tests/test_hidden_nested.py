@@ -8,6 +8,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import subprocess
+import sys
 import types
 import weakref
 
@@ -95,6 +97,10 @@ def holding(hidden: torch.optim.Optimizer, layout: str) -> object:
         return collections.UserDict(ema=hidden)
     if layout == "ChainMap":
         return collections.ChainMap({"ema": hidden})
+    if layout == "mappingproxy":
+        return types.MappingProxyType({"ema": hidden})
+    if layout == "dict values view":
+        return {"ema": hidden}.values()
     return Touchy([hidden])
 
 
@@ -125,6 +131,8 @@ def wrapper_holding(aux: object) -> tuple[FP32Optimizer, torch.optim.AdamW]:
         ("UserList", "aux.data[0]"),
         ("UserDict", "aux.data['ema']"),
         ("ChainMap", "aux.maps[0]['ema']"),
+        ("mappingproxy", "aux['ema']"),
+        ("dict values view", "aux['ema']"),
     ],
 )
 def test_an_optimizer_nested_in_a_wrappers_attribute_is_reported_and_refused(layout: str, label: str) -> None:
@@ -315,3 +323,40 @@ def test_an_optimizer_one_of_a_thousand_alike_leaves_holds_is_found() -> None:
 
     assert [p.kind for p in problems] == [opttree.ProblemKind.HIDDEN_OPTIMIZER]
     assert unchanged(hidden, before)
+
+
+STRICT_ABC = """
+import collections.abc, warnings
+warnings.filterwarnings("ignore")
+import opttree
+from opttree import testing
+
+class Strict(collections.abc.Sequence):
+    # a library's ABC whose hook refuses to judge classes it does not know
+    @classmethod
+    def __subclasshook__(cls, other):
+        raise TypeError(f"cannot judge {other.__name__}")
+
+    def __getitem__(self, index):
+        raise IndexError(index)
+
+    def __len__(self):
+        return 0
+
+testing.ensure_process_group()
+stack = testing.build("fp32")
+stack.train(0, 2)
+stack.optimizer.aux = type("Note", (), {})()  # an attribute of a class no check has met
+assert opttree.validate(stack.optimizer) == (), opttree.validate(stack.optimizer)
+opttree.reset(stack.optimizer)
+print("ok")
+"""
+
+
+def test_the_search_asks_no_abc_whether_a_class_is_a_collection() -> None:
+    """Whether a held object is a collection is read from its class's namespaces: asking
+    ``collections.abc`` ran every ``__subclasshook__`` below it, and a library's that
+    raised made validate and reset raise it. In a process of its own: such an ABC
+    changes every later ``issubclass`` check against ``Sequence``."""
+    done = subprocess.run([sys.executable, "-c", STRICT_ABC], capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

@@ -9,8 +9,9 @@ than torch's bookkeeping, through at most :data:`DEPTH` nested holders (lists, t
 deques, dict keys and values, sets, frozensets, dataclass fields and ``SimpleNamespace``
 attributes, the object a bound method is bound to, a ``functools.partial``'s function and
 arguments, a weak reference's referent, the instance attributes and slots of any other
-collection, where ``UserList``, ``UserDict`` and ``ChainMap`` keep their members, in any
-mix: ``aux['ema'][0]``) must therefore be a node of the tree.
+collection, where ``UserList``, ``UserDict`` and ``ChainMap`` keep their members, or, for
+one built in C without them, what it refers to (a ``mappingproxy``'s dict), in any mix:
+``aux['ema'][0]``) must therefore be a node of the tree.
 
 The search never runs a holder's own code: the members of a list, tuple, deque, dict or
 set (of a subclass too) are read through the built-in class's own methods, so an
@@ -29,15 +30,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import gc
 import types
 import weakref
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence, Set as AbstractSet
+from collections.abc import Callable, Iterable, Iterator, Sequence, Set as AbstractSet
 from itertools import chain, compress, islice
 from typing import cast
 
 import torch
 
-from opttree._dispatch import class_mro, class_namespace
+from opttree._dispatch import class_mro, class_namespace, static_attribute
 
 IsOptimizer = Callable[[type], bool]
 Held = tuple[str, list[object], bool]
@@ -67,9 +69,16 @@ def _is_container(cls: type) -> bool:
 
 
 def _is_other_collection(cls: type) -> bool:
-    """A collection of a class that keeps its members in attributes of its own
-    (``collections.UserList.data``, ``ChainMap.maps``), not text."""
-    return issubclass(cls, Collection) and not issubclass(cls, (str, bytes, bytearray))
+    """A collection, not text: a class whose namespaces define ``__len__`` and
+    ``__iter__`` (a dict's values view has no ``__contains__``), read raw (asking
+    ``collections.abc.Collection`` would run every ``__subclasshook__`` below it, a
+    library's own code)."""
+    if issubclass(cls, (str, bytes, bytearray)):
+        return False
+    return all(static_attribute(cls, name) is not None for name in _COLLECTION_METHODS)
+
+
+_COLLECTION_METHODS = ("__len__", "__iter__")
 
 
 def key_text(key: object) -> str:
@@ -178,8 +187,14 @@ def _record_members(record: object, label: str) -> list[tuple[str, object]]:
 def _attribute_members(collection: object, label: str) -> list[tuple[str, object]]:
     """What another collection holds: its instance attributes and slots, read through
     Python's own descriptors, where such a class keeps its members (a ``UserDict``'s
-    ``data``, a ``ChainMap``'s ``maps``), whatever its own ``__iter__`` shows."""
-    return [(f"{label}.{name}", item) for name, item in [*own_attributes(collection).items(), *_slot_attributes(collection)]]
+    ``data``, a ``ChainMap``'s ``maps``), whatever its own ``__iter__`` shows; for one
+    built in C without either (a ``mappingproxy``, a dict's views), the objects it refers
+    to, as the garbage collector reads them, without running its code: the dict it shows,
+    under its own label (``aux['ema']``, as the view reads it)."""
+    attributes = [*own_attributes(collection).items(), *_slot_attributes(collection)]
+    if attributes:
+        return [(f"{label}.{name}", item) for name, item in attributes]
+    return [(label, item) for item in gc.get_referents(collection) if not isinstance(item, type)]
 
 
 def _reader(cls: type) -> _Reader:
