@@ -325,7 +325,7 @@ def test_an_option_a_hybrid_copies_is_checked_in_tuples_and_in_a_registered_subc
         for group in hybrid.param_groups:
             group["params"] = tuple(group["params"])
     elif variant == "groups as UserDicts":
-        hybrid.param_groups[:] = [collections.UserDict(group) for group in hybrid.param_groups]
+        hybrid.param_groups[:] = [collections.UserDict(group) for group in hybrid.param_groups]  # type: ignore[misc]  # mappings torch does not build, which Megatron steps with
         stack.train(2, 1)  # Megatron steps with them
     else:
         hybrid.__class__ = noted_hybrid()
