@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import opttree
+from opttree._fields import article
 from tests.copying import CopyingWrapper
 from tests.helpers import snapshot, stepped_adamw, stepped_pair, unchanged
 
@@ -535,6 +536,7 @@ def test_messages_name_a_class_with_the_article_it_is_said_with() -> None:
         optimizer = cls([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
         with pytest.raises(opttree.OptTreeError, match=f"ChainedNode.path must be a str, got {said}$"):
             opttree.ChainedNode(path=optimizer, optimizer=None, members=())
+    assert [article(name) for name in ("uint8", "int8", "float16")] == ["a uint8", "an int8", "a float16"]
 
 
 class UnhashableName(str):

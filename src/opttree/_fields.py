@@ -23,9 +23,11 @@ def is_a(value: object, cls: type[T]) -> TypeGuard[T]:
 
 def article(name: str) -> str:
     """``a`` or ``an``, as the name is said: a name opening on two capitals is spelt out
-    (an SGD, an LBFGS, an RAdam, a TensorParallelMuon), any other read as a word (an int)."""
+    (an SGD, an LBFGS, an RAdam, a TensorParallelMuon), any other read as a word (an int),
+    an unsigned dtype's as its "u" is said (a uint8)."""
     spelt = name[:2].isupper() and name[:2].isalpha()
-    return f"an {name}" if name[:1] in ("AEFHILMNORSX" if spelt else "AEIOUaeiou") else f"a {name}"
+    said_as_you = name.startswith("uint")
+    return f"an {name}" if name[:1] in ("AEFHILMNORSX" if spelt else "AEIOUaeiou") and not said_as_you else f"a {name}"
 
 
 def kind_of(value: object) -> str:
