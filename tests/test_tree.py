@@ -290,3 +290,43 @@ def test_accept_refuses_what_is_not_a_visitor_instance(visitor: object) -> None:
 def test_accept_refuses_a_visitor_without_the_method_of_the_nodes_kind() -> None:
     with pytest.raises(opttree.OptTreeError, match="whose visit_wrapper it calls; got a LeafOnly"):
         opttree.tree(Holder(adamw())).accept(LeafOnly())  # type: ignore[arg-type]
+
+
+def test_a_visitor_that_overrides_visit_leaf_is_called_for_every_leaf_whatever_the_classes_of_its_siblings() -> None:
+    """Runs of alike sibling leaves are taken in bulk, which the library's own
+    ``visit_leaf`` stands for: a subclass's override was skipped for them, so a
+    ResetVisitor told to pass a leaf over reset it where its neighbour was of its class,
+    and a DescribeVisitor's own lines were replaced by the run's totals past twelve."""
+    skipped: list[str] = []
+
+    class PassOverLast(opttree.ResetVisitor):
+        def visit_leaf(self, node: opttree.LeafNode) -> None:
+            if node.path == "optimizers[1]":
+                skipped.append(node.path)
+                return
+            super().visit_leaf(node)
+
+    class Named(opttree.DescribeVisitor):
+        def visit_leaf(self, node: opttree.LeafNode) -> opttree.Summary:
+            return self.summarise(node, f"mine: {type(node.optimizer).__qualname__}")
+
+    for second in (torch.optim.AdamW, torch.optim.Adam):
+        first_net, second_net = model(0), model(1)
+        first, other = torch.optim.AdamW(first_net.parameters()), second(second_net.parameters())
+        train(first_net, first, 0, 2)
+        train(second_net, other, 0, 2)
+        skipped.clear()
+
+        report = PassOverLast().reset(opttree.tree(Holder(first, other)))
+
+        assert skipped == ["optimizers[1]"] and report.leaves == 1
+        assert all(int(entry["step"]) == 0 for entry in first.state.values())
+        assert all(int(entry["step"]) == 2 for entry in other.state.values())
+
+    many = []
+    for seed in range(13):
+        net = model(seed)
+        optimizer = torch.optim.AdamW(net.parameters())
+        train(net, optimizer, 0, 1)
+        many.append(optimizer)
+    assert "13 x mine: AdamW" in Named().render(opttree.tree(Holder(*many)))

@@ -27,7 +27,7 @@ from opttree._inspect import step_numbers
 from opttree._preflight import plain_dispatch, plain_reads, plain_torch, ranges, torch_name
 from opttree._report import format_bytes
 from opttree._scalers import scaler_text
-from opttree._runs import alike_runs, sibling_groups
+from opttree._runs import alike_runs, sibling_groups, visits_leaves_as
 from opttree._problems import Problem, ProblemKind
 from opttree._trees import lenient_tree
 from opttree._visitor import NodeVisitor
@@ -162,7 +162,7 @@ class DescribeVisitor(NodeVisitor[Summary]):
         for item in alike_runs(nodes):
             if isinstance(item, Node):
                 summaries.append(item.accept(self))
-            elif len(item) <= DETAIL_LIMIT:
+            elif len(item) <= DETAIL_LIMIT or not visits_leaves_as(self, DescribeVisitor):
                 summaries.extend(leaf.accept(self) for leaf in item)
             else:
                 cls = type(item[0].optimizer).__qualname__

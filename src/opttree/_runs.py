@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 from itertools import groupby
 from typing import cast
 
+from opttree._dispatch import class_namespace, static_attribute
 from opttree._nodes import HybridNode, LeafNode, Node
 
 LeafRun = tuple[LeafNode, ...]
@@ -39,3 +40,11 @@ def alike_runs(nodes: Iterable[Node]) -> Iterator[Node | LeafRun]:
     for _, group in groupby(nodes, _run_key):
         run = tuple(group)
         yield run[0] if len(run) == 1 else cast(LeafRun, run)
+
+
+def visits_leaves_as(visitor: object, owner: type) -> bool:
+    """Whether ``visitor`` visits a leaf by ``owner``'s own ``visit_leaf``, which taking
+    a run in bulk stands for: a subclass that overrides it (to pass some leaves over, or
+    to describe them its way) has it called for every leaf, wherever its siblings are of
+    its class."""
+    return static_attribute(type(visitor), "visit_leaf") is class_namespace(owner).get("visit_leaf")

@@ -29,7 +29,7 @@ from opttree._problems import Problem, ProblemKind, Severity
 from opttree._scalers import SCALE, ScalerReset, held_scale, loss_scaler, plan_scaler
 from opttree._trees import lenient_tree
 from opttree._schema import GroupCounterStart, StateSchema, StepLocation
-from opttree._runs import alike_runs, sibling_groups
+from opttree._runs import alike_runs, sibling_groups, visits_leaves_as
 from opttree._selection import EVERYTHING, STEP_UNITS, Selection, inner_params_of, tree_leaves, tree_params
 from opttree._visitor import TraverserVisitor
 from opttree._fields import is_a, kind_of
@@ -85,7 +85,7 @@ class ValidateVisitor(TraverserVisitor):
                 msg = f"{name} must be True or False, got {kind_of(flag)}"
                 raise OptTreeError(msg)
         self._keep_loss_scale = keep_loss_scale
-        self._pooling = pooling
+        self._pooling = pooling and visits_leaves_as(self, ValidateVisitor)
         self._selection = EVERYTHING
         self._restart()
 
