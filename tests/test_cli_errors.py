@@ -92,6 +92,24 @@ def aborting() -> object:
     raise Aborted("stopped")
 
 
+class ExitingChildren:
+    """A registered wrapper whose children function exits, as a script's helper may."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+
+
+def _exit_instead(wrapper: object) -> Iterator[tuple[str, object]]:
+    sys.exit(0)
+
+
+opttree.register_wrapper(ExitingChildren, children=_exit_instead)
+
+
+def wrapper_whose_children_exit() -> object:
+    return ExitingChildren(stepped_adamw(1))
+
+
 def run(command: str, factory: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "opttree", command, factory], capture_output=True, text=True, check=False, timeout=180
@@ -176,3 +194,21 @@ def test_a_command_started_with_stdout_closed_fails_in_one_line(json_flag: list[
     )
     assert finished.returncode == 1 and "Traceback" not in finished.stderr
     assert finished.stderr.strip().splitlines()[-1] == "opttree describe: cannot write to stdout: it is closed"
+
+
+@pytest.mark.parametrize("command", [["validate"], ["describe"], ["describe", "--json"]])
+def test_an_exit_in_a_registered_function_fails_the_command(command: list[str]) -> None:
+    """opttree lets a ``sys.exit`` in a registered function through, as Python code
+    expects; the command printed nothing and exited 0, as a clean validation does."""
+    finished = subprocess.run(
+        [sys.executable, "-m", "opttree", *command, "tests.test_cli_errors:wrapper_whose_children_exit"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=180,
+    )
+    assert finished.returncode == 1 and finished.stdout == ""
+    assert finished.stderr.strip() == (
+        f"opttree {command[0]}: a function called while checking tests.test_cli_errors:wrapper_whose_children_exit() "
+        "(a registered one?) raised SystemExit(0): nothing was checked"
+    )

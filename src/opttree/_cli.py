@@ -108,6 +108,19 @@ def _raised(error: BaseException) -> str:
         return f"{type(error).__name__} (whose message cannot be printed)"
 
 
+@contextlib.contextmanager
+def exits_refused(command: str, spec: str) -> Iterator[None]:
+    """A ``sys.exit`` in a function opttree calls while it checks (a registered
+    ``children`` or ``fill``: opttree reports what they raise, but lets an exit through,
+    as Python code expects) ends the command with status 1: ``sys.exit(0)`` there would
+    pass as a clean validation of what was never checked."""
+    try:
+        yield
+    except SystemExit as error:
+        msg = f"opttree {command}: a function called while checking {spec}() (a registered one?) raised SystemExit({error.code!r}): nothing was checked"
+        raise SystemExit(msg) from error
+
+
 def refuse_non_optimizer(spec: str, problems: Sequence[Problem]) -> None:
     """Exit where the factory returned no optimizer at all: there is no tree to describe."""
     for problem in problems:
@@ -172,12 +185,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # With --json, what the module, the factory and registered functions print goes to stderr: stdout is the JSON alone.
     with stdout_to_stderr() if args.json else contextlib.nullcontext():
         optimizer = call_factory(spec)
-        problems = validate(optimizer)
+        with exits_refused(args.command, spec):
+            problems = validate(optimizer)
         refuse_non_optimizer(spec, problems)
-        payload: dict[str, object] = {"problems": [p.to_dict() for p in problems]}
-        if args.json and describing:
-            payload = {"tree": lenient_tree(optimizer)[0].accept(JsonVisitor()), **payload}
-    lines = [json.dumps(payload, indent=2)] if args.json else [*([describe(optimizer)] if describing else []), *map(str, problems)]
+        with exits_refused(args.command, spec):
+            payload: dict[str, object] = {"problems": [p.to_dict() for p in problems]}
+            if args.json and describing:
+                payload = {"tree": lenient_tree(optimizer)[0].accept(JsonVisitor()), **payload}
+    with exits_refused(args.command, spec):
+        lines = [json.dumps(payload, indent=2)] if args.json else [*([describe(optimizer)] if describing else []), *map(str, problems)]
     try:
         if lines:  # a validation with nothing to say writes nothing, to a closed stdout too
             out = _stdout()
