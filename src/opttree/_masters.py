@@ -173,7 +173,8 @@ class MasterCheck:
 class SyncReport:
     """What :func:`opttree.sync_masters` did: ``copies`` compared, ``stale`` found stale,
     ``reloaded`` whether Megatron's ``reload_model_params()`` ran, and ``written`` the
-    copies opttree wrote itself (where there is no reload, or it left them stale)."""
+    copies opttree wrote itself (where there is no reload, or it left them stale), each
+    with what was wrong with it before it was written, which it no longer is."""
 
     copies: int
     stale: int
@@ -492,7 +493,7 @@ def sync_masters(optimizer: object, model: torch.nn.Module | None, group: dist.P
             pair.copy.copy_(pair.part)
     stale = {id(pair): problem for pair, problem in after.stale}
     written = [stale.get(id(pair)) or _link_problem(pair) for pair in writes]
-    return SyncReport(len(before.compared), len(before.stale), reloaded, tuple(map(str, written)))
+    return SyncReport(len(before.compared), len(before.stale), reloaded, tuple(f"{p.cls} at {p.path}: before it was written, {p.message}" for p in written))
 
 
 def _checked(optimizer: object, model: torch.nn.Module | None) -> tuple[Node, MasterCheck, list[_Pair]]:
