@@ -185,6 +185,8 @@ def test_what_prune_cannot_change_in_place_is_refused_with_nothing_changed() -> 
         opttree.prune(optimizer, 1.5)
     with pytest.raises(opttree.PartialResetRefused, match=r"fraction must be a number between 0 and 1, got '0.5' \(a str\)"):
         opttree.prune(optimizer, "0.5")  # type: ignore[arg-type]  # what an untyped config may pass
+    with pytest.raises(opttree.PartialResetRefused, match=r"fraction must be a number between 0 and 1, got an AdamW: the optimizer comes first"):
+        opttree.prune(0.5, optimizer)  # type: ignore[arg-type]  # the arguments swapped: named, not printed whole
     with pytest.raises(opttree.PartialResetRefused, match="generator must be a torch.Generator or None, got 0"):
         opttree.prune(optimizer, 0.5, by="random", generator=0)  # type: ignore[arg-type]  # as above
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from attrs import evolve
 
+from opttree._dispatch import is_megatron_class
 from opttree._eager import eager
 from opttree import _distributed
 from opttree._distributed import Asked
@@ -148,11 +149,15 @@ _FLOATS = ("floating-point or complex", _SCALABLE.__contains__)
 
 
 def _described(value: object) -> str:
+    """An argument as a refusal shows it: its repr where that is short, else what it is;
+    an optimizer or a tree where a number belongs names the order the arguments go in."""
+    if isinstance(value, (torch.optim.Optimizer, Node)) or is_megatron_class(type(value)):
+        return f"{kind_of(value)}: the optimizer comes first (opttree.prune(optimizer, fraction), opttree.scale(optimizer, factor))"
     try:
         shown = repr(value)
     except Exception:  # noqa: BLE001  # an argument's own __repr__ may raise anything
         return kind_of(value)
-    return f"{shown} ({kind_of(value)})"
+    return kind_of(value) if "\n" in shown or len(shown) > 80 else f"{shown} ({kind_of(value)})"
 
 
 def _tensors(plan: ResetPlan) -> list[torch.Tensor]:
