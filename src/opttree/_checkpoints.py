@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from opttree._eager import eager
+from opttree._preflight import torch_name
 from opttree import _registry
 from opttree._distributed import agreed
 from opttree._trees import tree
@@ -175,6 +176,7 @@ def _sharded_state_dict(
         "sharded_state_dict",
         lambda: sharded_state_dict_of(model_sharded_state_dict, is_loading=is_loading, metadata=metadata),
         advice=lambda error: format_advice(root, metadata, error),
+        loads=is_loading,
     )
     if is_loading:
         return state
@@ -323,20 +325,41 @@ def _unshare_steps(root: Node) -> None:
                 seen.add(id(step))
 
 
-def _megatrons(root: Node, method: str, call: Callable[[], _Result], *, advice: Callable[[Exception], str] | None = None) -> _Result:
+def _megatrons(
+    root: Node, method: str, call: Callable[[], _Result], *, advice: Callable[[Exception], str] | None = None, loads: bool = False
+) -> _Result:
     """``call()``, Megatron's own ``method``; any error it raises past opttree's checks (its
     own ``CheckpointingException``, torch's, an out-of-memory error as it moves state to
     the device) is an :class:`~opttree.UnsupportedCheckpoint`, the original as its cause,
     with what ``advice`` says of it after Megatron's message. Megatron's loads are not
     all-or-nothing: anything it loaded before raising stays loaded, which the message
-    says, whatever the error."""
+    says, whatever the error; so does a loading ``sharded_state_dict`` (``loads``), which
+    runs a ``DistributedOptimizer``'s ``load_state_dict`` (a stack's step tensors shared,
+    a HybridDeviceOptimizer's groups given a step) before it can raise."""
     try:
         return call()
     except Exception as error:
-        after = "; anything it loaded before raising stays loaded: load into a fresh stack" if method == "load_state_dict" else ""
+        after = (
+            "; anything it loaded before raising stays loaded: load into a fresh stack"
+            if method == "load_state_dict"
+            else "; loading, it runs the optimizer's load_state_dict first, and what that loaded or built before it raised "
+            "stays so (step tensors shared, group steps): load into a fresh stack"
+            if loads
+            else ""
+        )
         said = "" if advice is None else advice(error)
-        message = f"Megatron's own {method} raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}{said}{after}"
+        message = f"Megatron's own {method} raised {type(error).__name__}: {_error_text(error)}{said}{after}"
         raise layout_error(root, method, message) from error
+
+
+def _error_text(error: Exception) -> str:
+    """An error's message in one line: a ``KeyError`` for a tensor names its shape and
+    dtype, where its own text is the tensor's values over many lines."""
+    key = error.args[0] if isinstance(error, KeyError) and len(error.args) == 1 else None
+    if isinstance(key, torch.Tensor):
+        return f"a {type(key).__name__} of shape {tuple(key.shape)} {torch_name(key.dtype)} (a key it did not find)"
+    text = str(error)
+    return text.splitlines()[0] if text else ""
 
 
 def _fresh_step(leaf: LeafNode) -> object:
