@@ -801,31 +801,13 @@ def test_a_distributed_optimizers_load_inside_inference_mode_gives_state_that_tr
     assert all(torch.equal(a, b) for a, b in zip(inside.main_params(), outside.main_params(), strict=True))
 
 
-def offloaded_without_precision_aware() -> testing.MegatronStack:
-    """Megatron's factory offloading to a HybridDeviceOptimizer without the precision-aware
-    optimizer (which the offload recipes use): a configuration its config accepts and
-    trains, whose loading sharded state dict Megatron cannot build."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer import TransformerConfig
-
-    from opttree.testing import _megatron
-
-    testing.ensure_process_group()
-    device = testing.cuda_on_cpu()
-    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1, bf16=True, params_dtype=torch.bfloat16)
-    torch.manual_seed(0)
-    model = _megatron._tiny_mlp(config, experts=False, hidden=16)
-    device.mark_on_gpu(*model.parameters())
-    with _megatron._without_transformer_engine_version():
-        optimizer_config = OptimizerConfig(
-            optimizer="adam", lr=1e-2, bf16=True, use_distributed_optimizer=True, optimizer_cpu_offload=True, optimizer_offload_fraction=0.5
-        )
-    with device:
-        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
-        stack = testing.MegatronStack("offload without precision-aware", ddp, get_megatron_optimizer(optimizer_config, [ddp]), device)
-    stack.train(0, 3)
-    return stack
+OFFLOADED_WITHOUT_PRECISION_AWARE = testing.Recipe(
+    "offload_plain", "adam", bf16=True, distributed=True, offload_fraction=0.5, precision_aware=False,
+    description="a HybridDeviceOptimizer under the DistributedOptimizer's own main weights",
+)
+"""Megatron's factory offloading without the precision-aware optimizer (which the offload
+recipes use): a configuration its config accepts and trains, whose loading sharded state
+dict Megatron cannot build."""
 
 
 def test_a_loading_sharded_state_dict_that_megatron_fails_after_loading_says_what_stays() -> None:
@@ -833,7 +815,8 @@ def test_a_loading_sharded_state_dict_that_megatron_fails_after_loading_says_wha
     load_state_dict (sharing the step tensors, giving the hybrid's groups a step) and
     then raises KeyError for a parameter, with or without a reset: the refusal said
     nothing changed, and printed the parameter's values, cut after one line."""
-    stack = offloaded_without_precision_aware()
+    stack = testing.build(OFFLOADED_WITHOUT_PRECISION_AWARE)
+    stack.train(0, 3)
     with stack.device, pytest.raises(opttree.UnsupportedCheckpoint) as refused:
         opttree.sharded_state_dict(
             stack.optimizer, model_state(stack), is_loading=True, metadata={"distrib_optim_sharding_type": "dp_reshardable"}

@@ -339,14 +339,14 @@ def _megatrons(
     try:
         return call()
     except Exception as error:
-        after = (
-            "; anything it loaded before raising stays loaded: load into a fresh stack"
-            if method == "load_state_dict"
-            else "; loading, it runs the optimizer's load_state_dict first, and what that loaded or built before it raised "
-            "stays so (step tensors shared, group steps): load into a fresh stack"
-            if loads
-            else ""
-        )
+        after = ""
+        if method == "load_state_dict":
+            after = "; anything it loaded before raising stays loaded: load into a fresh stack"
+        elif loads:
+            after = (
+                "; loading, it runs the optimizer's load_state_dict first, and what that loaded or built before it raised "
+                "stays so (step tensors shared, group steps): load into a fresh stack"
+            )
         said = "" if advice is None else advice(error)
         message = f"Megatron's own {method} raised {type(error).__name__}: {_error_text(error)}{said}{after}"
         raise layout_error(root, method, message) from error

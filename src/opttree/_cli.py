@@ -192,8 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             payload: dict[str, object] = {"problems": [p.to_dict() for p in problems]}
             if args.json and describing:
                 payload = {"tree": lenient_tree(optimizer)[0].accept(JsonVisitor()), **payload}
-    with exits_refused(args.command, spec):
-        lines = [json.dumps(payload, indent=2)] if args.json else [*([describe(optimizer)] if describing else []), *map(str, problems)]
+            lines = [json.dumps(payload, indent=2)] if args.json else [*([describe(optimizer)] if describing else []), *map(str, problems)]
     try:
         if lines:  # a validation with nothing to say writes nothing, to a closed stdout too
             out = _stdout()

@@ -71,6 +71,10 @@ class Recipe:
     fp16: bool = field(default=False, validator=of(bool))
     distributed: bool = field(default=False, validator=of(bool))
     offload_fraction: float | None = field(default=None, validator=_fraction)
+    precision_aware: bool = field(default=True, validator=of(bool))
+    """With ``offload_fraction``: offload through Megatron's precision-aware optimizer, as
+    the offload recipes do; False offloads without it (a HybridDeviceOptimizer under the
+    DistributedOptimizer's own fp32 main weights), which Megatron's factory also builds."""
     layer_wise: bool = field(default=False, validator=of(bool))
     experts: bool = field(default=False, validator=of(bool))
     description: str = field(default="", validator=of(str))
@@ -322,10 +326,9 @@ def missing_feature(configuration: str | Recipe) -> str | None:
     recipe = _recipe(configuration)
     if importlib.util.find_spec("megatron") is None or _module("megatron.core.optimizer") is None:
         return "megatron-core is not installed"
-    if recipe.offload_fraction is not None:
-        if _module("megatron.core.optimizer.cpu_offloading.hybrid_optimizer") is None:
-            return "this megatron-core has no HybridDeviceOptimizer"
-    elif recipe.distributed:
+    if recipe.offload_fraction is not None and _module("megatron.core.optimizer.cpu_offloading.hybrid_optimizer") is None:
+        return "this megatron-core has no HybridDeviceOptimizer"
+    if recipe.distributed and (recipe.offload_fraction is None or not recipe.precision_aware):
         # The precision-aware (offload) path copies its main weights itself.
         reason = _distributed_optimizer_missing()
         if reason is not None:
@@ -545,7 +548,7 @@ def build(configuration: str | Recipe, *, seed: int = 0, lr: float = 1e-2) -> Me
                 use_distributed_optimizer=recipe.distributed,
                 optimizer_cpu_offload=offload,
                 optimizer_offload_fraction=recipe.offload_fraction or 0.0,
-                use_precision_aware_optimizer=offload,
+                use_precision_aware_optimizer=offload and recipe.precision_aware,
                 overlap_cpu_optimizer_d2h_h2d=offload,
                 sgd_momentum=0.9,
             )
