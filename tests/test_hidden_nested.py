@@ -1,7 +1,8 @@
 """The hidden-optimizer safety net looks through nested containers: an optimizer that a
 real Megatron wrapper keeps in a dict of lists, a list of lists, a dataclass, a set or
-another collection (a ``UserDict``), up to four containers deep, is reported and refused, with nothing changed; a container that
-holds itself, or whose own code raises, neither hangs nor raises."""
+another collection (a ``UserDict``), up to four containers deep, is reported and refused,
+with nothing changed; a container that holds itself, or whose own code raises, neither
+hangs nor raises."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import copy
 import functools
 import importlib.util
 from collections.abc import Callable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import attrs
 import numpy as np
@@ -22,6 +22,9 @@ import opttree
 from opttree._registry import schema_for
 from tests.helpers import model, refused_in_place, snapshot, train, trains_as_fresh, unchanged
 from tests.megatron_parts import GROUP_SETTINGS, fp32, megatron_group
+
+if TYPE_CHECKING:
+    from opttree import testing
 
 TORCH_CASES = [
     pytest.param(cls, key, id=f"{cls.__name__}-{key}")
@@ -304,18 +307,18 @@ def noted_hybrid() -> type[torch.optim.Optimizer]:
     return NotedHybrid
 
 
-def offloaded_hybrid(stack: object) -> torch.optim.Optimizer:
+def offloaded_hybrid(stack: testing.MegatronStack) -> torch.optim.Optimizer:
     """The HybridDeviceOptimizer of an ``offload_*`` recipe, under its chain and wrapper."""
     return cast(torch.optim.Optimizer, stack.optimizer.chained_optimizers[0].optimizer)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("variant", ["params in tuples", "groups as UserDicts", "a registered subclass"])
-def test_an_option_a_hybrid_copies_is_checked_in_tuples_and_in_a_registered_subclass(variant: str) -> None:
+def test_an_option_a_hybrid_copies_is_checked_whatever_its_groups_and_in_a_registered_subclass(variant: str) -> None:
     """The options a HybridDeviceOptimizer copies into its sub-optimizers are checked
     where its groups hold their parameters in tuples (torch's own step takes them) or are
-    mappings other than dicts, and
-    where it is a subclass registered as a wrapper of the user's, whose step copies them
-    just the same: both reset "done", and the next step raised ``KeyError: 'max_exp_avg_sq'``."""
+    mappings other than dicts, and where it is a subclass registered as a wrapper of the
+    user's, whose step copies them just the same: each reset "done", and the next step
+    raised ``KeyError: 'max_exp_avg_sq'``."""
     from opttree import testing
 
     stack = testing.build("offload_0.75")
